@@ -1,0 +1,1 @@
+"""Sans-IO core: stdlib + msgspec only (no anyio, asyncio, torch, socket, time)."""
