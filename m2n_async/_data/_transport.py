@@ -1,0 +1,497 @@
+"""The ``Transport`` ABC: what a data plane (gloo, nccl, m2n) must provide to the engine.
+
+Theory of operation. A transport moves the bytes of ONE agreed ``TransferPlan`` between the
+ranks of one generation. It never decides anything that must agree between ranks — the plan,
+the bucket boundaries and the transport name come from the handshake — so every rank issues
+the same operations in the same order by construction (a mismatch would hang NCCL).
+
+Lifecycle (who calls what, and when)::
+
+    class-level, before the plan is agreed (handshake phases destination / data_plane):
+        Transport.unavailable_reason(settings)  -> None or why not usable in this process
+        Transport.check_plan(plan)               -> raises PlanError if it cannot express it
+        Transport.identity(settings)             -> values that must be equal on every rank
+    after the destination phase (plan agreed):
+        t = create_transport(name, TransportContext(...))    # cheap: no I/O, no resources
+    in the runtime_ready phase (local only, no peer communication):
+        await t.prepare()        # select device, create M2N handle, size persistent staging
+    after every phase passed (collective over all ranks):
+        await t.connect(rendezvous)   # create the communicator (unique id via the store)
+    each round (engine pipeline, DESIGN §7):
+        t.begin_round(round, deadline)
+        for each bucket, up to max_inflight at once:
+            staging = await t.stage(bucket, sources)   # trainer: pack; worker: allocate
+            completion = t.transfer(staging)          # submit sends/recvs on native thread
+            await completion.wait()                   # event loop, never blocks it
+            await t.unpack(staging, sinks)            # worker: into targets / load callbacks
+            t.release(staging)
+        t.end_round()
+    any time, from any thread:
+        t.abort(reason)          # fail-stop: unblock everything, never reused afterwards
+    finally:
+        await t.close()
+
+Buffers: every buffer handed to ``transfer`` is referenced by its ``Staging`` (and by the
+completion) until ``completion.wait()`` has returned — on CUDA that is what keeps the caching
+allocator from recycling memory a stream still reads. The pipeline holds at most
+``max_inflight`` stagings, so extra memory is bounded by ``max_inflight * bucket_bytes`` plus
+``static_bytes`` (the transport's own persistent staging); ``Staging.nbytes`` is what the
+pipeline counts and reports as peak extra memory.
+
+Threads and streams: ``stage`` and ``unpack`` are coroutines so a transport chooses where the
+work runs — the CPU transport packs on a helper thread (torch copies release the GIL), a CUDA
+transport enqueues on its pack/unpack streams and may return as soon as the work is *ordered*
+(an event recorded that the transfer stream waits on). ``transfer`` returns at once; the
+native calls run on the engine's ``NativeThread`` in plan order. ``Completion.wait`` is the one
+place the loop learns that bytes moved: a ``NativeCall``, a CUDA-event watcher, or polling.
+
+Errors: transports raise ``TransferError`` naming the transport, rank, round, bucket and peer
+when they can; native exceptions (Gloo ``RuntimeError``, ``NcclReshardError``...) are
+translated here, never leaked. Timeouts stay the builtin ``TimeoutError``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar, Literal, TypeAlias
+
+import anyio
+
+from m2n_async._data._native import NativeCall, NativeThread
+from m2n_async._proto.errors import LocalProtocolError, PeerLostError, PlanError, TransferError
+
+if TYPE_CHECKING:
+    import torch
+
+    from m2n_async._proto.plan import Bucket, TransferPlan
+    from m2n_async._store import Store
+
+__all__ = [
+    "TRANSPORTS",
+    "Completion",
+    "LoadCallback",
+    "NativeCompletion",
+    "Rendezvous",
+    "Role",
+    "Sink",
+    "Staging",
+    "Transport",
+    "TransportContext",
+    "TransportSettings",
+    "create_transport",
+    "select_transport",
+    "transport_class",
+]
+
+Role = Literal["trainer", "worker"]
+
+#: A worker target declared as a callback: called as ``fn(name, tensor)`` with the rank's
+#: destination shard of ``name``. The tensor may be a view into transport staging and is
+#: valid only during the call (copy it, as ``load_weights`` implementations do). Callbacks
+#: run on the transport's unpack thread (CPU) or after the unpack stream synchronized (CUDA),
+#: one at a time, in plan order.
+LoadCallback: TypeAlias = Callable[[str, "torch.Tensor"], None]
+
+#: Where a worker's destination shard goes: a tensor written in place, or a load callback.
+Sink: TypeAlias = "torch.Tensor | LoadCallback"
+
+#: name -> import path of the class. Imported lazily: importing ``nccl.m2n`` without a GPU
+#: runtime fails, and a CPU job must not pay for (or trip over) it.
+TRANSPORTS: dict[str, str] = {
+    "m2n": "m2n_async._data.m2n:M2NTransport",
+    "nccl": "m2n_async._data.nccl:NcclTransport",
+    "gloo": "m2n_async._data.gloo:GlooTransport",
+}
+
+#: Preference order of ``transport="auto"`` (DESIGN §1).
+AUTO_ORDER: tuple[str, ...] = ("m2n", "nccl", "gloo")
+
+
+@dataclass(frozen=True, slots=True)
+class TransportSettings:
+    """The part of ``EngineConfig`` the data plane reads. Identical on every rank where it
+    matters (``max_cta`` is compared in the data_plane phase; bucket boundaries come from the
+    plan and ``bucket_bytes``, which the handshake agrees)."""
+
+    bucket_bytes: int
+    max_inflight: int
+    max_cta: int | None = None
+    #: "cpu", "cuda", "cuda:N", or None (gloo: cpu; GPU transports: current CUDA device).
+    device: str | None = None
+    #: Seconds allowed to create the communicator in ``connect``.
+    connect_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.bucket_bytes <= 0:
+            raise PlanError(f"bucket_bytes must be > 0, got {self.bucket_bytes}")
+        if self.max_inflight < 1:
+            raise PlanError(f"max_inflight must be >= 1, got {self.max_inflight}")
+        if self.max_cta is not None and self.max_cta < 1:
+            raise PlanError(f"max_cta must be >= 1 or None, got {self.max_cta}")
+
+
+@dataclass(frozen=True)
+class TransportContext:
+    """Everything a transport is constructed from, fixed once the plan is agreed."""
+
+    plan: TransferPlan
+    rank: int
+    generation: int
+    settings: TransportSettings
+    #: The engine's native-call thread: every native call of this transport runs on it.
+    native: NativeThread
+    #: The agreed bucket boundaries (``plan.buckets(settings.bucket_bytes)``), identical on
+    #: every rank; passed in so that the transport never recomputes them differently.
+    buckets: tuple[Bucket, ...]
+    job: str = "m2n"
+
+    @property
+    def trainer_ranks(self) -> int:
+        return int(self.plan.trainer_ranks)
+
+    @property
+    def world_size(self) -> int:
+        return int(self.plan.world_size)
+
+    @property
+    def role(self) -> Role:
+        return "trainer" if self.rank < self.trainer_ranks else "worker"
+
+    def where(self, *, round: int | None = None, bucket: int | None = None,
+              peer: int | None = None, param: str | None = None) -> str:
+        """A location string for error messages: generation, rank, round, bucket, peer."""
+        parts = [f"generation {self.generation}", f"rank {self.rank} ({self.role})"]
+        if round is not None:
+            parts.append(f"round {round}")
+        if bucket is not None:
+            parts.append(f"bucket {bucket}")
+        if peer is not None:
+            parts.append(f"peer rank {peer}")
+        if param is not None:
+            parts.append(f"param {param!r}")
+        return ", ".join(parts)
+
+
+@dataclass(eq=False)
+class Staging:
+    """One bucket's buffers on this rank, from ``stage`` until ``release``.
+
+    Transports subclass it to hold their buffers. The pipeline only reads ``bucket``,
+    ``nbytes`` (extra memory held: counted for the ``max_inflight * bucket_bytes`` bound and
+    the reported peak) and ``nbytes_moved`` (bytes this rank sends or receives for the
+    bucket: the round's byte count, checked against the plan so a silent zero-byte "success"
+    cannot pass).
+    """
+
+    bucket: Bucket
+    nbytes: int = 0
+    nbytes_moved: int = 0
+    #: Device-measured seconds per stage ("pack", "transfer", "unpack") when the transport
+    #: can measure them (CUDA events); the pipeline otherwise uses its own wall times.
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+class Completion(ABC):
+    """The outcome of one ``transfer``: awaitable from the loop, never blocking it."""
+
+    @abstractmethod
+    def done(self) -> bool:
+        """True once the bucket's transfer finished (successfully or not)."""
+
+    @abstractmethod
+    async def wait(self) -> None:
+        """Return when this rank's part of the bucket has moved: sent buffers may be reused
+        (trainer) and received bytes are in staging (worker). Raise ``TransferError`` (or
+        ``TimeoutError`` for the round deadline) otherwise.
+
+        Cancellation: stops waiting only; the transfer keeps its buffers until the transport
+        is aborted or the transfer ends. The engine aborts the transport when it cancels a
+        round, so the staging is then released by ``close``.
+        """
+
+
+class NativeCompletion(Completion):
+    """A ``Completion`` backed by a ``NativeCall`` (CPU transports, and GPU transports whose
+    native call itself waits). Holds ``keep`` (buffers) until the call completed."""
+
+    def __init__(self, call: NativeCall[object], keep: object = None,
+                 translate: Callable[[BaseException], BaseException] | None = None) -> None:
+        self._call = call
+        self._keep = keep
+        self._translate = translate
+
+    def done(self) -> bool:
+        return self._call.done()
+
+    async def wait(self) -> None:
+        try:
+            await self._call.wait()
+        except (TransferError, TimeoutError, PeerLostError):
+            raise
+        except Exception as exc:
+            if self._translate is None:
+                raise
+            raise self._translate(exc) from exc
+        finally:
+            if self._call.done():
+                self._keep = None  # buffers may be freed now, not one bucket later
+
+
+class Rendezvous:
+    """What ``Transport.connect`` may use to agree on communicator bootstrap data.
+
+    Keys live under ``prefix`` (``{job}/{generation}/data/{transport}/``) in the engine's
+    store, so a stale generation can never read them. Each call is bounded by ``timeout``
+    seconds (``TimeoutError`` naming the step) and fails at once with ``PeerLostError`` when a
+    ``watch``ed liveness key of a peer vanishes.
+    """
+
+    def __init__(self, store: Store, prefix: str, *, rank: int, world_size: int,
+                 timeout: float, watch: Sequence[str] = ()) -> None:
+        self.store = store
+        self.prefix = prefix if prefix.endswith("/") else prefix + "/"
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self.watch = tuple(watch)
+
+    def key(self, name: str) -> str:
+        return f"{self.prefix}{name}"
+
+    async def broadcast(self, payload: bytes | None, *, name: str, root: int = 0) -> bytes:
+        """``root`` passes the payload, every other rank ``None``; all get root's bytes.
+
+        Cancellation: nothing to undo (at most root's key was written; the generation's
+        prefix is deleted with the generation).
+        """
+        key = self.key(f"{name}/root")
+        with anyio.fail_after(self.timeout):
+            if self.rank == root:
+                if payload is None:
+                    raise LocalProtocolError(f"rendezvous {name!r}: root {root} has no payload")
+                await self.store.set(key, payload)
+                return payload
+            got = await self.store.get(key, wait=True, watch=self.watch)
+        if got is None:  # pragma: no cover - get(wait=True) returns bytes by contract
+            raise PeerLostError(f"rendezvous {name!r}: root rank {root} published nothing",
+                                ranks=(root,))
+        return got
+
+    async def all_gather(self, payload: bytes, *, name: str) -> list[bytes]:
+        """Every rank contributes ``payload``; returns all of them indexed by rank.
+
+        Cancellation: as ``broadcast``.
+        """
+        prefix = self.key(f"{name}/")
+        with anyio.fail_after(self.timeout):
+            await self.store.set(f"{prefix}{self.rank}", payload)
+            got = await self.store.gather(prefix, self.world_size, watch=self.watch)
+        out: list[bytes | None] = [None] * self.world_size
+        for key, value in got.items():
+            out[int(key.rsplit("/", 1)[-1])] = value
+        missing = [r for r, v in enumerate(out) if v is None]
+        if missing:
+            raise PeerLostError(f"rendezvous {name!r}: no contribution from ranks {missing}",
+                                ranks=tuple(missing))
+        return [v for v in out if v is not None]
+
+
+class Transport(ABC):
+    """Base of the data planes (module docstring: lifecycle, buffers, threads, errors)."""
+
+    #: The name agreed in the handshake: "gloo", "nccl" or "m2n".
+    name: ClassVar[str]
+
+    # ---- class level: usable before the plan is agreed -------------------------------
+
+    @classmethod
+    def unavailable_reason(cls, settings: TransportSettings) -> str | None:
+        """None when this process can run the transport, else an actionable reason (what to
+        install, which version was found). Must not create any resource."""
+        return None
+
+    @classmethod
+    def check_plan(cls, plan: TransferPlan) -> None:
+        """Raise ``PlanError`` (naming the param) if this transport cannot express ``plan``."""
+        plan.validate(cls.name)
+
+    @classmethod
+    def identity(cls, settings: TransportSettings) -> dict[str, str]:
+        """Values that must be identical on every rank (data_plane phase): libnccl version,
+        ``max_cta``, every non-diagnostic ``NCCL_RESHARD_*`` variable, ... The handshake
+        names the keys that differ."""
+        return {}
+
+    # ---- instance ---------------------------------------------------------------------
+
+    def __init__(self, ctx: TransportContext) -> None:
+        """Cheap and local: no I/O, no device memory, no communicator."""
+        self.ctx = ctx
+        self._abort_reason: str | None = None
+        self._round: int | None = None
+        self._deadline: float | None = None
+
+    @property
+    def aborted(self) -> bool:
+        return self._abort_reason is not None
+
+    @property
+    def abort_reason(self) -> str | None:
+        return self._abort_reason
+
+    @property
+    def static_bytes(self) -> int:
+        """Persistent extra memory the transport holds outside per-bucket staging."""
+        return 0
+
+    @property
+    def round(self) -> int | None:
+        return self._round
+
+    def remaining(self) -> float:
+        """Seconds left until the round deadline (``time.monotonic`` clock; native threads
+        cannot read the event loop's clock). Raises ``TimeoutError`` when passed."""
+        if self._deadline is None:
+            return float("inf")
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{self.name}: round deadline passed at "
+                               f"{self.ctx.where(round=self._round)}")
+        return left
+
+    def check_usable(self) -> None:
+        """Raise ``TransferError`` if aborted (fail-stop: an aborted transport is never reused)."""
+        if self._abort_reason is not None:
+            raise TransferError(
+                f"{self.name} transport aborted ({self._abort_reason}) at "
+                f"{self.ctx.where(round=self._round)}", rank=self.ctx.rank, round=self._round)
+
+    async def prepare(self) -> None:  # noqa: B027 - optional hook
+        """runtime_ready phase: prepare local resources (device, handles, persistent staging).
+        Local only: no peer communication. Errors are reported by the handshake on every rank.
+
+        Cancellation: whatever was created is released by ``close``.
+        """
+
+    @abstractmethod
+    async def connect(self, rendezvous: Rendezvous) -> None:
+        """Create the communicator; collective over all ranks of the generation, bounded by
+        ``rendezvous.timeout``. Called once, after every handshake phase passed.
+
+        Cancellation: the partly created communicator is aborted by ``close``.
+        """
+
+    def begin_round(self, round: int, deadline: float) -> None:
+        """A round starts. ``deadline`` is absolute on the ``time.monotonic`` clock; native
+        waits take it as their timeout so a dead or stuck peer cannot hang this rank."""
+        self.check_usable()
+        self._round, self._deadline = round, deadline
+
+    def end_round(self) -> None:
+        """The round's buckets are all released (successfully or not)."""
+        self._deadline = None
+
+    @abstractmethod
+    async def stage(self, bucket: Bucket,
+                    sources: Mapping[str, torch.Tensor] | None) -> Staging:
+        """Trainer: pack this rank's outgoing pieces of ``bucket`` from ``sources`` (name ->
+        local shard, validated by the engine, covering at least the bucket's params).
+        Worker (``sources`` is None): allocate the receive staging.
+
+        Returns once the staging is ordered before any later ``transfer`` of it (a CUDA
+        transport may return after enqueueing and recording an event).
+
+        Cancellation: the returned staging is lost with the round; the engine aborts.
+        """
+
+    @abstractmethod
+    def transfer(self, staging: Staging) -> Completion:
+        """Submit the bucket's sends (trainer) or receives (worker) to the native thread in
+        plan order and return at once. The completion keeps ``staging``'s buffers alive."""
+
+    async def unpack(self, staging: Staging, sinks: Mapping[str, Sink]) -> None:
+        """Worker, after ``wait()``: write every received piece into its sink (name -> target
+        tensor, written in place, or load callback). Returns when the targets hold the bytes.
+        Trainer: nothing to do (default).
+
+        Cancellation: targets may be partly written; the round fails, the version is not
+        advanced, and the engine is POISONED.
+        """
+        if self.ctx.role == "worker":
+            raise NotImplementedError(f"{type(self).__name__}.unpack")
+
+    def release(self, staging: Staging) -> None:  # noqa: B027 - optional hook
+        """Give the staging memory back; called after ``unpack`` (or after a failure once the
+        transport is aborted). Default: drop the references."""
+
+    @abstractmethod
+    def abort(self, reason: str) -> None:
+        """Fail-stop abort: make every pending and future native call return promptly with an
+        error, never reuse the communicator. Thread-safe, idempotent, bounded, never waits on a
+        peer; called by the round watchdog, by ``cancel`` paths and by ``close`` after an error.
+        Implementations set ``self._abort_reason`` first (``check_usable`` reads it)."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Release everything (communicator, handles, staging, helper threads). Bounded; after
+        ``abort`` it must not wait for peers. Idempotent.
+
+        Cancellation: run it shielded (the engine does); a cancelled close may leak resources.
+        """
+
+
+def transport_class(name: str) -> type[Transport]:
+    """The class registered as ``name``; imports it lazily. ``PlanError`` for unknown names,
+    an actionable ``LocalProtocolError`` when its module cannot be imported."""
+    try:
+        path = TRANSPORTS[name]
+    except KeyError:
+        raise PlanError(f"unknown transport {name!r}; expected 'auto' or one of "
+                        f"{sorted(TRANSPORTS)}") from None
+    module, _, attr = path.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise LocalProtocolError(f"transport {name!r} is not available: {exc}") from exc
+    if not (isinstance(cls, type) and issubclass(cls, Transport)):
+        raise LocalProtocolError(f"{path} is not a Transport subclass")
+    return cls
+
+
+def select_transport(requested: str, plan: TransferPlan,
+                     settings: TransportSettings) -> tuple[type[Transport], str]:
+    """Resolve ``requested`` ("auto" or a name) to a class and a human-readable reason.
+
+    "auto" picks the first of ``AUTO_ORDER`` that is available in this process and can
+    express the whole plan; the reason lists why each earlier one was skipped. An explicit
+    name that cannot run raises (``PlanError`` for the plan, ``LocalProtocolError`` for the
+    runtime) instead of silently falling back. The choice is local: the handshake's
+    data_plane phase makes every rank agree on it.
+    """
+    names = AUTO_ORDER if requested == "auto" else (requested,)
+    skipped: list[str] = []
+    for name in names:
+        try:
+            cls = transport_class(name)
+            why = cls.unavailable_reason(settings)
+            if why is not None:
+                raise LocalProtocolError(f"transport {name!r} unavailable: {why}")
+            cls.check_plan(plan)
+        except (PlanError, LocalProtocolError) as exc:
+            if requested != "auto":
+                raise
+            skipped.append(f"{name}: {exc}")
+            continue
+        if requested != "auto":
+            return cls, f"{name} (requested)"
+        return cls, f"{name} (auto" + ("; skipped " + "; ".join(skipped) if skipped else "") + ")"
+    raise LocalProtocolError("no transport can run this plan here: " + "; ".join(skipped))
+
+
+def create_transport(name: str, ctx: TransportContext) -> Transport:
+    """Construct the agreed transport for ``ctx`` (after the destination phase)."""
+    return transport_class(name)(ctx)
