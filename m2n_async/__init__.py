@@ -19,6 +19,17 @@ from m2n_async._proto.errors import (
 )
 
 # --- core (issue 2) ---
+from m2n_async._proto.layout import REPLICATE, Box, Layout, Mesh
+from m2n_async._proto.params import M2N_DTYPES, ParamSpec, ParamTransfer, dtype_name
+from m2n_async._proto.plan import (
+    Bucket,
+    Piece,
+    TransferPlan,
+    check_plan_limits,
+    complete_plan_digest,
+    source_plan_digest,
+)
+
 # --- store (issue 3) ---
 # --- handshake (issue 4) ---
 # --- engine (issue 5/6) ---
@@ -26,6 +37,22 @@ from m2n_async._proto.errors import (
 __version__ = "0.1.0"
 
 __all__ = [
+    # core (issue 2)
+    "M2N_DTYPES",
+    "REPLICATE",
+    "Box",
+    "Bucket",
+    "Layout",
+    "Mesh",
+    "ParamSpec",
+    "ParamTransfer",
+    "Piece",
+    "TransferPlan",
+    "check_plan_limits",
+    "complete_plan_digest",
+    "dtype_name",
+    "source_plan_digest",
+    # errors
     "AuthenticationError",
     "EnginePoisonedError",
     "LocalProtocolError",

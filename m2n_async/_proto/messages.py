@@ -10,14 +10,183 @@ Sections: plan records (core), handshake envelopes (handshake), round messages (
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, TypeAlias, TypeVar
+
+import msgspec
+
+from m2n_async._proto.errors import RemoteProtocolError
+from m2n_async._proto.params import ParamSpec, ParamTransfer
 
 PROTO_VERSION: Final[int] = 1
 
 # --- plan records (core, issue 2) ---
 
+PLAN_SCHEMA_VERSION: Final[int] = 1
+"""Version of the plan record layout; part of every plan digest (bump on any field change)."""
+
+
+class SourcePlanRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
+    """The ordered source specs as trainer rank 0 ships them to every rank."""
+
+    trainer_ranks: int
+    params: tuple[ParamSpec, ...]
+
+
+class PlanRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
+    """A complete plan (source specs plus destination layouts), e.g. for logs or `m2n-async plan`.
+
+    ``TransferPlan.record()`` / ``TransferPlan.from_record()`` convert.
+    """
+
+    trainer_ranks: int
+    world_size: int
+    params: tuple[ParamTransfer, ...]
+
+
 # --- handshake envelopes (issue 4) ---
+# One envelope per phase (see _proto/handshake.py), all-gathered by every rank. Every field is
+# required (no defaults) so that a missing field is a decode error, never a silent default.
+# ``proto_version``, ``generation`` and ``rank`` travel in each one: each envelope is
+# validated on its own, and a stray envelope of another generation or slot is named.
+
+
+class Hello(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
+    """Phase ``hello``: the topology this rank was started with."""
+
+    proto_version: int
+    generation: int
+    rank: int
+    role: str  # "trainer" | "worker"
+    world_size: int
+    trainer_ranks: int
+    transport: str  # requested: "auto" | "m2n" | "nccl" | "gloo"
+
+
+class SourcePlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
+    """Phase ``source``: trainers' source-plan digests; trainer rank 0 also ships the specs."""
+
+    proto_version: int
+    generation: int
+    rank: int
+    digest: str | None  # trainers: source_plan_digest; workers: None
+    params: tuple[ParamSpec, ...] | None  # trainer rank 0 only
+
+
+class DestinationPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
+    """Phase ``destination``: capabilities of every rank; workers' mesh and placements.
+
+    ``placements`` is aligned with the source plan's parameter order and shipped by the first
+    worker only; the others send its digest, so the gather stays O(params), not
+    O(workers x params).
+    """
+
+    proto_version: int
+    generation: int
+    rank: int
+    capabilities: tuple[str, ...]  # transports this rank can run, best first
+    mesh_dims: tuple[int, int] | None  # workers only
+    placements_digest: str | None  # workers only
+    placements: tuple[tuple[int, int] | None, ...] | None  # the first worker only
+
+
+class DataPlaneIdentity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Local facts of the chosen data plane that must be equal on every rank."""
+
+    libnccl_version: str | None
+    max_cta: int | None
+    env: tuple[tuple[str, str], ...]  # sorted (name, value) of the variables that must match
+
+
+class DataPlaneReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
+    """Phase ``data_plane``: the transport and plan this rank will run, and its identity."""
+
+    proto_version: int
+    generation: int
+    rank: int
+    transport: str
+    plan_digest: str
+    identity: DataPlaneIdentity
+
+
+class RuntimeReady(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
+    """Phase ``runtime_ready``: local resources are prepared for this transport and plan."""
+
+    proto_version: int
+    generation: int
+    rank: int
+    transport: str
+    plan_digest: str
+
+
+class PhaseFailure(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
+    """Any phase: this rank's local step raised; ``error`` says what, for every rank to report."""
+
+    proto_version: int
+    generation: int
+    rank: int
+    phase: str
+    error: str
+
+
+class CommunicatorId(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
+    """After every phase passed: rank 0's NCCL unique id, broadcast with its SHA-256."""
+
+    proto_version: int
+    generation: int
+    digest: str
+    unique_id: bytes
+
 
 # --- round messages (engine, issue 5) ---
 
 # --- the union, encoder, decoder ---
+# Helpers adding envelopes: define the Struct in your section above (frozen=True,
+# forbid_unknown_fields=True, tag=True) and add it to this one line.
+Envelope: TypeAlias = (SourcePlanRecord | PlanRecord
+                       | Hello | SourcePlan | DestinationPlan | DataPlaneReport | RuntimeReady
+                       | PhaseFailure | CommunicatorId)  # handshake (issue 4)
+
+_T = TypeVar("_T")
+_ENCODER: Final = msgspec.msgpack.Encoder()
+_DECODER: Final = msgspec.msgpack.Decoder(Envelope)
+_TYPED_DECODERS: dict[object, msgspec.msgpack.Decoder[object]] = {}
+
+
+def encode(msg: Envelope) -> bytes:
+    """msgpack bytes of one envelope (its class name travels as the ``type`` tag)."""
+    return _ENCODER.encode(msg)
+
+
+def decode(data: bytes | bytearray | memoryview) -> Envelope:
+    """Decode one envelope of any kind in the union.
+
+    Raises ``RemoteProtocolError`` naming the missing, unexpected or mistyped field (msgspec's
+    path, e.g. ``$.params[3].shape``) or the malformed input.
+    """
+    try:
+        return _DECODER.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise _translate(e, "envelope") from e
+
+
+def decode_as(data: bytes | bytearray | memoryview, type_: type[_T]) -> _T:
+    """Decode bytes that must hold exactly ``type_`` (any Struct, tagged or not).
+
+    A different envelope kind is refused like any other mismatch: ``RemoteProtocolError``.
+    """
+    dec = _TYPED_DECODERS.get(type_)
+    if dec is None:
+        dec = _TYPED_DECODERS[type_] = msgspec.msgpack.Decoder(type_)
+    try:
+        result = dec.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise _translate(e, type_.__name__) from e
+    assert isinstance(result, type_)
+    return result
+
+
+def _translate(e: Exception, what: str) -> RemoteProtocolError:
+    # msgspec's message already names the field and its path ("Object missing required field
+    # `x` - at `$.params[0]`"); keep it verbatim and say what we were decoding.
+    kind = "invalid" if isinstance(e, msgspec.ValidationError) else "malformed"
+    return RemoteProtocolError(f"{kind} {what} from peer (protocol version {PROTO_VERSION}): {e}")

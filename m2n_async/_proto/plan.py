@@ -1,0 +1,599 @@
+"""The transfer plan: validation, digests, geometry, buckets and a cost bound.
+
+Theory of operation: a ``TransferPlan`` is the ordered list of ``ParamTransfer`` every rank
+agrees on in the handshake. Everything else every rank must agree on — which source rank sends
+which box to which destination rank, bucket boundaries, fan-in/fan-out — is a pure function of
+the plan, so each rank computes it locally and identically; nothing of it travels.
+
+Geometry. A layout cuts a tensor into equal slabs along one dim, so the overlap of a source
+shard and a destination shard is a box (empty or not). For each destination *rank* (every
+replica of a destination shard needs the whole shard) we list the overlaps with the source
+shards — together they cover its box exactly once. A source shard held by ``R`` replicas must
+pick which replica sends what: we "water-fill" the shard's overlaps, in order, into the
+replicas with a quota of ``max(ceil(bytes / R), MIN_PIECE_BYTES)`` each, cutting an overlap
+along its largest dim where a quota ends. Each replica then sends within one slice of the
+quota, and a shard needs at most ``R - 1`` extra cuts. The quota floor stops tiny tensors being
+sliced into many tiny pieces (per-piece pack cost dominates there); to keep those from all
+landing on the first replica, the replica order is rotated by the parameter's index in the
+plan (``i mod R``), which also spreads consecutive parameters of one bucket across replicas.
+
+Cost. Geometry depends only on ``(shape, dtype, source layout, destination layout)``; real
+models have a few hundred distinct such keys among 10^5 tensors, so it is computed lazily once
+per key and shared (the rotation is applied as a cheap relabelling). Per-rank byte totals are
+summed per key, not per parameter.
+
+Buckets. A bucket is a contiguous run of parameters. A parameter's bucket cost is the largest
+number of bytes any one rank sends or receives for it (rotation-invariant), and a bucket holds
+parameters while the sum of costs fits ``bucket_bytes``; the sum bounds every rank's staging
+for the bucket in both directions. A parameter costlier than ``bucket_bytes`` gets a bucket of
+its own. The bound is conservative only when different parameters of one bucket load
+different ranks, which layouts covering the whole mesh rarely do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from typing import Final, NamedTuple, Protocol
+
+import msgspec
+
+from m2n_async._proto.errors import PlanError
+from m2n_async._proto.layout import Box, Layout
+from m2n_async._proto.messages import (
+    PLAN_SCHEMA_VERSION,
+    PROTO_VERSION,
+    PlanRecord,
+    SourcePlanRecord,
+)
+from m2n_async._proto.params import (
+    DTYPE_ITEMSIZE,
+    M2N_DTYPES,
+    ParamSpec,
+    ParamTransfer,
+)
+
+__all__ = [
+    "M2N_MAX_FAN_IN",
+    "M2N_MAX_FAN_OUT",
+    "MIN_PIECE_BYTES",
+    "TRANSPORTS",
+    "Bucket",
+    "ParamTransfer",
+    "Piece",
+    "TransferPlan",
+    "check_plan_limits",
+    "complete_plan_digest",
+    "source_plan_digest",
+    "validate_local_buffer",
+    "validate_source_specs",
+]
+
+TRANSPORTS: Final[frozenset[str]] = frozenset({"m2n", "nccl", "gloo"})
+M2N_MAX_FAN_IN: Final[int] = 16
+"""NCCL M2N: at most this many source shards may feed one destination shard."""
+M2N_MAX_FAN_OUT: Final[int] = 64
+"""NCCL M2N: at most this many destination shards may read one source shard."""
+M2N_MAX_TENSOR_RANK: Final[int] = 3
+MIN_PIECE_BYTES: Final[int] = 1 << 16
+"""A replicated source shard is not cut into per-replica pieces smaller than this."""
+
+
+class Piece(NamedTuple):
+    """One box ``src_rank`` sends to ``dst_rank`` (global coordinates) and its size in bytes."""
+
+    src_rank: int
+    dst_rank: int
+    box: Box
+    nbytes: int
+
+
+class Bucket(NamedTuple):
+    """Parameters ``[start, stop)`` of the plan; ``nbytes`` bounds any rank's staging bytes."""
+
+    # The contract names this field `index`; it shadows tuple.index, which nobody needs here.
+    index: int  # type: ignore[assignment]
+    start: int
+    stop: int
+    nbytes: int
+
+
+class _Need(NamedTuple):
+    # One overlap some destination rank needs from one source shard.
+    dst_rank: int
+    box: Box
+    nbytes: int
+
+
+def _box_volume(box: Box) -> int:
+    n = 1
+    for lo, hi in box:
+        n *= hi - lo
+    return n
+
+
+def _intersect(a: Box, b: Box) -> Box | None:
+    out = []
+    for (alo, ahi), (blo, bhi) in zip(a, b, strict=True):
+        lo = alo if alo > blo else blo
+        hi = ahi if ahi < bhi else bhi
+        if lo >= hi:
+            return None
+        out.append((lo, hi))
+    return tuple(out)
+
+
+def _waterfill(needs: list[_Need], replicas: int) -> list[tuple[int, _Need]]:
+    """Assign the needs of one source shard to replica slots ``0..replicas-1``.
+
+    Returns ``(slot, need)`` pairs; a need may be cut (along its largest dim) across slots.
+    """
+    if replicas == 1:
+        return [(0, n) for n in needs]
+    total = sum(n.nbytes for n in needs)
+    quota = max(-(-total // replicas), MIN_PIECE_BYTES)
+    out: list[tuple[int, _Need]] = []
+    slot, room = 0, quota
+    for need in needs:
+        rest = need
+        while True:
+            if rest.nbytes <= room or slot == replicas - 1:
+                out.append((slot, rest))
+                room -= rest.nbytes
+                if room <= 0 and slot < replicas - 1:
+                    slot, room = slot + 1, quota
+                break
+            # Cut `rest` along its largest dim so the first part (about) fills `room`.
+            box = rest.box
+            dim = max(range(len(box)), key=lambda d: box[d][1] - box[d][0])
+            lo, hi = box[dim]
+            extent = hi - lo
+            unit = rest.nbytes // extent          # bytes per slice along `dim`
+            cut = (2 * room + unit) // (2 * unit)  # round(room / unit)
+            if cut >= extent:
+                out.append((slot, rest))
+                room -= rest.nbytes
+                if room <= 0:
+                    slot, room = slot + 1, quota
+                break
+            if cut > 0:
+                head = (*box[:dim], (lo, lo + cut), *box[dim + 1:])
+                tail = (*box[:dim], (lo + cut, hi), *box[dim + 1:])
+                out.append((slot, _Need(rest.dst_rank, head, cut * unit)))
+                rest = _Need(rest.dst_rank, tail, rest.nbytes - cut * unit)
+            slot, room = slot + 1, quota
+    return out
+
+
+class _Geometry:
+    """Geometry of one ``(shape, dtype, src, dst)`` key, shared by every parameter with it."""
+
+    __slots__ = ("_rotated", "cost", "fan_in", "fan_out", "nrep", "recv", "replicas", "send_slots",
+                 "slot_pieces")
+
+    def __init__(self, shape: tuple[int, ...], itemsize: int, src: Layout, dst: Layout):
+        s_shards, d_shards = src.num_shards, dst.num_shards
+        s_boxes = [src.shard_box(shape, k) for k in range(s_shards)]
+        d_boxes = [dst.shard_box(shape, k) for k in range(d_shards)]
+        d_replicas = [dst.replicas(k) for k in range(d_shards)]
+        self.replicas: list[tuple[int, ...]] = [src.replicas(k) for k in range(s_shards)]
+        self.nrep = src.num_replicas  # every source shard has this many replicas
+        fan_in = [0] * d_shards
+        fan_out = [0] * s_shards
+        # pieces per source shard as (slot, need); slot indexes the shard's replica tuple
+        self.slot_pieces: list[list[tuple[int, _Need]]] = []
+        self.recv: dict[int, int] = {}
+        for k, sbox in enumerate(s_boxes):
+            needs: list[_Need] = []
+            for j, dbox in enumerate(d_boxes):
+                ov = _intersect(sbox, dbox)
+                if ov is None:
+                    continue
+                fan_in[j] += 1
+                fan_out[k] += 1
+                nb = _box_volume(ov) * itemsize
+                for r in d_replicas[j]:
+                    needs.append(_Need(r, ov, nb))
+                    self.recv[r] = self.recv.get(r, 0) + nb
+            self.slot_pieces.append(_waterfill(needs, self.nrep))
+        self.fan_in = max(fan_in)
+        self.fan_out = max(fan_out)
+        # bytes per (source shard, slot): the rotation only permutes which rank owns a slot
+        self.send_slots: list[list[int]] = []
+        for k, assigned in enumerate(self.slot_pieces):
+            loads = [0] * len(self.replicas[k])
+            for slot, need in assigned:
+                loads[slot] += need.nbytes
+            self.send_slots.append(loads)
+        self.cost = max(max(max(v) for v in self.send_slots), max(self.recv.values()))
+        self._rotated: dict[int, tuple[Piece, ...]] = {}
+
+    def pieces(self, rotation: int) -> tuple[Piece, ...]:
+        cached = self._rotated.get(rotation)
+        if cached is not None:
+            return cached
+        out = []
+        for k, assigned in enumerate(self.slot_pieces):
+            reps = self.replicas[k]
+            nrep = len(reps)
+            for slot, need in assigned:
+                out.append(Piece(reps[(slot + rotation) % nrep], need.dst_rank, need.box,
+                                 need.nbytes))
+        out.sort()
+        result = tuple(out)
+        self._rotated[rotation] = result
+        return result
+
+
+def _m2n_problem(spec: ParamSpec) -> str | None:
+    if spec.dtype not in M2N_DTYPES:
+        return (f"dtype {spec.dtype} is not supported by transport 'm2n' (supported: "
+                f"{', '.join(sorted(M2N_DTYPES))})")
+    if not 1 <= len(spec.shape) <= M2N_MAX_TENSOR_RANK:
+        return (f"tensor rank {len(spec.shape)} (shape {spec.shape}) is outside 1..."
+                f"{M2N_MAX_TENSOR_RANK} supported by transport 'm2n'")
+    return None
+
+
+def _check_transport(transport: str) -> None:
+    if transport not in TRANSPORTS:
+        raise PlanError(f"unknown transport {transport!r} (expected one of "
+                        f"{', '.join(sorted(TRANSPORTS))})")
+
+
+def _check_mesh(spec_name: str, layout: Layout, side: str, start: int, size: int) -> None:
+    m = layout.mesh
+    if m.start_rank != start or m.size != size:
+        raise PlanError(
+            f"parameter {spec_name!r} ({side} side): mesh {m.dims} starting at rank "
+            f"{m.start_rank} covers ranks [{m.start_rank}, {m.start_rank + m.size}) but the "
+            f"{side} ranks are exactly [{start}, {start + size})")
+
+
+def validate_source_specs(specs: Sequence[ParamSpec], trainer_ranks: int,
+                          transport: str | None = None) -> None:
+    """Check the trainer side on its own (the handshake's ``source`` phase).
+
+    Names are unique, every source mesh covers exactly ``[0, trainer_ranks)``, and, given a
+    transport, every spec is expressible by it. Raises ``PlanError`` naming the parameter.
+    """
+    if type(trainer_ranks) is not int or trainer_ranks < 1:
+        raise PlanError(f"trainer_ranks must be an int >= 1, got {trainer_ranks!r}")
+    if transport is not None:
+        _check_transport(transport)
+    seen: dict[str, int] = {}
+    checked: set[Layout] = set()
+    for i, spec in enumerate(specs):
+        if not isinstance(spec, ParamSpec):
+            raise PlanError(f"source param #{i} must be a ParamSpec, got "
+                            f"{type(spec).__name__}")
+        prev = seen.setdefault(spec.name, i)
+        if prev != i:
+            raise PlanError(f"parameter {spec.name!r} appears twice in the plan (positions "
+                            f"{prev} and {i})")
+        if spec.layout not in checked:
+            _check_mesh(spec.name, spec.layout, "source", 0, trainer_ranks)
+            checked.add(spec.layout)
+        if transport == "m2n":
+            problem = _m2n_problem(spec)
+            if problem is not None:
+                raise PlanError(f"parameter {spec.name!r} (source and destination): "
+                                f"{problem}")
+
+
+class TransferPlan:
+    """The ordered parameters to move and everything every rank derives from them.
+
+    Construction validates what holds for any transport (unique names, source meshes cover
+    ``[0, trainer_ranks)``, destination meshes cover ``[trainer_ranks, world_size)``, shard
+    dims exist and divide evenly); ``validate(transport)`` and ``check_plan_limits`` add the
+    transport's rules. Geometry is computed lazily and cached.
+    """
+
+    def __init__(self, params: Iterable[ParamTransfer], *, trainer_ranks: int,
+                 world_size: int) -> None:
+        self.params: tuple[ParamTransfer, ...] = tuple(params)
+        self.trainer_ranks = trainer_ranks
+        self.world_size = world_size
+        if type(world_size) is not int or type(trainer_ranks) is not int or not (
+                1 <= trainer_ranks < world_size):
+            raise PlanError(f"need 1 <= trainer_ranks < world_size, got trainer_ranks="
+                            f"{trainer_ranks!r}, world_size={world_size!r}")
+        for i, p in enumerate(self.params):
+            if not isinstance(p, ParamTransfer):
+                raise PlanError(f"plan entry #{i} must be a ParamTransfer, got "
+                                f"{type(p).__name__}")
+        validate_source_specs([p.spec for p in self.params], trainer_ranks)
+        workers = world_size - trainer_ranks
+        checked: set[Layout] = set()
+        for p in self.params:
+            if p.dst not in checked:
+                _check_mesh(p.spec.name, p.dst, "destination", trainer_ranks, workers)
+                checked.add(p.dst)
+        self._index: dict[str, int] | None = None
+        self._geo_ids: list[int] | None = None
+        self._geo_keys: list[tuple[tuple[int, ...], int, Layout, Layout]] = []
+        self._geos: dict[int, _Geometry] = {}
+        self._totals: tuple[list[int], list[int]] | None = None
+        self._buckets: dict[int, tuple[Bucket, ...]] = {}
+        self._digest: str | None = None
+
+    # -- basic access ------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def __repr__(self) -> str:
+        return (f"TransferPlan({len(self.params)} params, trainer_ranks={self.trainer_ranks}, "
+                f"world_size={self.world_size})")
+
+    @property
+    def worker_ranks(self) -> int:
+        """Number of destination (worker) ranks."""
+        return self.world_size - self.trainer_ranks
+
+    def index(self, name: str) -> int:
+        """Position of parameter ``name``; ``PlanError`` if the plan has none."""
+        if self._index is None:
+            self._index = {p.spec.name: i for i, p in enumerate(self.params)}
+        try:
+            return self._index[name]
+        except KeyError:
+            raise PlanError(f"parameter {name!r} is not in the plan") from None
+
+    def validate(self, transport: str) -> None:
+        """Check every parameter is expressible by ``transport`` (``m2n``, ``nccl``, ``gloo``).
+
+        ``m2n``: one of its 12 dtypes and tensor rank 1..3. Any fixed-width dtype and any rank
+        otherwise. Fan-in/fan-out limits: ``check_plan_limits``.
+        """
+        validate_source_specs([p.spec for p in self.params], self.trainer_ranks, transport)
+
+    # -- records and digests -----------------------------------------------------------
+
+    def record(self) -> PlanRecord:
+        """The plan as a wire record."""
+        return PlanRecord(self.trainer_ranks, self.world_size, self.params)
+
+    @classmethod
+    def from_record(cls, record: PlanRecord) -> TransferPlan:
+        """Rebuild (and re-validate) a plan from its record."""
+        return cls(record.params, trainer_ranks=record.trainer_ranks,
+                   world_size=record.world_size)
+
+    def source_specs(self) -> tuple[ParamSpec, ...]:
+        """The ordered source specs."""
+        return tuple(p.spec for p in self.params)
+
+    # -- geometry ----------------------------------------------------------------------
+
+    def _geo_index(self) -> list[int]:
+        if self._geo_ids is None:
+            ids: dict[tuple[tuple[int, ...], str, Layout, Layout], int] = {}
+            geo_ids = []
+            keys = self._geo_keys
+            for p in self.params:
+                s = p.spec
+                key = (s.shape, s.dtype, s.layout, p.dst)
+                gid = ids.get(key)
+                if gid is None:
+                    gid = ids[key] = len(keys)
+                    keys.append((s.shape, DTYPE_ITEMSIZE[s.dtype], s.layout, p.dst))
+                geo_ids.append(gid)
+            self._geo_ids = geo_ids
+        return self._geo_ids
+
+    def _geo(self, gid: int) -> _Geometry:
+        g = self._geos.get(gid)
+        if g is None:
+            g = self._geos[gid] = _Geometry(*self._geo_keys[gid])
+        return g
+
+    def _param_geo(self, i: int) -> _Geometry:
+        if not 0 <= i < len(self.params):
+            raise IndexError(f"param index {i} out of range for a plan of "
+                             f"{len(self.params)} params")
+        return self._geo(self._geo_index()[i])
+
+    def pieces(self, i: int) -> tuple[Piece, ...]:
+        """Every box param ``i`` moves, sorted by ``(src_rank, dst_rank, box)``.
+
+        Each destination rank's box is covered exactly once; a sender packs, and a receiver
+        unpacks, its pieces for one peer in this order.
+        """
+        g = self._param_geo(i)
+        return g.pieces(i % g.nrep)
+
+    def fan_in(self, i: int) -> int:
+        """Most distinct source shards feeding one destination shard of param ``i``."""
+        return self._param_geo(i).fan_in
+
+    def fan_out(self, i: int) -> int:
+        """Most distinct destination shards reading one source shard of param ``i``."""
+        return self._param_geo(i).fan_out
+
+    def param_cost(self, i: int) -> int:
+        """Most bytes any one rank sends or receives for param ``i`` (its bucket cost)."""
+        return self._param_geo(i).cost
+
+    def _compute_totals(self) -> tuple[list[int], list[int]]:
+        if self._totals is None:
+            send = [0] * self.world_size
+            recv = [0] * self.world_size
+            # count params per (geometry, rotation) and add each combination once
+            counts: dict[tuple[int, int], int] = {}
+            for i, gid in enumerate(self._geo_index()):
+                g = self._geo(gid)
+                key = (gid, i % g.nrep)
+                counts[key] = counts.get(key, 0) + 1
+            for (gid, rot), n in counts.items():
+                g = self._geo(gid)
+                for k, loads in enumerate(g.send_slots):
+                    reps = g.replicas[k]
+                    nrep = len(reps)
+                    for slot, b in enumerate(loads):
+                        send[reps[(slot + rot) % nrep]] += n * b
+                for r, b in g.recv.items():
+                    recv[r] += n * b
+            self._totals = (send, recv)
+        return self._totals
+
+    def send_bytes(self, rank: int) -> int:
+        """Bytes ``rank`` sends over the whole plan (0 for a worker)."""
+        return self._compute_totals()[0][self._check_rank(rank)]
+
+    def recv_bytes(self, rank: int) -> int:
+        """Bytes ``rank`` receives over the whole plan (0 for a trainer)."""
+        return self._compute_totals()[1][self._check_rank(rank)]
+
+    def total_bytes(self) -> int:
+        """Bytes moved over the whole plan (sum over senders)."""
+        return sum(self._compute_totals()[0])
+
+    def _check_rank(self, rank: int) -> int:
+        if not 0 <= rank < self.world_size:
+            raise PlanError(f"rank {rank} outside world [0, {self.world_size})")
+        return rank
+
+    def lower_bound_seconds(self, bytes_per_second: float) -> float:
+        """Transfer time bound: the largest per-rank bytes (either direction) / bandwidth."""
+        if not bytes_per_second > 0:
+            raise PlanError(f"bytes_per_second must be > 0, got {bytes_per_second!r}")
+        send, recv = self._compute_totals()
+        return max(max(send), max(recv)) / bytes_per_second
+
+    def buckets(self, bucket_bytes: int) -> tuple[Bucket, ...]:
+        """Contiguous runs of params whose summed costs fit ``bucket_bytes`` (see module doc).
+
+        Identical on every rank; a param costlier than ``bucket_bytes`` is a bucket alone.
+        """
+        if type(bucket_bytes) is not int or bucket_bytes < 1:
+            raise PlanError(f"bucket_bytes must be an int >= 1, got {bucket_bytes!r}")
+        cached = self._buckets.get(bucket_bytes)
+        if cached is not None:
+            return cached
+        costs = [self._geo(gid).cost for gid in self._geo_index()]
+        out: list[Bucket] = []
+        start, acc = 0, 0
+        for i, c in enumerate(costs):
+            if i > start and acc + c > bucket_bytes:
+                out.append(Bucket(len(out), start, i, acc))
+                start, acc = i, 0
+            acc += c
+        if costs:
+            out.append(Bucket(len(out), start, len(costs), acc))
+        result = tuple(out)
+        self._buckets[bucket_bytes] = result
+        return result
+
+
+def check_plan_limits(plan: TransferPlan, transport: str) -> None:
+    """Raise ``PlanError`` if ``transport`` cannot express a param's fan-in or fan-out.
+
+    ``m2n``: at most 16 source shards into one destination shard and 64 destination shards
+    out of one source shard (counted as shards, not replicas). ``nccl``/``gloo``: no limits.
+    """
+    _check_transport(transport)
+    if transport != "m2n":
+        return
+    gids = plan._geo_index()
+    seen: set[int] = set()
+    for i, gid in enumerate(gids):
+        if gid in seen:
+            continue
+        seen.add(gid)
+        g = plan._geo(gid)
+        p = plan.params[i]
+        if g.fan_in > M2N_MAX_FAN_IN:
+            raise PlanError(
+                f"parameter {p.name!r}: fan-in {g.fan_in} source shards into one destination "
+                f"shard exceeds the M2N limit {M2N_MAX_FAN_IN} (source placements "
+                f"{p.src.placements} on mesh {p.src.mesh.dims}, destination placements "
+                f"{p.dst.placements} on mesh {p.dst.mesh.dims})")
+        if g.fan_out > M2N_MAX_FAN_OUT:
+            raise PlanError(
+                f"parameter {p.name!r}: fan-out {g.fan_out} destination shards from one source "
+                f"shard exceeds the M2N limit {M2N_MAX_FAN_OUT} (source placements "
+                f"{p.src.placements} on mesh {p.src.mesh.dims}, destination placements "
+                f"{p.dst.placements} on mesh {p.dst.mesh.dims})")
+
+
+# -- digests --------------------------------------------------------------------------------
+
+_DIGEST_ENCODER: Final = msgspec.msgpack.Encoder()
+
+
+def _digest(domain: bytes, record: object) -> str:
+    # The domain string keeps a source digest from ever equalling a complete-plan digest; the
+    # versions make peers on different schemas disagree loudly rather than silently.
+    payload = _DIGEST_ENCODER.encode((domain, PROTO_VERSION, PLAN_SCHEMA_VERSION, record))
+    return hashlib.sha256(payload).hexdigest()
+
+
+def source_plan_digest(specs: Sequence[ParamSpec], trainer_ranks: int) -> str:
+    """Hex SHA-256 of the ordered source specs (names, dtypes, shapes, layouts)."""
+    return _digest(b"m2n_async/source-plan", SourcePlanRecord(trainer_ranks, tuple(specs)))
+
+
+def complete_plan_digest(plan: TransferPlan) -> str:
+    """Hex SHA-256 of the whole plan (source specs, destination layouts, topology)."""
+    if plan._digest is None:
+        plan._digest = _digest(b"m2n_async/complete-plan", plan.record())
+    return plan._digest
+
+
+# -- local buffers --------------------------------------------------------------------------
+
+
+class TensorLike(Protocol):
+    """What ``validate_local_buffer`` reads from a tensor (torch tensors qualify)."""
+
+    @property
+    def dtype(self) -> object: ...
+    @property
+    def shape(self) -> Sequence[int]: ...
+    @property
+    def device(self) -> object: ...
+    def is_contiguous(self) -> bool: ...
+
+
+def validate_local_buffer(spec_or_transfer: ParamSpec | ParamTransfer, tensor_like: TensorLike,
+                          rank: int, side: str, *, device: str | None = None) -> None:
+    """Check a tensor a rank hands in for one param: dtype, local shape, contiguity, device.
+
+    ``side`` is ``"source"`` (checked against the spec's layout) or ``"destination"`` (needs
+    a ``ParamTransfer``; checked against its ``dst`` layout). ``device``, if given, is the
+    expected device (``"cuda:1"``; ``"cuda"`` accepts any index). Duck-typed: no torch here.
+    """
+    if side not in ("source", "destination"):
+        raise PlanError(f"side must be 'source' or 'destination', got {side!r}")
+    if isinstance(spec_or_transfer, ParamTransfer):
+        spec = spec_or_transfer.spec
+        layout = spec_or_transfer.dst if side == "destination" else spec.layout
+    else:
+        spec = spec_or_transfer
+        if side == "destination":
+            raise PlanError(f"parameter {spec.name!r}: the destination side needs the "
+                            f"ParamTransfer (its destination layout), got a ParamSpec")
+        layout = spec.layout
+    where = f"parameter {spec.name!r} ({side} side, rank {rank})"
+    if not layout.mesh.contains(rank):
+        m = layout.mesh
+        raise PlanError(f"{where}: rank is not in the {side} mesh [{m.start_rank}, "
+                        f"{m.start_rank + m.size})")
+    got_dtype = str(tensor_like.dtype).removeprefix("torch.")
+    if got_dtype != spec.dtype:
+        raise PlanError(f"{where}: tensor dtype {got_dtype} != planned dtype {spec.dtype}")
+    want = layout.local_shape(spec.shape, rank)
+    got_shape = tuple(int(n) for n in tensor_like.shape)
+    if got_shape != want:
+        raise PlanError(f"{where}: tensor shape {got_shape} != local shard shape {want} "
+                        f"(global shape {spec.shape}, placements {layout.placements}, "
+                        f"mesh {layout.mesh.dims})")
+    if not tensor_like.is_contiguous():
+        raise PlanError(f"{where}: tensor is not contiguous (call .contiguous() first)")
+    if device is not None:
+        got_dev = str(tensor_like.device)
+        ok = got_dev == device or (":" not in device and got_dev.split(":")[0] == device)
+        if not ok:
+            raise PlanError(f"{where}: tensor is on device {got_dev}, expected {device}")
