@@ -31,6 +31,17 @@ from m2n_async._proto.plan import (
 )
 
 # --- store (issue 3) ---
+from m2n_async._store import (
+    ControlGroup,
+    StaleGenerationError,
+    Store,
+    StoreClient,
+    StoreServer,
+    current_generation,
+    generation_namespace,
+    next_generation,
+)
+
 # --- handshake (issue 4) ---
 # --- engine (issue 5/6) ---
 
@@ -64,5 +75,14 @@ __all__ = [
     "RemoteProtocolError",
     "StoreError",
     "TransferError",
+    # store (issue 3)
+    "ControlGroup",
+    "StaleGenerationError",
+    "Store",
+    "StoreClient",
+    "StoreServer",
+    "current_generation",
+    "generation_namespace",
+    "next_generation",
     "__version__",
 ]

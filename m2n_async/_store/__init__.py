@@ -1,1 +1,29 @@
-"""See DESIGN.md §2 for what this layer owns."""
+"""Control-plane I/O: the store (framing, auth, server, client) and ``ControlGroup``.
+
+See DESIGN.md §4. ``_core`` holds the sans-IO semantics; ``_server``/``_client`` and
+``m2n_async.testing.MemoryStore`` are drivers over it; ``_group`` builds collectives on the
+``Store`` protocol (``_api``); ``_namespace`` scopes keys per job generation.
+"""
+
+from m2n_async._store._api import Store
+from m2n_async._store._client import StoreClient
+from m2n_async._store._core import StaleGenerationError, generation_key
+from m2n_async._store._group import ControlGroup
+from m2n_async._store._namespace import (
+    current_generation,
+    generation_namespace,
+    next_generation,
+)
+from m2n_async._store._server import StoreServer
+
+__all__ = [
+    "ControlGroup",
+    "StaleGenerationError",
+    "Store",
+    "StoreClient",
+    "StoreServer",
+    "current_generation",
+    "generation_key",
+    "generation_namespace",
+    "next_generation",
+]

@@ -1,3 +1,5 @@
 """Public test helpers: an in-memory store and a local multi-process world."""
 
-__all__: list[str] = []
+from m2n_async.testing._memory import MemoryStore
+
+__all__: list[str] = ["MemoryStore"]

@@ -1,0 +1,198 @@
+"""``ControlGroup``: all-gather, broadcast and barrier for a fixed set of ranks over a Store.
+
+Theory of operation: every collective call is one ``set`` of this rank's contribution under a
+per-call prefix plus one server-side ``gather`` of ``world_size`` keys under it — one round
+trip per rank, however many ranks. The prefix is ``{namespace}/c/{seq}/{kind}/`` where ``seq``
+counts this group's calls: ranks that make the same calls in the same order meet under the same
+prefix, and a rank that skipped or reordered a call waits under a different prefix instead of
+silently reading another call's envelope (it then times out in the caller's scope, and
+``missing_ranks()`` names who never arrived).
+
+Liveness: ``join()`` writes ``{namespace}/alive/{rank}`` as an ephemeral key. Every gather
+watches the other ranks' liveness keys, so when a peer's session ends the wait fails at once
+with ``PeerLostError(ranks=(r,))`` naming that rank.
+
+Cleanup without growth: when call ``s`` completes on a rank, every rank has *entered* call
+``s`` — so every rank has finished call ``s-1`` — and the rank deletes its own key of call
+``s-1``. At most one call's keys per group are ever in the store. (Deleting a call's keys when
+it completes would race with a slow rank that has written its key but not yet sent its gather.)
+
+Broadcast is an all-gather where only the root contributes bytes: it costs the same single
+round trip, synchronizes like the other collectives, and cleans up the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Final, TypeVar
+
+import msgspec
+
+from m2n_async._proto.errors import LocalProtocolError, PeerLostError, RemoteProtocolError
+from m2n_async._store._api import Store
+
+__all__ = ["ControlGroup"]
+
+T = TypeVar("T")
+_ALIVE: Final[str] = "alive"
+_encoder = msgspec.msgpack.Encoder()
+
+
+class ControlGroup:
+    """Collectives among ranks ``0 .. world_size-1`` under ``namespace`` of ``store``."""
+
+    def __init__(self, store: Store, rank: int, world_size: int, namespace: str) -> None:
+        if world_size < 1:
+            raise ValueError(f"ControlGroup world_size must be >= 1, got {world_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"ControlGroup rank must be in [0, {world_size}), got {rank}")
+        if not namespace or namespace.endswith("/"):
+            raise ValueError(f"ControlGroup namespace must be non-empty without a trailing "
+                             f"'/', got {namespace!r}")
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.namespace = namespace
+        self._seq = 0
+        self._current: str | None = None  # prefix of the current or last call
+        self._current_kind = ""
+        self._previous_key: str | None = None  # this rank's key of the last completed call
+        self._watch: tuple[str, ...] = tuple(
+            self.alive_key(r) for r in range(world_size) if r != rank)
+
+    def alive_key(self, rank: int) -> str:
+        """The liveness key of ``rank`` (ephemeral; written by ``join``)."""
+        return f"{self.namespace}/{_ALIVE}/{rank}"
+
+    @property
+    def calls(self) -> int:
+        """Collective calls started by this rank so far."""
+        return self._seq
+
+    async def join(self) -> None:
+        """Announce this rank as alive (an ephemeral key that vanishes with the session).
+
+        Cancellation: the key may or may not have been written; calling again is harmless.
+        """
+        await self.store.set(self.alive_key(self.rank), str(self.rank).encode(),
+                             ephemeral=True)
+
+    async def all_gather_bytes(self, payload: bytes) -> list[bytes]:
+        """Every rank's ``payload``, indexed by rank.
+
+        Raises ``PeerLostError(ranks=(r,))`` if rank r's session ends first.
+
+        Cancellation: this rank's contribution may already be visible to the others, and the
+        group's call sequence has advanced: a group whose call was cancelled is out of step with
+        its peers and must be replaced (new namespace or generation), not reused.
+        """
+        return await self._collective("all_gather", bytes(payload))
+
+    async def all_gather(self, envelope: T, type_: type[T]) -> list[T]:
+        """Every rank's ``envelope`` (a msgspec-encodable value), decoded as ``type_``.
+
+        Raises ``RemoteProtocolError`` naming the rank whose envelope does not decode.
+
+        Cancellation: as for ``all_gather_bytes``.
+        """
+        raw = await self._collective("all_gather", _encoder.encode(envelope))
+        decoder = msgspec.msgpack.Decoder(type_)
+        return [self._decode(decoder, r, data, "all_gather") for r, data in enumerate(raw)]
+
+    async def broadcast(self, envelope: T | None, type_: type[T], root: int) -> T:
+        """``root``'s ``envelope`` on every rank (others pass ``None``); decoded as ``type_``.
+
+        Cancellation: as for ``all_gather_bytes``.
+        """
+        if not 0 <= root < self.world_size:
+            raise ValueError(f"broadcast root must be in [0, {self.world_size}), got {root}")
+        if self.rank == root and envelope is None:
+            raise LocalProtocolError(f"broadcast in group {self.namespace!r}: root rank {root} "
+                                     "passed no envelope")
+        payload = _encoder.encode(envelope) if self.rank == root else b""
+        raw = await self._collective(f"broadcast{root}", payload)
+        return self._decode(msgspec.msgpack.Decoder(type_), root, raw[root], "broadcast")
+
+    async def barrier(self) -> None:
+        """Return once every rank has entered the barrier.
+
+        Cancellation: as for ``all_gather_bytes``.
+        """
+        await self._collective("barrier", b"")
+
+    async def missing_ranks(self) -> list[int]:
+        """Ranks that have not arrived at the current (or last) call — for timeout messages.
+
+        Cancellation: a read-only query; safe to cancel.
+        """
+        if self._current is None:
+            return []
+        present = await self.store.gather(self._current, 0)
+        arrived = {self._rank_of(key, self._current) for key in present}
+        return [r for r in range(self.world_size) if r not in arrived]
+
+    async def aclose(self) -> None:
+        """Remove this rank's keys (its last call's key and its liveness key).
+
+        Leaving is clean: peers waiting on this rank are not told it was lost.
+
+        Cancellation: some keys may remain; the generation purge removes them eventually.
+        """
+        if self._previous_key is not None:
+            await self.store.delete(self._previous_key)
+            self._previous_key = None
+        await self.store.delete(self.alive_key(self.rank))
+
+    # --- machinery -----------------------------------------------------------------------
+
+    async def _collective(self, kind: str, payload: bytes) -> list[bytes]:
+        seq = self._seq
+        self._seq += 1
+        prefix = f"{self.namespace}/c/{seq}/{kind}/"
+        self._current, self._current_kind = prefix, kind
+        own_key = f"{prefix}{self.rank}"
+        await self.store.set(own_key, payload)
+        try:
+            items = await self.store.gather(prefix, self.world_size, watch=self._watch)
+        except PeerLostError as exc:
+            raise self._peer_lost(exc, kind, seq) from None
+        if self._previous_key is not None:
+            await self.store.delete(self._previous_key)
+        self._previous_key = own_key
+        out: list[bytes | None] = [None] * self.world_size
+        for key, value in items.items():
+            out[self._rank_of(key, prefix)] = value
+        missing = [r for r, v in enumerate(out) if v is None]
+        if missing or len(items) != self.world_size:
+            raise RemoteProtocolError(
+                f"{kind} call {seq} in group {self.namespace!r}: expected one key per rank "
+                f"0..{self.world_size - 1}, got {sorted(items)}")
+        return [v for v in out if v is not None]
+
+    def _rank_of(self, key: str, prefix: str) -> int:
+        suffix = key[len(prefix):]
+        if suffix.isascii() and suffix.isdigit() and int(suffix) < self.world_size:
+            return int(suffix)
+        raise RemoteProtocolError(f"group {self.namespace!r}: foreign key {key!r} under a "
+                                  f"collective's prefix")
+
+    def _peer_lost(self, exc: PeerLostError, kind: str, seq: int) -> PeerLostError:
+        key = exc.key or ""
+        head = f"{self.namespace}/{_ALIVE}/"
+        ranks: Sequence[int] = ()
+        if key.startswith(head) and key[len(head):].isdigit():
+            ranks = (int(key[len(head):]),)
+        who = f"rank {ranks[0]}" if ranks else f"the owner of {key!r}"
+        return PeerLostError(
+            f"{kind} call {seq} in group {self.namespace!r} (rank {self.rank} of "
+            f"{self.world_size}): {who} was lost — its liveness key vanished when its session "
+            "ended", ranks=tuple(ranks), key=exc.key)
+
+    def _decode(self, decoder: msgspec.msgpack.Decoder[T], rank: int, data: bytes,
+                kind: str) -> T:
+        try:
+            return decoder.decode(data)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise RemoteProtocolError(
+                f"{kind} in group {self.namespace!r}: rank {rank}'s envelope is invalid: {exc}"
+            ) from None
