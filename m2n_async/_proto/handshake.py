@@ -1,0 +1,784 @@
+"""The preflight handshake as a pure state machine (DESIGN §5).
+
+Theory of operation: before any communicator exists, every rank walks the same phases —
+``hello → source → destination → data_plane → runtime_ready → connected`` — and each phase is
+one all-gather. ``TRANSITIONS`` is the one table of the machine; the driver
+(``m2n_async._engine._preflight``) and the docs' diagram (``docs/phases.md``) both come from it.
+
+Per phase the driver asks ``Handshake`` for this rank's envelope (``hello()``, ``source()``,
+…); when that local step raises, it sends ``failure(exc)`` instead, because a rank that stays
+silent would leave its peers waiting out a deadline for a diagnosis it already has. The driver
+all-gathers the encoded envelopes and hands the bytes, indexed by rank, to ``receive()``, which
+decodes and validates every one strictly (tag, exact field set, types, protocol version,
+generation, rank slot, phase), then checks agreement. The diagnosis is computed from the
+gathered bytes alone — never from this rank's own inputs — so every rank raises the *same*
+``PreflightError(phase, {rank: message})``, naming each failing or disagreeing rank.
+
+Who is named when ranks disagree: the value held by the most ranks is the reference and the
+others are named; when the top count is tied, no value can be trusted and every holder is
+named (with one trainer and one worker disagreeing, both). Facts already agreed in an earlier
+phase (transport, plan digest) are compared exactly, so a deviation there names one rank.
+
+The machine is sans-IO like the rest of ``_proto``: no clocks, no event loop, no torch. Time
+(deadlines) and liveness (lost peers) belong to the driver, which reports them with
+``abandon(Event.TIMED_OUT | Event.PEER_LOST | Event.CANCELLED)``.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from collections import Counter
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final, TypeAlias, TypeVar
+
+import msgspec
+
+from m2n_async._proto.errors import LocalProtocolError, PlanError, PreflightError
+from m2n_async._proto.layout import Layout, Mesh
+from m2n_async._proto.messages import (
+    PROTO_VERSION,
+    DataPlaneIdentity,
+    DataPlaneReport,
+    DestinationPlan,
+    Hello,
+    PhaseFailure,
+    RuntimeReady,
+    SourcePlan,
+)
+from m2n_async._proto.params import ParamSpec, ParamTransfer
+from m2n_async._proto.plan import (
+    TransferPlan,
+    check_plan_limits,
+    complete_plan_digest,
+    source_plan_digest,
+    validate_source_specs,
+)
+
+__all__ = [
+    "DIAGNOSTIC_NCCL_VARIABLES",
+    "ENVELOPE_OF",
+    "KNOWN_TRANSPORTS",
+    "MATCHED_NCCL_VARIABLES",
+    "REQUESTABLE_TRANSPORTS",
+    "TRANSITIONS",
+    "TRANSPORT_PREFERENCE",
+    "Event",
+    "Handshake",
+    "Phase",
+    "PreflightPlan",
+    "choose_transport",
+    "mermaid",
+    "nccl_environment",
+    "phases_doc",
+    "placements_digest",
+]
+
+
+class Phase(enum.Enum):
+    """The handshake's phases; the value is the name errors and docs use."""
+
+    HELLO = "hello"
+    SOURCE = "source"
+    DESTINATION = "destination"
+    DATA_PLANE = "data_plane"
+    RUNTIME_READY = "runtime_ready"
+    CONNECTED = "connected"
+    FAILED = "failed"
+
+
+class Event(enum.Enum):
+    """What ended a phase."""
+
+    AGREED = "agreed"  # every envelope valid and in agreement
+    REJECTED = "rejected"  # PreflightError: a local step failed, or an envelope was bad
+    TIMED_OUT = "timed out"  # the phase deadline passed (driver)
+    PEER_LOST = "peer lost"  # a rank's store session ended (driver)
+    CANCELLED = "cancelled"  # the caller cancelled (driver)
+
+
+def _phase_row(next_phase: Phase) -> dict[Event, Phase]:
+    return {Event.AGREED: next_phase, Event.REJECTED: Phase.FAILED,
+            Event.TIMED_OUT: Phase.FAILED, Event.PEER_LOST: Phase.FAILED,
+            Event.CANCELLED: Phase.FAILED}
+
+
+TRANSITIONS: Final[Mapping[Phase, Mapping[Event, Phase]]] = {
+    Phase.HELLO: _phase_row(Phase.SOURCE),
+    Phase.SOURCE: _phase_row(Phase.DESTINATION),
+    Phase.DESTINATION: _phase_row(Phase.DATA_PLANE),
+    Phase.DATA_PLANE: _phase_row(Phase.RUNTIME_READY),
+    Phase.RUNTIME_READY: _phase_row(Phase.CONNECTED),
+    Phase.CONNECTED: {},
+    Phase.FAILED: {},
+}
+"""The one transition table: phase -> event -> next phase. Terminal phases map to ``{}``."""
+
+ENVELOPE_OF: Final[Mapping[Phase, type[msgspec.Struct]]] = {
+    Phase.HELLO: Hello,
+    Phase.SOURCE: SourcePlan,
+    Phase.DESTINATION: DestinationPlan,
+    Phase.DATA_PLANE: DataPlaneReport,
+    Phase.RUNTIME_READY: RuntimeReady,
+}
+"""The envelope each gathering phase carries (``PhaseFailure`` may replace any of them)."""
+
+_PHASE_DOC: Final[Mapping[Phase, str]] = {
+    Phase.HELLO: "protocol version, role, rank, world size, trainer ranks, requested "
+                 "transport: one topology, every rank in its slot",
+    Phase.SOURCE: "trainers' source-plan digests equal; trainer rank 0's shipped specs hash "
+                  "to its digest and are valid on their layouts",
+    Phase.DESTINATION: "workers' mesh dims and placements equal and valid on the worker mesh; "
+                       "transport chosen from every rank's capabilities and the plan limits; "
+                       "complete-plan digest fixed",
+    Phase.DATA_PLANE: "transport, plan digest, libnccl version, max_cta and the NCCL variables "
+                      "that must match are equal on every rank",
+    Phase.RUNTIME_READY: "every rank prepared its local resources for the agreed plan",
+    Phase.CONNECTED: "all phases passed: the engine may create the communicator",
+    Phase.FAILED: "every rank raised the same PreflightError, TimeoutError or PeerLostError; "
+                  "nothing of the data plane was created by the handshake",
+}
+
+KNOWN_TRANSPORTS: Final[frozenset[str]] = frozenset({"m2n", "nccl", "gloo"})
+REQUESTABLE_TRANSPORTS: Final[frozenset[str]] = KNOWN_TRANSPORTS | {"auto"}
+TRANSPORT_PREFERENCE: Final[tuple[str, ...]] = ("m2n", "nccl", "gloo")
+"""``transport="auto"`` takes the first of these every rank can run and that fits the plan."""
+
+# NCCL M2N reads these only for logs and traces, so ranks may differ (REFERENCE §1).
+DIAGNOSTIC_NCCL_VARIABLES: Final[frozenset[str]] = frozenset({
+    "NCCL_RESHARD_LOG_LEVEL", "NCCL_RESHARD_SPLIT_KERNEL_TRACE",
+})
+# Outside NCCL_RESHARD_*: a rank that enables multi-rank-per-GPU (or NVLS) while its peers do
+# not fails communicator init, or hangs in it; cheaper to name the variable now.
+MATCHED_NCCL_VARIABLES: Final[frozenset[str]] = frozenset({
+    "NCCL_MULTI_RANK_GPU_ENABLE", "NCCL_NVLS_ENABLE",
+})
+
+# A PhaseFailure carries a local exception's text; bound it so one rank's huge message (a
+# repr of a tensor, say) cannot bloat every rank's gather.
+_MAX_ERROR_CHARS: Final[int] = 2000
+_ROLES: Final[tuple[str, str]] = ("trainer", "worker")
+
+_ENCODER: Final = msgspec.msgpack.Encoder()
+_HandshakeEnvelope: TypeAlias = (Hello | SourcePlan | DestinationPlan | DataPlaneReport
+                                 | RuntimeReady | PhaseFailure)
+_DECODER: Final = msgspec.msgpack.Decoder(_HandshakeEnvelope)
+
+
+class _Header(msgspec.Struct):
+    """Lenient view of any envelope, to name a peer's protocol version before strict decoding
+    fails on the fields that version does not share with ours."""
+
+    proto_version: int | None = None
+
+
+_HEADER_DECODER: Final = msgspec.msgpack.Decoder(_Header)
+
+
+@dataclass(frozen=True)
+class PreflightPlan:
+    """What ``destination`` fixed: the plan, its complete digest and the transport (with why)."""
+
+    plan: TransferPlan
+    digest: str
+    transport: str
+    reason: str
+
+
+def placements_digest(mesh_dims: tuple[int, int],
+                      placements: Sequence[tuple[int, int] | None]) -> str:
+    """Hex SHA-256 of a worker mesh and its per-parameter placements (in source-plan order)."""
+    body = _ENCODER.encode((tuple(mesh_dims), tuple(placements)))
+    return hashlib.sha256(b"m2n-placements\0" + body).hexdigest()
+
+
+def nccl_environment(environ: Mapping[str, str],
+                     also: Iterable[str] = MATCHED_NCCL_VARIABLES) -> tuple[tuple[str, str], ...]:
+    """The NCCL variables that must be equal on every rank, sorted ``(name, value)``.
+
+    Every ``NCCL_RESHARD_*`` variable except the diagnostic ones, plus the names in ``also``.
+    Takes the environment as an argument (the core reads no process state).
+    """
+    wanted = set(also)
+    return tuple(sorted(
+        (k, v) for k, v in environ.items()
+        if (k.startswith("NCCL_RESHARD_") and k not in DIAGNOSTIC_NCCL_VARIABLES)
+        or k in wanted))
+
+
+_H = TypeVar("_H", bound=Hashable)
+
+
+def _outliers(values: Mapping[int, _H], show: Callable[[object], str] = repr
+              ) -> tuple[_H | None, dict[int, str]]:
+    """The reference value (held by the most ranks) and, per other rank, how many hold it.
+
+    Returns ``(reference, {rank: note})``; on a tie for the top count the reference is
+    ``None`` and every rank is an outlier, because no value can be trusted.
+    """
+    counts = Counter(values.values())
+    if len(counts) <= 1:
+        return (next(iter(counts)) if counts else None), {}
+    ranked = counts.most_common()
+    top = ranked[0][1]
+    if sum(1 for _, c in ranked if c == top) > 1:
+        holders = {v: sorted(r for r, x in values.items() if x == v) for v in counts}
+        summary = "; ".join(f"rank(s) {_short(rs)}: {show(v)}" for v, rs in holders.items())
+        return None, {r: f"no majority ({summary})" for r in values}
+    ref = ranked[0][0]
+    holders_ref = sorted(r for r, x in values.items() if x == ref)
+    return ref, {r: f"{top} rank(s) {_short(holders_ref)} have {show(ref)}"
+                 for r, x in values.items() if x != ref}
+
+
+def _short(ranks: Sequence[int], limit: int = 8) -> str:
+    if len(ranks) <= limit:
+        return str(list(ranks))
+    return f"[{', '.join(map(str, ranks[:limit]))}, … {len(ranks) - limit} more]"
+
+
+def _add(failures: dict[int, str], rank: int, message: str) -> None:
+    # The first diagnosis of a rank is its root cause; later ones would only be consequences.
+    failures.setdefault(rank, message)
+
+
+def choose_transport(plan: TransferPlan, requested: str,
+                     capabilities: Mapping[int, Sequence[str]]
+                     ) -> tuple[str, str] | dict[int, str]:
+    """The transport for ``plan`` and why, or ``{rank: message}`` when none can be used.
+
+    ``auto``: the first of ``TRANSPORT_PREFERENCE`` that every rank can run and that can carry
+    the whole plan (dtypes, tensor rank, fan-in/out limits). An explicit transport must be
+    runnable on every rank (else the ranks that cannot are named) and carry the plan (else
+    every rank is named, with the parameter: the plan is everybody's).
+    """
+    ranks = sorted(capabilities)
+
+    def blocked(t: str) -> tuple[list[int], str | None]:
+        lacking = [r for r in ranks if t not in capabilities[r]]
+        if lacking:
+            return lacking, None
+        try:
+            plan.validate(t)
+            check_plan_limits(plan, t)
+        except PlanError as e:
+            return [], str(e)
+        return [], None
+
+    if requested == "auto":
+        notes: list[str] = []
+        per_rank: dict[int, list[str]] = {}
+        global_notes: list[str] = []
+        for t in TRANSPORT_PREFERENCE:
+            lacking, problem = blocked(t)
+            if not lacking and problem is None:
+                why = ("the first of m2n > nccl > gloo that every rank can run and that can "
+                       "carry the whole plan")
+                if notes:
+                    why += "; " + "; ".join(notes)
+                return t, f"auto chose {t!r}: {why}"
+            if lacking:
+                notes.append(f"{t} is not available on rank(s) {_short(lacking)}")
+                for r in lacking:
+                    per_rank.setdefault(r, []).append(f"cannot run {t}")
+            else:
+                notes.append(f"{t} cannot carry the plan ({problem})")
+                global_notes.append(f"{t} cannot carry the plan ({problem})")
+        failures: dict[int, str] = {}
+        for r in ranks:
+            parts = per_rank.get(r, []) + global_notes
+            if parts:
+                failures[r] = "transport 'auto' found none usable: " + "; ".join(parts)
+        return failures
+    lacking, problem = blocked(requested)
+    if lacking:
+        return {r: f"cannot run the requested transport {requested!r} (this rank can run: "
+                   f"{list(capabilities[r])})" for r in lacking}
+    if problem is not None:
+        return {r: f"the requested transport {requested!r} cannot carry the plan: {problem}"
+                for r in ranks}
+    return requested, f"requested {requested!r}; every rank can run it and it carries the plan"
+
+
+class Handshake:
+    """One rank's side of the preflight. Sans-IO: the driver moves the bytes.
+
+    Use: per phase, build this rank's envelope with the phase's method (or ``failure(exc)``
+    when that raised), ``encode()`` it, all-gather the bytes, and pass them to ``receive()``.
+    ``receive`` returns the next phase or raises ``PreflightError``; ``abandon`` records a
+    timeout, lost peer or cancellation. After ``CONNECTED``, ``plan`` holds the agreement.
+    """
+
+    def __init__(self, *, role: str, rank: int, world_size: int, trainer_ranks: int,
+                 generation: int, transport: str, proto_version: int = PROTO_VERSION) -> None:
+        for name, value in (("rank", rank), ("world_size", world_size),
+                            ("trainer_ranks", trainer_ranks), ("generation", generation)):
+            if type(value) is not int:
+                raise TypeError(f"Handshake {name} must be an int, got {value!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        self.role = role
+        self.rank = rank
+        self.world_size = world_size
+        self.trainer_ranks = trainer_ranks
+        self.generation = generation
+        self.transport = transport
+        self.proto_version = proto_version
+        self.phase = Phase.HELLO
+        self.error: PreflightError | None = None
+        self._specs: tuple[ParamSpec, ...] | None = None
+        self._requested = transport  # replaced by the agreed request when hello passes
+        self.plan: PreflightPlan | None = None
+        self.identities: dict[int, DataPlaneIdentity] = {}
+
+    # -- local steps: this rank's envelope for the current phase ------------------------
+
+    def hello(self) -> Hello:
+        """This rank's ``hello`` envelope: the topology it was started with."""
+        self._expect(Phase.HELLO)
+        return Hello(self.proto_version, self.generation, self.rank, self.role,
+                     self.world_size, self.trainer_ranks, self.transport)
+
+    def source(self, params: Sequence[ParamSpec] | None) -> SourcePlan:
+        """This rank's ``source`` envelope. Trainers pass their specs; workers ``None``.
+
+        Raises ``PlanError`` when a trainer's specs are invalid on the trainer mesh.
+        """
+        self._expect(Phase.SOURCE)
+        if self.role != "trainer":
+            return SourcePlan(self.proto_version, self.generation, self.rank, None, None)
+        if params is None:
+            raise PlanError(f"trainer rank {self.rank} was given no source params")
+        specs = tuple(params)
+        validate_source_specs(specs, self.trainer_ranks)
+        digest = source_plan_digest(specs, self.trainer_ranks)
+        return SourcePlan(self.proto_version, self.generation, self.rank, digest,
+                          specs if self.rank == 0 else None)
+
+    def destination(self, capabilities: Sequence[str], mesh_dims: tuple[int, int] | None,
+                    dst_placements: Mapping[str, tuple[int, int] | None] | None
+                    ) -> DestinationPlan:
+        """This rank's ``destination`` envelope. Workers pass their mesh dims and placements.
+
+        Raises ``PlanError`` when a worker's placements do not name exactly the source plan's
+        parameters (the message lists the missing and the unexpected names).
+        """
+        self._expect(Phase.DESTINATION)
+        caps = tuple(capabilities)
+        if not all(isinstance(c, str) for c in caps):
+            raise TypeError(f"capabilities must be transport names, got {caps!r}")
+        if self.role != "worker":
+            return DestinationPlan(self.proto_version, self.generation, self.rank, caps,
+                                   None, None, None)
+        specs = self._agreed_specs()
+        if mesh_dims is None or dst_placements is None:
+            raise PlanError(f"worker rank {self.rank} was given no mesh_dims or "
+                            f"dst_placements")
+        dims = Mesh(tuple(mesh_dims)).dims  # type: ignore[arg-type]  # validates two ints > 0
+        names = [s.name for s in specs]
+        missing = [n for n in names if n not in dst_placements]
+        known = set(names)
+        extra = sorted(n for n in dst_placements if n not in known)
+        if missing or extra:
+            parts = []
+            if missing:
+                parts.append(f"no destination placements for {len(missing)} param(s) the "
+                             f"trainers send: {_names(missing)}")
+            if extra:
+                parts.append(f"placements for {len(extra)} param(s) the trainers do not "
+                             f"send: {_names(extra)}")
+            raise PlanError(f"worker rank {self.rank}: " + "; ".join(parts))
+        placements = tuple(_placement(n, dst_placements[n]) for n in names)
+        digest = placements_digest(dims, placements)
+        first_worker = self.rank == self.trainer_ranks
+        return DestinationPlan(self.proto_version, self.generation, self.rank, caps, dims,
+                               digest, placements if first_worker else None)
+
+    def data_plane(self, identity: DataPlaneIdentity) -> DataPlaneReport:
+        """This rank's ``data_plane`` envelope for the agreed transport and plan."""
+        self._expect(Phase.DATA_PLANE)
+        plan = self._agreed_plan()
+        if not isinstance(identity, DataPlaneIdentity):
+            raise TypeError(f"data_plane_identity must return a DataPlaneIdentity, got "
+                            f"{type(identity).__name__}")
+        env = tuple(sorted((str(k), str(v)) for k, v in identity.env))
+        identity = msgspec.structs.replace(identity, env=env)
+        return DataPlaneReport(self.proto_version, self.generation, self.rank, plan.transport,
+                               plan.digest, identity)
+
+    def runtime_ready(self) -> RuntimeReady:
+        """This rank's ``runtime_ready`` envelope (after its local preparation succeeded)."""
+        self._expect(Phase.RUNTIME_READY)
+        plan = self._agreed_plan()
+        return RuntimeReady(self.proto_version, self.generation, self.rank, plan.transport,
+                            plan.digest)
+
+    def failure(self, error: BaseException | str) -> PhaseFailure:
+        """The envelope a rank sends instead when its local step raised ``error``."""
+        if self.phase not in ENVELOPE_OF:
+            raise LocalProtocolError(f"no phase to report a failure for: handshake is "
+                                     f"{self.phase.value}")
+        text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        if len(text) > _MAX_ERROR_CHARS:
+            text = text[:_MAX_ERROR_CHARS] + f"… ({len(text) - _MAX_ERROR_CHARS} more chars)"
+        return PhaseFailure(self.proto_version, self.generation, self.rank, self.phase.value,
+                            text)
+
+    @staticmethod
+    def encode(envelope: msgspec.Struct) -> bytes:
+        """Wire bytes of an envelope (msgpack; its class name travels as the tag)."""
+        return _ENCODER.encode(envelope)
+
+    # -- the gathered phase ---------------------------------------------------------------
+
+    def receive(self, payloads: Sequence[bytes]) -> Phase:
+        """Validate the gathered envelopes of the current phase (index = rank) and advance.
+
+        Returns the next phase. Raises ``PreflightError`` (and moves to ``FAILED``) naming
+        every rank whose local step failed, whose envelope was invalid, or that disagreed.
+        """
+        phase = self.phase
+        if phase not in ENVELOPE_OF:
+            raise LocalProtocolError(f"handshake is {phase.value}; it gathers nothing more")
+        if len(payloads) != self.world_size:
+            raise LocalProtocolError(f"phase {phase.value!r}: got {len(payloads)} envelopes "
+                                     f"for world_size {self.world_size}")
+        failures: dict[int, str] = {}
+        envelopes: dict[int, msgspec.Struct] = {}
+        for r, data in enumerate(payloads):
+            decoded = self._decode(phase, r, data)
+            if isinstance(decoded, str):
+                failures[r] = decoded
+            elif isinstance(decoded, PhaseFailure):
+                failures[r] = f"local step failed: {decoded.error}"
+            else:
+                envelopes[r] = decoded
+        # The agreement checks run on the valid envelopes even when some ranks failed, so one
+        # error lists every problem of the phase instead of one per attempt.
+        checks: dict[Phase, Callable[[dict[int, msgspec.Struct], dict[int, str]], None]] = {
+            Phase.HELLO: self._check_hello,
+            Phase.SOURCE: self._check_source,
+            Phase.DESTINATION: self._check_destination,
+            Phase.DATA_PLANE: self._check_data_plane,
+            Phase.RUNTIME_READY: self._check_runtime_ready,
+        }
+        checks[phase](envelopes, failures)
+        if failures:
+            self.error = PreflightError(phase.value, failures, generation=self.generation)
+            self.phase = TRANSITIONS[phase][Event.REJECTED]
+            raise self.error
+        self.phase = TRANSITIONS[phase][Event.AGREED]
+        return self.phase
+
+    def abandon(self, event: Event) -> Phase:
+        """Record that the current phase ended without agreement (timeout, lost peer, cancel)."""
+        if event is Event.AGREED:
+            raise LocalProtocolError("abandon() takes a failure event, not AGREED")
+        nxt = TRANSITIONS[self.phase].get(event)
+        if nxt is not None:
+            self.phase = nxt
+        return self.phase
+
+    # -- decoding ---------------------------------------------------------------------------
+
+    def _decode(self, phase: Phase, r: int, data: bytes) -> msgspec.Struct | str:
+        """The rank's valid envelope, or why it is not one."""
+        try:
+            header = _HEADER_DECODER.decode(data)
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            return f"sent bytes that are not a handshake envelope ({e})"
+        if header.proto_version != self.proto_version:
+            return (f"speaks protocol version {header.proto_version}; this handshake is "
+                    f"protocol version {self.proto_version}")
+        try:
+            env = _DECODER.decode(data)
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            return f"sent an invalid envelope: {e}"
+        expected = ENVELOPE_OF[phase]
+        if not isinstance(env, (expected, PhaseFailure)):
+            return (f"sent {type(env).__name__} during phase {phase.value!r} (expected "
+                    f"{expected.__name__} or PhaseFailure)")
+        if env.generation != self.generation:
+            age = "stale " if env.generation < self.generation else ""
+            return (f"sent an envelope of {age}generation {env.generation}; this handshake "
+                    f"is generation {self.generation}")
+        if env.rank != r:
+            return f"envelope claims rank {env.rank} but arrived in rank {r}'s slot"
+        if isinstance(env, PhaseFailure) and env.phase != phase.value:
+            return (f"reported a failure of phase {env.phase!r} during phase "
+                    f"{phase.value!r}")
+        return env
+
+    # -- agreement per phase -----------------------------------------------------------------
+
+    def _check_hello(self, envs: Mapping[int, msgspec.Struct], failures: dict[int, str]
+                     ) -> None:
+        hellos = {r: e for r, e in envs.items() if isinstance(e, Hello)}
+        for r, h in hellos.items():
+            if h.role not in _ROLES:
+                _add(failures, r, f"role {h.role!r} is neither 'trainer' nor 'worker'")
+            if h.transport not in REQUESTABLE_TRANSPORTS:
+                _add(failures, r, f"requested transport {h.transport!r} is not one of "
+                                  f"{sorted(REQUESTABLE_TRANSPORTS)}")
+        topo, odd = _outliers({r: (h.world_size, h.trainer_ranks) for r, h in hellos.items()})
+        for r, note in odd.items():
+            h = hellos[r]
+            _add(failures, r, f"topology world_size={h.world_size}, trainer_ranks="
+                              f"{h.trainer_ranks} differs: {note}")
+        if topo is not None:
+            world, trainers = topo
+            if world != self.world_size or not 1 <= trainers < world:
+                for r in hellos:
+                    _add(failures, r, f"topology world_size={world}, trainer_ranks={trainers} "
+                                      f"is impossible for a group of {self.world_size} ranks "
+                                      f"(need 1 <= trainer_ranks < world_size)")
+            else:
+                for r, h in hellos.items():
+                    want = "trainer" if r < trainers else "worker"
+                    if h.role in _ROLES and h.role != want:
+                        _add(failures, r, f"rank {r} says it is a {h.role}, but ranks "
+                                          f"[0, {trainers}) are trainers")
+        requested, odd = _outliers({r: h.transport for r, h in hellos.items()})
+        for r, note in odd.items():
+            _add(failures, r, f"requested transport {hellos[r].transport!r} differs: {note}")
+        if requested is not None:
+            self._requested = requested
+
+    def _check_source(self, envs: Mapping[int, msgspec.Struct], failures: dict[int, str]
+                      ) -> None:
+        t = self.trainer_ranks
+        plans = {r: e for r, e in envs.items() if isinstance(e, SourcePlan)}
+        for r, p in plans.items():
+            if r >= t and (p.digest is not None or p.params is not None):
+                _add(failures, r, "a worker sent a source digest or specs (workers have no "
+                                  "source plan; both must be None)")
+            elif r < t and not p.digest:
+                _add(failures, r, "a trainer sent no source-plan digest")
+            elif 0 < r < t and p.params is not None:
+                _add(failures, r, "only trainer rank 0 ships the source specs")
+            elif r == 0 and p.params is None:
+                _add(failures, r, "trainer rank 0 did not ship the source specs")
+        digests = {r: p.digest for r, p in plans.items()
+                   if r < t and p.digest and r not in failures}
+        _, odd = _outliers(digests, _show_digest)
+        for r, note in odd.items():
+            _add(failures, r, f"source-plan digest {_dig(digests[r])} differs: {note} "
+                              f"(different param names, dtypes, shapes, layouts or order)")
+        root = plans.get(0)
+        if root is None or root.params is None or 0 in failures:
+            return
+        try:
+            validate_source_specs(root.params, t)
+            shipped = source_plan_digest(root.params, t)
+        except PlanError as e:
+            _add(failures, 0, f"shipped source specs are invalid: {e}")
+            return
+        if shipped != root.digest:
+            _add(failures, 0, f"shipped source specs hash to {_dig(shipped)}, not to its "
+                              f"announced digest {_dig(root.digest)}")
+            return
+        self._specs = root.params
+
+    def _check_destination(self, envs: Mapping[int, msgspec.Struct],
+                           failures: dict[int, str]) -> None:
+        t = self.trainer_ranks
+        dests = {r: e for r, e in envs.items() if isinstance(e, DestinationPlan)}
+        specs = self._agreed_specs()
+        for r, d in dests.items():
+            unknown = [c for c in d.capabilities if c not in KNOWN_TRANSPORTS]
+            if unknown or len(set(d.capabilities)) != len(d.capabilities):
+                _add(failures, r, f"capabilities {list(d.capabilities)} must be distinct names "
+                                  f"from {sorted(KNOWN_TRANSPORTS)}")
+            if r < t:
+                if (d.mesh_dims, d.placements_digest, d.placements) != (None, None, None):
+                    _add(failures, r, "a trainer sent destination placements (only workers "
+                                      "have a destination side)")
+                continue
+            if d.mesh_dims is None or d.placements_digest is None:
+                _add(failures, r, "a worker sent no mesh dims or placements digest")
+            elif r == t and d.placements is None:
+                _add(failures, r, "the first worker did not ship its placements")
+            elif r != t and d.placements is not None:
+                _add(failures, r, "only the first worker ships the placements")
+        workers = {r: (d.mesh_dims, d.placements_digest) for r, d in dests.items()
+                   if r >= t and r not in failures}
+        ref, odd = _outliers(workers, _show_destination)
+        for r, note in odd.items():
+            _add(failures, r, f"destination {_show_destination(workers[r])} differs: {note}")
+        first = dests.get(t)
+        if failures or first is None or ref is None:
+            return
+        dims, dig = ref
+        assert dims is not None and first.placements is not None
+        worker_ranks = list(range(t, self.world_size))
+        if len(first.placements) != len(specs):
+            _add(failures, t, f"shipped {len(first.placements)} placements for a source plan "
+                              f"of {len(specs)} params")
+            return
+        if placements_digest(dims, first.placements) != dig:
+            _add(failures, t, "shipped placements do not hash to its announced digest")
+            return
+        if dims[0] * dims[1] != len(worker_ranks):
+            for r in worker_ranks:
+                _add(failures, r, f"worker mesh dims {dims} hold {dims[0] * dims[1]} ranks, but "
+                                  f"there are {len(worker_ranks)} worker ranks "
+                                  f"[{t}, {self.world_size})")
+            return
+        mesh = Mesh(dims, start_rank=t)
+        try:
+            transfers = [ParamTransfer(s, Layout(mesh, p))
+                         for s, p in zip(specs, first.placements, strict=True)]
+        except PlanError as e:
+            for r in worker_ranks:
+                _add(failures, r, f"destination placements are invalid on the worker mesh: {e}")
+            return
+        try:
+            plan = TransferPlan(transfers, trainer_ranks=t, world_size=self.world_size)
+        except PlanError as e:
+            for r in range(self.world_size):
+                _add(failures, r, f"the plan is invalid: {e}")
+            return
+        chosen = choose_transport(plan, self._requested,
+                                  {r: d.capabilities for r, d in sorted(dests.items())})
+        if isinstance(chosen, dict):
+            for r, msg in chosen.items():
+                _add(failures, r, msg)
+            return
+        transport, reason = chosen
+        self.plan = PreflightPlan(plan, complete_plan_digest(plan), transport, reason)
+
+    def _check_data_plane(self, envs: Mapping[int, msgspec.Struct], failures: dict[int, str]
+                          ) -> None:
+        plan = self._agreed_plan()
+        reports = {r: e for r, e in envs.items() if isinstance(e, DataPlaneReport)}
+        for r, d in reports.items():
+            _check_agreed(failures, r, d.transport, d.plan_digest, plan)
+        ids = {r: d.identity for r, d in reports.items() if r not in failures}
+        for what, values in (("libnccl version", {r: i.libnccl_version for r, i in ids.items()}),
+                             ("max_cta", {r: i.max_cta for r, i in ids.items()})):
+            _, odd = _outliers(values)
+            for r, note in odd.items():
+                _add(failures, r, f"{what} {values[r]!r} differs: {note}")
+        envs_by_rank = {r: dict(i.env) for r, i in ids.items()}
+        names = sorted({k for env in envs_by_rank.values() for k in env})
+        per_rank: dict[int, list[str]] = {}
+        for name in names:
+            settings = {r: env.get(name, "<unset>") for r, env in envs_by_rank.items()}
+            _, odd = _outliers(settings, str)
+            for r, note in odd.items():
+                per_rank.setdefault(r, []).append(f"{name}={settings[r]} ({note})")
+        for r, parts in sorted(per_rank.items()):
+            _add(failures, r, "NCCL variables differ: " + "; ".join(parts))
+        if not failures:
+            self.identities = dict(ids)
+
+    def _check_runtime_ready(self, envs: Mapping[int, msgspec.Struct],
+                             failures: dict[int, str]) -> None:
+        plan = self._agreed_plan()
+        for r, e in envs.items():
+            if isinstance(e, RuntimeReady):
+                _check_agreed(failures, r, e.transport, e.plan_digest, plan)
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _expect(self, phase: Phase) -> None:
+        if self.phase is not phase:
+            raise LocalProtocolError(f"handshake is in phase {self.phase.value!r}, not "
+                                     f"{phase.value!r}")
+
+    def _agreed_specs(self) -> tuple[ParamSpec, ...]:
+        if self._specs is None:
+            raise LocalProtocolError("the source plan has not been agreed yet")
+        return self._specs
+
+    def _agreed_plan(self) -> PreflightPlan:
+        if self.plan is None:
+            raise LocalProtocolError("the plan has not been agreed yet")
+        return self.plan
+
+
+def _check_agreed(failures: dict[int, str], r: int, transport: str, digest: str,
+                  plan: PreflightPlan) -> None:
+    if transport != plan.transport:
+        _add(failures, r, f"prepared transport {transport!r}, but {plan.transport!r} was "
+                          f"agreed")
+    elif digest != plan.digest:
+        _add(failures, r, f"prepared plan {_dig(digest)}, but plan {_dig(plan.digest)} was "
+                          f"agreed")
+
+
+def _placement(name: str, p: object) -> tuple[int, int] | None:
+    if p is None:
+        return None
+    pair = tuple(p) if isinstance(p, tuple | list) else ()
+    if len(pair) != 2 or not all(type(x) is int for x in pair):
+        raise PlanError(f"parameter {name!r} (destination side): placements must be two "
+                        f"ints (REPLICATE or a tensor dim), got {p!r}")
+    return (pair[0], pair[1])
+
+
+def _names(names: Sequence[str], limit: int = 10) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return f"[{shown}{', …' if len(names) > limit else ''}]"
+
+
+def _dig(digest: str | None) -> str:
+    if digest is None:
+        return "None"
+    return digest[:12] + "…" if len(digest) > 12 else digest
+
+
+def _show_digest(value: object) -> str:
+    return _dig(value) if isinstance(value, str) else repr(value)
+
+
+def _show_destination(value: object) -> str:
+    assert isinstance(value, tuple)
+    dims, digest = value
+    return f"(mesh dims {dims}, placements {_show_digest(digest)})"
+
+
+# -- docs -------------------------------------------------------------------------------------
+
+
+def mermaid() -> str:
+    """A Mermaid ``stateDiagram-v2`` of ``TRANSITIONS`` (events to one target are merged)."""
+    lines = ["stateDiagram-v2", f"    [*] --> {Phase.HELLO.value}"]
+    for phase, row in TRANSITIONS.items():
+        by_target: dict[Phase, list[str]] = {}
+        for event, target in row.items():
+            by_target.setdefault(target, []).append(event.value)
+        for target, events in by_target.items():
+            lines.append(f"    {phase.value} --> {target.value}: {' / '.join(events)}")
+        if not row:
+            lines.append(f"    {phase.value} --> [*]")
+    return "\n".join(lines) + "\n"
+
+
+def phases_doc() -> str:
+    """The whole of ``docs/phases.md``, generated from ``TRANSITIONS`` and the phase notes."""
+    rows = "\n".join(f"| `{p.value}` | {_PHASE_DOC[p]} |" for p in Phase)
+    return (
+        "# Preflight phases\n\n"
+        "<!-- Generated by `python -m m2n_async._proto.handshake --doc > docs/phases.md`\n"
+        "     from TRANSITIONS in m2n_async/_proto/handshake.py; a test fails when stale. -->\n\n"
+        "Every rank runs these phases before any communicator exists. Each gathering phase is "
+        "one\nall-gather of an envelope that every rank sends even when its local step failed, "
+        "so\nevery rank raises the same `PreflightError(phase, {rank: message})`. A phase that "
+        "passes\nits deadline raises `TimeoutError` naming the ranks that did not arrive; a "
+        "rank whose\nstore session ends makes the others raise `PeerLostError` naming it at "
+        "once.\n\n"
+        f"```mermaid\n{mermaid()}```\n\n"
+        "| phase | agreement checked |\n|---|---|\n"
+        f"{rows}\n"
+    )
+
+
+if __name__ == "__main__":  # pragma: no cover - exercised through the docs test
+    import sys
+
+    arg = sys.argv[1] if len(sys.argv) > 1 else "--doc"
+    if arg not in ("--doc", "--mermaid"):
+        sys.exit("usage: python -m m2n_async._proto.handshake [--doc | --mermaid]")
+    sys.stdout.write(phases_doc() if arg == "--doc" else mermaid())

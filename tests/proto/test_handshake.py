@@ -1,0 +1,563 @@
+"""The pure handshake machine, driven by an in-memory all-gather harness (h11 style).
+
+Every test runs one ``Handshake`` per rank, gathers their encoded envelopes, hands the same
+bytes to every rank and checks that every rank reaches the same verdict — that is the
+property the driver relies on to raise one identical ``PreflightError`` everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from m2n_async import PreflightError
+from m2n_async._proto.errors import LocalProtocolError, PlanError
+from m2n_async._proto.handshake import (
+    ENVELOPE_OF,
+    TRANSITIONS,
+    Event,
+    Handshake,
+    Phase,
+    choose_transport,
+    mermaid,
+    nccl_environment,
+    phases_doc,
+)
+from m2n_async._proto.layout import REPLICATE, Layout, Mesh
+from m2n_async._proto.messages import (
+    PROTO_VERSION,
+    DataPlaneIdentity,
+    DataPlaneReport,
+    Hello,
+    PhaseFailure,
+    SourcePlan,
+)
+from m2n_async._proto.params import ParamSpec, ParamTransfer
+from m2n_async._proto.plan import TransferPlan
+
+GEN = 7
+GATHERING = [Phase.HELLO, Phase.SOURCE, Phase.DESTINATION, Phase.DATA_PLANE,
+             Phase.RUNTIME_READY]
+
+
+def make_specs(t: int, dtype: str = "float32") -> list[ParamSpec]:
+    mesh = Mesh((t, 1))
+    return [ParamSpec("w", dtype, (12, 6), Layout(mesh, (0, REPLICATE))),
+            ParamSpec("b", "bfloat16", (12,), Layout(mesh, None))]
+
+
+def make_placements() -> dict[str, tuple[int, int] | None]:
+    return {"w": (REPLICATE, 1), "b": None}
+
+
+Tamper = Callable[[msgspec.Struct], bytes]
+
+
+class World:
+    """T trainers + N workers, each with a Handshake and default local inputs."""
+
+    def __init__(self, t: int, n: int, *, transport: str = "auto", dtype: str = "float32",
+                 caps: Mapping[int, tuple[str, ...]] | None = None) -> None:
+        self.t, self.n, self.w = t, n, t + n
+        self.machines = [
+            Handshake(role="trainer" if r < t else "worker", rank=r, world_size=t + n,
+                      trainer_ranks=t, generation=GEN, transport=transport)
+            for r in range(t + n)]
+        self.specs = make_specs(t, dtype)
+        self.caps = dict(caps or {})
+        self.identity = {r: DataPlaneIdentity("2.30.7", None, (("NCCL_RESHARD_X", "1"),))
+                         for r in range(t + n)}
+
+    def local(self, r: int) -> msgspec.Struct:
+        m = self.machines[r]
+        if m.phase is Phase.HELLO:
+            return m.hello()
+        if m.phase is Phase.SOURCE:
+            return m.source(self.specs if r < self.t else None)
+        if m.phase is Phase.DESTINATION:
+            caps = self.caps.get(r, ("m2n", "nccl", "gloo"))
+            if r < self.t:
+                return m.destination(caps, None, None)
+            return m.destination(caps, (1, self.n), make_placements())
+        if m.phase is Phase.DATA_PLANE:
+            return m.data_plane(self.identity[r])
+        return m.runtime_ready()
+
+    def step(self, tamper: Mapping[int, Tamper] | None = None) -> Phase | PreflightError:
+        """One gathering phase on every rank; asserts every rank reached the same verdict."""
+        payloads = []
+        for r, m in enumerate(self.machines):
+            env = self.local(r)
+            payloads.append(tamper[r](env) if tamper and r in tamper else m.encode(env))
+        verdicts: list[Phase | PreflightError] = []
+        for m in self.machines:
+            try:
+                verdicts.append(m.receive(payloads))
+            except PreflightError as e:
+                verdicts.append(e)
+        first = verdicts[0]
+        for v in verdicts[1:]:
+            if isinstance(first, PreflightError):
+                assert isinstance(v, PreflightError)
+                assert (v.phase, v.failures, v.generation) == (first.phase, first.failures,
+                                                               first.generation)
+            else:
+                assert v == first
+        return first
+
+    def run_to(self, phase: Phase) -> None:
+        while self.machines[0].phase is not phase:
+            result = self.step()
+            assert isinstance(result, Phase), result
+
+    def fail_at(self, phase: Phase, tamper: Mapping[int, Tamper]) -> PreflightError:
+        self.run_to(phase)
+        result = self.step(tamper)
+        assert isinstance(result, PreflightError), f"phase {phase.value} passed: {result}"
+        assert result.phase == phase.value
+        assert all(m.phase is Phase.FAILED for m in self.machines)
+        return result
+
+
+def as_dict(env: msgspec.Struct) -> dict[str, Any]:
+    d = msgspec.to_builtins(env)
+    assert isinstance(d, dict)
+    return d
+
+
+def edit(**changes: Any) -> Tamper:
+    """Re-encode an envelope with fields changed (``None`` value + ``_drop`` removes)."""
+    def tamper(env: msgspec.Struct) -> bytes:
+        d = as_dict(env)
+        for k, v in changes.items():
+            if k == "_drop":
+                del d[v]
+            else:
+                d[k] = v
+        return msgspec.msgpack.encode(d)
+    return tamper
+
+
+def replace(**changes: Any) -> Tamper:
+    def tamper(env: msgspec.Struct) -> bytes:
+        return Handshake.encode(msgspec.structs.replace(env, **changes))
+    return tamper
+
+
+# -- the table and the docs -----------------------------------------------------------------
+
+
+def test_transitions_table_is_one_linear_chain_with_failure_exits() -> None:
+    chain = [Phase.HELLO]
+    while TRANSITIONS[chain[-1]]:
+        chain.append(TRANSITIONS[chain[-1]][Event.AGREED])
+    assert chain == [*GATHERING, Phase.CONNECTED]
+    assert set(TRANSITIONS) == set(Phase)
+    for phase in GATHERING:
+        assert set(TRANSITIONS[phase]) == set(Event)
+        assert {TRANSITIONS[phase][e] for e in Event if e is not Event.AGREED} == {Phase.FAILED}
+    assert TRANSITIONS[Phase.CONNECTED] == {} and TRANSITIONS[Phase.FAILED] == {}
+    assert set(ENVELOPE_OF) == set(GATHERING)
+
+
+def test_committed_phase_diagram_is_current() -> None:
+    doc = Path(__file__).resolve().parents[2] / "docs" / "phases.md"
+    assert doc.read_text() == phases_doc(), (
+        "docs/phases.md is stale: run `python -m m2n_async._proto.handshake --doc > "
+        "docs/phases.md`")
+
+
+def test_diagram_has_an_edge_for_every_transition() -> None:
+    text = mermaid()
+    for phase, row in TRANSITIONS.items():
+        for event, target in row.items():
+            line = next(x for x in text.splitlines()
+                        if x.strip().startswith(f"{phase.value} --> {target.value}:"))
+            assert event.value in line
+
+
+# -- the happy path ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("t,n", [(1, 1), (2, 3)])
+def test_all_phases_agree(t: int, n: int) -> None:
+    world = World(t, n)
+    world.run_to(Phase.CONNECTED)
+    plans = [m.plan for m in world.machines]
+    assert all(p is not None for p in plans)
+    assert len({p.digest for p in plans if p}) == 1
+    first = plans[0]
+    assert first is not None
+    assert first.transport == "m2n" and "auto chose 'm2n'" in first.reason
+    assert [x.name for x in first.plan.params] == ["w", "b"]
+    assert first.plan.params[0].dst == Layout(Mesh((1, n), start_rank=t), (REPLICATE, 1))
+    assert world.machines[-1].identities[0].libnccl_version == "2.30.7"
+
+
+def test_only_the_first_trainer_and_worker_ship_bulk_data() -> None:
+    world = World(2, 3)
+    world.run_to(Phase.SOURCE)
+    envs = [world.local(r) for r in range(5)]
+    assert [e.params is not None for e in envs] == [True, False, False, False, False]
+    world.run_to(Phase.DESTINATION)
+    envs = [world.local(r) for r in range(5)]
+    assert [e.placements is not None for e in envs] == [False, False, True, False, False]
+
+
+# -- strict decoding ---------------------------------------------------------------------------
+
+
+STRICT_CASES: list[tuple[str, Callable[[], Tamper], str]] = [
+    ("unknown field", lambda: edit(colour="blue"), "unknown field `colour`"),
+    ("missing field", lambda: edit(_drop="trainer_ranks"), "missing required field "
+                                                           "`trainer_ranks`"),
+    ("wrong type", lambda: edit(world_size="5"), "Expected `int`, got `str`"),
+    ("protocol version", lambda: edit(proto_version=PROTO_VERSION + 1),
+     f"speaks protocol version {PROTO_VERSION + 1}"),
+    ("no version at all", lambda: edit(_drop="proto_version"), "protocol version None"),
+    ("stale generation", lambda: replace(generation=GEN - 1), f"stale generation {GEN - 1}"),
+    ("future generation", lambda: replace(generation=GEN + 1), f"generation {GEN + 1}; this"),
+    ("wrong slot", lambda: replace(rank=0), "claims rank 0 but arrived in rank"),
+    ("unknown tag", lambda: edit(type="Goodbye"), "Invalid value 'Goodbye'"),
+    ("not msgpack", lambda: (lambda env: b"\xc1garbage"), "not a handshake envelope"),
+    ("not a map", lambda: (lambda env: msgspec.msgpack.encode([1, 2])),
+     "not a handshake envelope"),
+]
+
+
+@pytest.mark.parametrize("case", STRICT_CASES, ids=[c[0] for c in STRICT_CASES])
+@pytest.mark.parametrize("bad", [1, 4])
+def test_strict_decoding_names_the_sender(case: tuple[str, Callable[[], Tamper], str],
+                                          bad: int) -> None:
+    _, make, needle = case
+    err = World(2, 3).fail_at(Phase.HELLO, {bad: make()})
+    assert list(err.failures) == [bad]
+    assert needle in err.failures[bad]
+    assert err.generation == GEN
+
+
+@pytest.mark.parametrize("phase", GATHERING)
+def test_wrong_envelope_kind_for_the_phase(phase: Phase) -> None:
+    bogus = Hello(PROTO_VERSION, GEN, 2, "trainer", 5, 2, "auto")
+    if phase is Phase.HELLO:
+        bogus_bytes = Handshake.encode(SourcePlan(PROTO_VERSION, GEN, 2, "x", None))
+        expected = "sent SourcePlan during phase 'hello'"
+    else:
+        bogus_bytes = Handshake.encode(bogus)
+        expected = f"sent Hello during phase {phase.value!r}"
+    err = World(2, 3).fail_at(phase, {2: lambda env: bogus_bytes})
+    assert list(err.failures) == [2]
+    assert expected in err.failures[2]
+
+
+@pytest.mark.parametrize("phase", GATHERING)
+def test_strict_decoding_in_every_phase(phase: Phase) -> None:
+    world = World(2, 3)
+    err = world.fail_at(phase, {3: edit(extra=1)})
+    assert list(err.failures) == [3] and "unknown field `extra`" in err.failures[3]
+    world = World(2, 3)
+    err = world.fail_at(phase, {4: replace(generation=GEN - 2)})
+    assert list(err.failures) == [4] and "stale generation 5" in err.failures[4]
+
+
+def test_failure_envelope_for_another_phase_is_refused() -> None:
+    def other(env: msgspec.Struct) -> bytes:
+        return Handshake.encode(PhaseFailure(PROTO_VERSION, GEN, 0, "hello", "x"))
+    err = World(1, 1).fail_at(Phase.SOURCE, {0: other})
+    assert "failure of phase 'hello' during phase 'source'" in err.failures[0]
+
+
+# -- local failures and disagreement -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("phase", GATHERING)
+@pytest.mark.parametrize("t,n,bad", [(1, 1, 0), (1, 1, 1), (2, 3, 1), (2, 3, 2), (2, 3, 4)])
+def test_local_failure_is_reported_by_every_rank(phase: Phase, t: int, n: int, bad: int) -> None:
+    world = World(t, n)
+
+    def fail(env: msgspec.Struct) -> bytes:
+        m = world.machines[bad]
+        return m.encode(m.failure(RuntimeError(f"boom on {bad}")))
+    err = world.fail_at(phase, {bad: fail})
+    assert err.failures == {bad: f"local step failed: RuntimeError: boom on {bad}"}
+    assert f"preflight phase {phase.value!r} failed" in str(err)
+
+
+def test_long_local_errors_are_truncated() -> None:
+    m = World(1, 1).machines[0]
+    env = m.failure("x" * 10_000)
+    assert len(env.error) < 2100 and env.error.endswith("more chars)")
+
+
+def test_hello_disagreement_majority_names_the_odd_rank() -> None:
+    err = World(2, 3).fail_at(Phase.HELLO, {3: replace(world_size=6)})
+    assert list(err.failures) == [3]
+    assert "world_size=6" in err.failures[3] and "4 rank(s)" in err.failures[3]
+
+
+def test_hello_disagreement_without_majority_names_everyone() -> None:
+    err = World(1, 1).fail_at(Phase.HELLO, {1: replace(trainer_ranks=2, world_size=3)})
+    assert sorted(err.failures) == [0, 1]
+    assert all("no majority" in m for m in err.failures.values())
+
+
+def test_hello_role_must_match_rank() -> None:
+    err = World(2, 3).fail_at(Phase.HELLO, {1: replace(role="worker")})
+    assert list(err.failures) == [1] and "ranks [0, 2) are trainers" in err.failures[1]
+    err = World(2, 3).fail_at(Phase.HELLO, {2: replace(role="driver")})
+    assert list(err.failures) == [2] and "neither 'trainer' nor 'worker'" in err.failures[2]
+
+
+def test_hello_requested_transport_must_agree_and_be_known() -> None:
+    err = World(2, 3).fail_at(Phase.HELLO, {4: replace(transport="gloo")})
+    assert list(err.failures) == [4] and "requested transport 'gloo'" in err.failures[4]
+    err = World(2, 3).fail_at(Phase.HELLO, {0: replace(transport="carrier-pigeon")})
+    assert list(err.failures) == [0] and "not one of" in err.failures[0]
+
+
+def test_hello_impossible_topology_is_reported_by_all() -> None:
+    world = World(2, 3)
+    tampers = {r: replace(world_size=9) for r in range(5)}
+    err = world.fail_at(Phase.HELLO, tampers)
+    assert sorted(err.failures) == [0, 1, 2, 3, 4]
+    assert "impossible for a group of 5 ranks" in err.failures[0]
+
+
+@given(rank=st.integers(0, 4), field=st.sampled_from(["role", "world_size", "trainer_ranks",
+                                                      "transport", "rank", "generation"]),
+       value=st.one_of(st.integers(-3, 9), st.sampled_from(["trainer", "worker", "auto",
+                                                             "nccl", "x"])))
+@settings(max_examples=150, deadline=None)
+def test_any_single_corrupted_hello_field_names_exactly_that_rank(rank: int, field: str,
+                                                                  value: object) -> None:
+    world = World(2, 3)
+    honest = as_dict(world.machines[rank].hello())
+    if honest[field] == value:
+        return  # not a corruption
+    err_or_phase = world.step({rank: edit(**{field: value})})
+    assert isinstance(err_or_phase, PreflightError), (field, value)
+    assert list(err_or_phase.failures) == [rank]
+
+
+def test_source_digest_majority_and_tie() -> None:
+    odd = "f" * 64
+    # 2 trainers: a tie, both named; the worker ranks are not.
+    err = World(2, 3).fail_at(Phase.SOURCE, {1: replace(digest=odd)})
+    assert sorted(err.failures) == [0, 1] and "no majority" in err.failures[1]
+
+
+def test_source_shipped_specs_must_match_their_digest() -> None:
+    world = World(1, 1)
+    other = make_specs(1)[:1]
+    err = world.fail_at(Phase.SOURCE, {0: replace(params=tuple(other))})
+    assert list(err.failures) == [0]
+    assert "shipped source specs hash to" in err.failures[0]
+
+
+def test_source_shipped_specs_are_validated() -> None:
+    world = World(1, 1)
+    dup = (*make_specs(1), make_specs(1)[0])
+    err = world.fail_at(Phase.SOURCE, {0: replace(params=dup)})
+    assert list(err.failures) == [0] and "appears twice" in err.failures[0]
+
+
+def test_source_role_rules() -> None:
+    err = World(2, 3).fail_at(Phase.SOURCE, {3: replace(digest="abc")})
+    assert list(err.failures) == [3] and "a worker sent a source digest" in err.failures[3]
+    err = World(2, 3).fail_at(Phase.SOURCE, {0: replace(params=None)})
+    assert 0 in err.failures and "did not ship" in err.failures[0]
+    err = World(2, 3).fail_at(Phase.SOURCE, {1: replace(params=tuple(make_specs(2)))})
+    assert list(err.failures) == [1] and "only trainer rank 0" in err.failures[1]
+
+
+def test_source_local_step_validates_the_trainer_mesh() -> None:
+    world = World(2, 3)
+    world.run_to(Phase.SOURCE)
+    wrong = [ParamSpec("w", "float32", (12, 6), Layout(Mesh((3, 1)), (0, REPLICATE)))]
+    with pytest.raises(PlanError, match=r"'w' \(source side\).*\[0, 2\)"):
+        world.machines[0].source(wrong)
+
+
+def test_destination_odd_worker_is_named() -> None:
+    err = World(2, 3).fail_at(Phase.DESTINATION, {4: replace(mesh_dims=(3, 1))})
+    assert list(err.failures) == [4] and "(3, 1)" in err.failures[4]
+
+
+def test_destination_single_worker_mesh_must_fit() -> None:
+    def wrong(env: msgspec.Struct) -> bytes:
+        from m2n_async._proto.handshake import placements_digest
+        pl = env.placements  # type: ignore[attr-defined]
+        return Handshake.encode(msgspec.structs.replace(
+            env, mesh_dims=(2, 1), placements_digest=placements_digest((2, 1), pl)))
+    err = World(1, 1).fail_at(Phase.DESTINATION, {1: wrong})
+    assert list(err.failures) == [1] and "hold 2 ranks, but there are 1" in err.failures[1]
+
+
+def test_destination_trainer_sending_placements_or_bad_capabilities() -> None:
+    err = World(2, 3).fail_at(Phase.DESTINATION, {0: replace(mesh_dims=(1, 3))})
+    assert list(err.failures) == [0] and "a trainer sent destination" in err.failures[0]
+    err = World(2, 3).fail_at(Phase.DESTINATION, {1: replace(capabilities=("warp",))})
+    assert list(err.failures) == [1] and "capabilities ['warp']" in err.failures[1]
+
+
+def test_destination_placements_must_match_their_digest() -> None:
+    err = World(2, 3).fail_at(Phase.DESTINATION, {2: replace(placements=((0, REPLICATE),
+                                                                         None))})
+    assert list(err.failures) == [2] and "do not hash" in err.failures[2]
+
+
+def test_destination_invalid_placements_name_the_workers() -> None:
+    world = World(2, 3)
+    world.run_to(Phase.DESTINATION)
+    # dim 0 of "w" (12) splits into 3; dim 1 of "b" does not exist
+    payloads = []
+    for r, m in enumerate(world.machines):
+        if r < 2:
+            payloads.append(m.encode(m.destination(("gloo",), None, None)))
+        else:
+            payloads.append(m.encode(m.destination(("gloo",), (1, 3),
+                                                   {"w": (REPLICATE, 0), "b": (REPLICATE, 1)})))
+    for m in world.machines:
+        with pytest.raises(PreflightError) as info:
+            m.receive(payloads)
+        assert sorted(info.value.failures) == [2, 3, 4]
+        assert "'b'" in info.value.failures[2]
+
+
+def test_destination_local_step_names_missing_and_extra_params() -> None:
+    world = World(1, 1)
+    world.run_to(Phase.DESTINATION)
+    with pytest.raises(PlanError, match=r"no destination placements .*'b'.*do not send: "
+                                        r"\['zz'\]"):
+        world.machines[1].destination(("gloo",), (1, 1), {"w": (REPLICATE, 1), "zz": None})
+
+
+@pytest.mark.parametrize("t,n", [(1, 1), (2, 3)])
+def test_auto_falls_back_and_says_why(t: int, n: int) -> None:
+    lacking = t + n - 1
+    world = World(t, n, caps={lacking: ("nccl", "gloo")})
+    world.run_to(Phase.CONNECTED)
+    plan = world.machines[0].plan
+    assert plan is not None and plan.transport == "nccl"
+    assert f"m2n is not available on rank(s) [{lacking}]" in plan.reason
+
+
+def test_auto_skips_m2n_for_a_dtype_it_cannot_carry() -> None:
+    world = World(2, 3, dtype="int16")
+    world.run_to(Phase.CONNECTED)
+    plan = world.machines[0].plan
+    assert plan is not None and plan.transport == "nccl"
+    assert "'w'" in plan.reason and "int16" in plan.reason
+
+
+def test_explicit_transport_names_the_ranks_that_cannot_run_it() -> None:
+    world = World(2, 3, transport="m2n", caps={0: ("gloo",), 3: ("nccl", "gloo")})
+    err = world.fail_at(Phase.DESTINATION, {})
+    assert sorted(err.failures) == [0, 3]
+    assert "cannot run the requested transport 'm2n'" in err.failures[3]
+
+
+def test_explicit_transport_that_cannot_carry_the_plan_names_the_param() -> None:
+    err = World(1, 1, transport="m2n", dtype="int16").fail_at(Phase.DESTINATION, {})
+    assert sorted(err.failures) == [0, 1] and "'w'" in err.failures[0]
+
+
+def test_auto_with_nothing_usable_names_the_incapable_rank() -> None:
+    err = World(2, 3, caps={2: ()}).fail_at(Phase.DESTINATION, {})
+    assert list(err.failures) == [2]
+    assert "cannot run m2n; cannot run nccl; cannot run gloo" in err.failures[2]
+
+
+def test_choose_transport_fan_in_limit() -> None:
+    t, n = 17, 1  # 17 source shards into one destination shard: over M2N's fan-in of 16
+    spec = ParamSpec("big", "float32", (34, 2), Layout(Mesh((t, 1)), (0, REPLICATE)))
+    dst = Layout(Mesh((1, 1), start_rank=t), None)
+    plan = TransferPlan([ParamTransfer(spec, dst)], trainer_ranks=t, world_size=t + n)
+    caps = {r: ("m2n", "nccl", "gloo") for r in range(t + n)}
+    chosen = choose_transport(plan, "auto", caps)
+    assert isinstance(chosen, tuple) and chosen[0] == "nccl" and "fan-in 17" in chosen[1]
+    refused = choose_transport(plan, "m2n", caps)
+    assert isinstance(refused, dict) and sorted(refused) == list(range(t + n))
+
+
+def test_data_plane_names_the_differing_variable() -> None:
+    world = World(2, 3)
+    world.identity[4] = DataPlaneIdentity("2.30.7", None, (("NCCL_RESHARD_X", "2"),))
+    world.identity[1] = DataPlaneIdentity("2.30.7", None, (("NCCL_RESHARD_X", "1"),
+                                                          ("NCCL_RESHARD_Y", "on")))
+    err = world.fail_at(Phase.DATA_PLANE, {})
+    assert sorted(err.failures) == [1, 4]
+    assert "NCCL_RESHARD_X=2" in err.failures[4]
+    assert "NCCL_RESHARD_Y=on" in err.failures[1]
+
+
+def test_data_plane_versions_and_agreed_facts() -> None:
+    world = World(2, 3)
+    world.identity[0] = DataPlaneIdentity("2.28.9", None, (("NCCL_RESHARD_X", "1"),))
+    err = world.fail_at(Phase.DATA_PLANE, {})
+    assert list(err.failures) == [0] and "libnccl version '2.28.9'" in err.failures[0]
+    err = World(1, 1).fail_at(Phase.DATA_PLANE, {1: replace(transport="gloo")})
+    assert list(err.failures) == [1] and "'m2n' was agreed" in err.failures[1]
+    err = World(1, 1).fail_at(Phase.DATA_PLANE, {0: replace(plan_digest="0" * 64)})
+    assert list(err.failures) == [0] and "was agreed" in err.failures[0]
+
+
+def test_data_plane_nested_identity_is_strict() -> None:
+    def bad(env: msgspec.Struct) -> bytes:
+        d = as_dict(env)
+        d["identity"]["gpu"] = "h200"
+        return msgspec.msgpack.encode(d)
+    err = World(1, 1).fail_at(Phase.DATA_PLANE, {1: bad})
+    assert "unknown field `gpu`" in err.failures[1] and "$.identity" in err.failures[1]
+
+
+def test_runtime_ready_checks_plan_digest() -> None:
+    err = World(2, 3).fail_at(Phase.RUNTIME_READY, {2: replace(plan_digest="1" * 64)})
+    assert list(err.failures) == [2] and "prepared plan 111111111111" in err.failures[2]
+
+
+def test_nccl_environment_filters_diagnostics() -> None:
+    env = {"NCCL_RESHARD_PACK_BUFFSIZES": "4G", "NCCL_RESHARD_LOG_LEVEL": "INFO",
+           "NCCL_RESHARD_SPLIT_KERNEL_TRACE": "1", "NCCL_DEBUG": "INFO",
+           "NCCL_MULTI_RANK_GPU_ENABLE": "1", "PATH": "/bin"}
+    assert nccl_environment(env) == (("NCCL_MULTI_RANK_GPU_ENABLE", "1"),
+                                     ("NCCL_RESHARD_PACK_BUFFSIZES", "4G"))
+
+
+# -- local protocol errors ----------------------------------------------------------------------
+
+
+def test_local_steps_out_of_order_are_local_protocol_errors() -> None:
+    world = World(1, 1)
+    m = world.machines[0]
+    with pytest.raises(LocalProtocolError, match="phase 'hello', not 'source'"):
+        m.source(world.specs)
+    with pytest.raises(LocalProtocolError, match="got 1 envelopes for world_size 2"):
+        m.receive([m.encode(m.hello())])
+    world.run_to(Phase.CONNECTED)
+    with pytest.raises(LocalProtocolError):
+        m.receive([b"", b""])
+    with pytest.raises(LocalProtocolError):
+        m.failure("late")
+
+
+def test_abandon_moves_to_failed() -> None:
+    m = World(1, 1).machines[0]
+    assert m.abandon(Event.TIMED_OUT) is Phase.FAILED
+    assert m.abandon(Event.PEER_LOST) is Phase.FAILED  # terminal: stays
+    with pytest.raises(LocalProtocolError):
+        m.abandon(Event.AGREED)
+
+
+def test_data_plane_report_roundtrip_is_exact() -> None:
+    world = World(1, 1)
+    world.run_to(Phase.DATA_PLANE)
+    env = world.local(0)
+    assert isinstance(env, DataPlaneReport)
+    assert msgspec.msgpack.decode(Handshake.encode(env), type=DataPlaneReport) == env
