@@ -6,12 +6,17 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from m2n_async._integrations.planfile import add_plan_command, run_plan_command
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="m2n-async", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="sync weights between local trainer and worker processes")
+    add_plan_command(sub)  # `plan` (issue 8): lives in _integrations/planfile.py
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        return run_plan_command(args)
     if args.command == "demo":
         print("m2n-async demo: not yet available (the engine is being built)")
         return 0

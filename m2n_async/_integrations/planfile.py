@@ -1,0 +1,412 @@
+"""``m2n-async plan SPEC``: validate a plan described in a file, offline, and summarize it.
+
+Theory of operation: the file (TOML or JSON, same schema) describes meshes and parameters in
+the words of the docs; ``load_plan_file`` turns it into the very ``TransferPlan`` the engine
+agrees on in its handshake, so "the file validates" means "this plan would pass the plan
+checks of preflight" — same code, no GPU, no torch. ``summarize`` then asks the plan the
+questions a deployment asks first: bytes per rank, fan-in/out, buckets, a lower-bound time at a
+given link bandwidth, and which transports can carry it (and if not, why).
+
+Schema (every key is checked; unknown keys are errors)::
+
+    trainer_mesh = [2, 4]          # trainer ranks [0, 8), row-major; [n] means (n, 1)
+    worker_mesh = [2, 4]           # worker ranks [8, 16)
+    bucket_bytes = "512MiB"        # optional; --bucket-bytes overrides
+
+    [[params]]
+    name = "layers.{i}.mlp.up.weight"   # "{i}" expands over range(repeat)
+    repeat = 32                         # optional, default 1
+    dtype = "bfloat16"
+    shape = [14336, 4096]
+    source = ["replicate", "shard(0)"]  # per mesh axis; null/"replicate": fully replicated
+    dest = ["replicate", "shard(0)"]
+    source_mesh = [8]                   # optional re-factoring of the same trainer ranks
+    dest_mesh = [1, 8]                  # optional re-factoring of the same worker ranks
+
+A placement entry is ``"replicate"`` (``"r"``, ``"Replicate()"``, ``-1``) or ``"shard(d)"``
+(``"s(d)"``, ``"Shard(d)"``, ``d``); a one-entry list is for a 1-D mesh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tomllib
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+
+from m2n_async._proto.errors import PlanError
+from m2n_async._proto.layout import REPLICATE, Layout, Mesh
+from m2n_async._proto.params import ParamSpec, ParamTransfer
+from m2n_async._proto.plan import TransferPlan, check_plan_limits, complete_plan_digest
+
+__all__ = [
+    "PlanFile",
+    "add_plan_command",
+    "run_plan_command",
+    "PlanSummary",
+    "format_summary",
+    "load_plan_file",
+    "parse_placements",
+    "parse_size",
+    "plan_from_file",
+    "summarize",
+]
+
+TRANSPORT_ORDER = ("m2n", "nccl", "gloo")
+DEFAULT_BUCKET_BYTES = 512 << 20
+
+PlacementEntry = int | str
+PlacementsField = str | list[PlacementEntry] | None
+
+
+class ParamEntry(msgspec.Struct, forbid_unknown_fields=True):
+    """One ``[[params]]`` table (before ``{i}`` expansion)."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    source: PlacementsField = None
+    dest: PlacementsField = None
+    repeat: int = 1
+    source_mesh: list[int] | None = None
+    dest_mesh: list[int] | None = None
+
+
+class PlanFile(msgspec.Struct, forbid_unknown_fields=True):
+    """The whole file."""
+
+    trainer_mesh: list[int]
+    worker_mesh: list[int]
+    params: list[ParamEntry]
+    bucket_bytes: int | str | None = None
+
+
+class RankLoad(msgspec.Struct, frozen=True):
+    """Bytes one rank sends and receives over the whole plan."""
+
+    rank: int
+    role: str
+    send_bytes: int
+    recv_bytes: int
+
+
+class Extreme(msgspec.Struct, frozen=True):
+    """The largest value of a per-parameter figure and the first parameter that has it."""
+
+    value: int
+    param: str
+
+
+class PlanSummary(msgspec.Struct, frozen=True):
+    """What ``m2n-async plan`` prints (``--json`` prints this struct)."""
+
+    source: str
+    params: int
+    total_bytes: int
+    moved_bytes: int
+    dtypes: dict[str, int]
+    trainer_ranks: int
+    worker_ranks: int
+    digest: str
+    fan_in: Extreme
+    fan_out: Extreme
+    bucket_bytes: int
+    buckets: int
+    largest_bucket_bytes: int
+    ranks: list[RankLoad]
+    bandwidth_bytes_per_second: float
+    lower_bound_seconds: float
+    transports: dict[str, str]  # transport -> "ok" or why it cannot carry the plan
+
+
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+          "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20,
+          "gib": 1 << 30, "tib": 1 << 40, "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30}
+
+
+def parse_size(value: int | str, what: str = "size") -> int:
+    """Bytes from an int or a string such as ``"512MiB"``, ``"1GB"``, ``"65536"``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    else:
+        m = _SIZE_RE.match(str(value))
+        unit = (m.group(2) or "").lower() if m else None
+        if m is None or unit not in _UNITS:
+            raise PlanError(f"{what}: cannot read {value!r} as a size (e.g. 512MiB, 1GB, "
+                            f"65536)")
+        n = int(float(m.group(1)) * _UNITS[unit])
+    if n < 1:
+        raise PlanError(f"{what}: must be at least 1 byte, got {value!r}")
+    return n
+
+
+_SHARD_RE = re.compile(r"^(?:s|shard)\(\s*(?:dim\s*=\s*)?(-?[0-9]+)\s*\)$", re.IGNORECASE)
+
+
+def _entry(value: PlacementEntry, where: str) -> int:
+    if isinstance(value, bool):
+        raise PlanError(f"{where}: placement {value!r} is not a placement")
+    if isinstance(value, int):
+        if value < REPLICATE:
+            raise PlanError(f"{where}: placement {value} must be -1 (replicate) or a dim >= 0")
+        return value
+    text = value.strip()
+    if text.lower() in ("r", "replicate", "replicate()"):
+        return REPLICATE
+    if text.isdigit():
+        return int(text)
+    m = _SHARD_RE.match(text)
+    if m is None or int(m.group(1)) < 0:
+        raise PlanError(f"{where}: cannot read placement {value!r} (use \"replicate\" or "
+                        f"\"shard(d)\" with d >= 0)")
+    return int(m.group(1))
+
+
+def parse_placements(value: PlacementsField, where: str) -> tuple[int, int] | None:
+    """Core placements from a file entry: ``None``/"replicate", or a list per mesh axis."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value.strip().lower() in ("r", "replicate", "replicate()"):
+            return None
+        raise PlanError(f"{where}: a single placement {value!r} is ambiguous; give a list "
+                        f"with one entry per mesh axis, e.g. [\"replicate\", {value!r}]")
+    if not 1 <= len(value) <= 2:
+        raise PlanError(f"{where}: placements need one entry per mesh axis (1 or 2), got "
+                        f"{len(value)}")
+    got = [_entry(v, where) for v in value]
+    if len(got) == 1:
+        got.append(REPLICATE)
+    if got == [REPLICATE, REPLICATE]:
+        return None
+    return (got[0], got[1])
+
+
+def _mesh(dims: Sequence[int], start: int, where: str) -> Mesh:
+    if not 1 <= len(dims) <= 2:
+        raise PlanError(f"{where}: a mesh has 1 or 2 dims, got {list(dims)}")
+    pair = (dims[0], 1) if len(dims) == 1 else (dims[0], dims[1])
+    try:
+        return Mesh(pair, start)
+    except PlanError as e:
+        raise PlanError(f"{where}: {e}") from None
+
+
+def plan_from_file(spec: PlanFile) -> tuple[TransferPlan, int | None]:
+    """Build (and validate) the ``TransferPlan`` a decoded file describes.
+
+    Returns the plan and the file's ``bucket_bytes`` (``None`` if absent). Raises
+    ``PlanError`` naming the parameter (and its ``[[params]]`` position) that is wrong.
+    """
+    trainer = _mesh(spec.trainer_mesh, 0, "trainer_mesh")
+    workers = _mesh(spec.worker_mesh, trainer.size, "worker_mesh")
+    transfers: list[ParamTransfer] = []
+    for k, entry in enumerate(spec.params):
+        where = f"params[{k}] ({entry.name!r})"
+        if entry.repeat < 1:
+            raise PlanError(f"{where}: repeat must be >= 1, got {entry.repeat}")
+        if entry.repeat > 1 and "{i}" not in entry.name:
+            raise PlanError(f"{where}: repeat = {entry.repeat} needs \"{{i}}\" in the name so "
+                            f"the copies get distinct names")
+        src_mesh = (_mesh(entry.source_mesh, 0, f"{where} source_mesh")
+                    if entry.source_mesh is not None else trainer)
+        dst_mesh = (_mesh(entry.dest_mesh, trainer.size, f"{where} dest_mesh")
+                    if entry.dest_mesh is not None else workers)
+        for label, mesh, full in (("source_mesh", src_mesh, trainer),
+                                  ("dest_mesh", dst_mesh, workers)):
+            if mesh.size != full.size:
+                raise PlanError(f"{where}: {label} {mesh.dims} has {mesh.size} ranks but the "
+                                f"{label.split('_')[0]} side has {full.size}; a per-param mesh "
+                                f"re-factors the same ranks")
+        try:
+            src = Layout(src_mesh, parse_placements(entry.source, f"{where} source"))
+            dst = Layout(dst_mesh, parse_placements(entry.dest, f"{where} dest"))
+            for i in range(entry.repeat):
+                name = entry.name.replace("{i}", str(i))
+                spec_ = ParamSpec(name, entry.dtype, tuple(entry.shape), src)
+                transfers.append(ParamTransfer(spec_, dst))
+        except PlanError as e:
+            msg = str(e)
+            raise PlanError(msg if msg.startswith(where) else f"{where}: {msg}") from None
+    if not transfers:
+        raise PlanError("the file declares no [[params]]")
+    plan = TransferPlan(transfers, trainer_ranks=trainer.size,
+                        world_size=trainer.size + workers.size)
+    bucket = (parse_size(spec.bucket_bytes, "bucket_bytes")
+              if spec.bucket_bytes is not None else None)
+    return plan, bucket
+
+
+def load_plan_file(path: str | Path) -> tuple[TransferPlan, int | None]:
+    """Read a TOML (``.toml``) or JSON file and build its plan (see ``plan_from_file``).
+
+    Raises ``PlanError`` for a plan that is invalid or a file that does not match the schema
+    (the message gives the key path), ``OSError`` for a file that cannot be read.
+    """
+    p = Path(path)
+    raw = p.read_bytes()
+    try:
+        if p.suffix.lower() == ".json":
+            obj = json.loads(raw)
+        else:
+            obj = tomllib.loads(raw.decode())
+    except (ValueError, UnicodeDecodeError) as e:
+        kind = "JSON" if p.suffix.lower() == ".json" else "TOML"
+        raise PlanError(f"{p}: not valid {kind}: {e}") from None
+    try:
+        spec = msgspec.convert(obj, PlanFile)
+    except msgspec.ValidationError as e:
+        raise PlanError(f"{p}: {e}") from None
+    return plan_from_file(spec)
+
+
+def summarize(plan: TransferPlan, *, source: str = "", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+              bandwidth_bytes_per_second: float = 50e9) -> PlanSummary:
+    """Everything ``m2n-async plan`` reports about ``plan``."""
+    dtypes: dict[str, int] = {}
+    best_in, best_out = Extreme(0, ""), Extreme(0, "")
+    for i, p in enumerate(plan.params):
+        dtypes[p.spec.dtype] = dtypes.get(p.spec.dtype, 0) + 1
+        fi, fo = plan.fan_in(i), plan.fan_out(i)
+        if fi > best_in.value:
+            best_in = Extreme(fi, p.name)
+        if fo > best_out.value:
+            best_out = Extreme(fo, p.name)
+    buckets = plan.buckets(bucket_bytes)
+    transports: dict[str, str] = {}
+    for t in TRANSPORT_ORDER:
+        try:
+            plan.validate(t)
+            check_plan_limits(plan, t)
+        except PlanError as e:
+            transports[t] = str(e)
+        else:
+            transports[t] = "ok"
+    ranks = [RankLoad(r, "trainer" if r < plan.trainer_ranks else "worker",
+                      plan.send_bytes(r), plan.recv_bytes(r)) for r in range(plan.world_size)]
+    return PlanSummary(
+        source=source,
+        params=len(plan.params),
+        total_bytes=sum(p.spec.nbytes for p in plan.params),
+        moved_bytes=plan.total_bytes(),
+        dtypes=dict(sorted(dtypes.items())),
+        trainer_ranks=plan.trainer_ranks,
+        worker_ranks=plan.worker_ranks,
+        digest=complete_plan_digest(plan),
+        fan_in=best_in,
+        fan_out=best_out,
+        bucket_bytes=bucket_bytes,
+        buckets=len(buckets),
+        largest_bucket_bytes=max((b.nbytes for b in buckets), default=0),
+        ranks=ranks,
+        bandwidth_bytes_per_second=bandwidth_bytes_per_second,
+        lower_bound_seconds=plan.lower_bound_seconds(bandwidth_bytes_per_second),
+        transports=transports,
+    )
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` → ``"1.5 KiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_summary(s: PlanSummary, *, all_ranks: bool = False) -> str:
+    """The human-readable report; ranks are listed in full up to 16 (or with ``all_ranks``)."""
+    lines = [
+        f"plan {s.source}" if s.source else "plan",
+        f"  params       {s.params} ({human_bytes(s.total_bytes)}; "
+        + ", ".join(f"{d} x{n}" for d, n in s.dtypes.items()) + ")",
+        f"  ranks        trainers [0, {s.trainer_ranks}), workers [{s.trainer_ranks}, "
+        f"{s.trainer_ranks + s.worker_ranks})",
+        f"  digest       {s.digest[:16]}",
+        f"  moved        {human_bytes(s.moved_bytes)}",
+        f"  fan-in max   {s.fan_in.value} ({s.fan_in.param})",
+        f"  fan-out max  {s.fan_out.value} ({s.fan_out.param})",
+        f"  buckets      {s.buckets} at {human_bytes(s.bucket_bytes)} "
+        f"(largest {human_bytes(s.largest_bucket_bytes)})",
+        f"  lower bound  {s.lower_bound_seconds:.4f} s at "
+        f"{s.bandwidth_bytes_per_second / 1e9:g} GB/s per rank and direction",
+        "  per rank     rank  role      send        recv",
+    ]
+    rows = s.ranks
+    if not all_ranks and len(rows) > 16:
+        busiest = sorted(rows, key=lambda r: -max(r.send_bytes, r.recv_bytes))[:8]
+        rows = sorted(busiest, key=lambda r: r.rank)
+        lines.append(f"               (the 8 busiest of {len(s.ranks)} ranks; --all-ranks "
+                     f"lists every one)")
+    for r in rows:
+        lines.append(f"               {r.rank:<5} {r.role:<9} {human_bytes(r.send_bytes):<11} "
+                     f"{human_bytes(r.recv_bytes)}")
+    lines.append("  transports")
+    for t, verdict in s.transports.items():
+        lines.append(f"    {t:<5} {'ok' if verdict == 'ok' else 'no: ' + verdict}")
+    return "\n".join(lines)
+
+
+# -- the subcommand ---------------------------------------------------------------------------
+
+
+def add_plan_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``plan`` on the ``m2n-async`` subparsers."""
+    p = sub.add_parser(
+        "plan", help="validate a plan file (TOML/JSON) offline and summarize it",
+        description="Validate a plan described in a TOML or JSON file (meshes, params, "
+                    "placements) with the same checks the engine's handshake runs, and print "
+                    "bytes per rank, fan-in/out, buckets, a lower-bound time and which "
+                    "transports can carry it. Exit status: 0 valid, 1 invalid (or --require "
+                    "not met), 2 unreadable file.")
+    p.add_argument("spec", help="plan file: .toml or .json (schema: docs/concepts.md)")
+    p.add_argument("--bandwidth", type=float, default=50.0, metavar="GB_PER_S",
+                   help="link bandwidth per rank and direction in GB/s for the lower bound "
+                        "(default 50, a 400G NIC; NVLink4 is about 370)")
+    p.add_argument("--bucket-bytes", default=None, metavar="SIZE",
+                   help="bucket size, e.g. 512MiB (default: the file's, else 512MiB)")
+    p.add_argument("--require", choices=TRANSPORT_ORDER, default=None,
+                   help="exit 1 unless this transport can carry the plan")
+    p.add_argument("--all-ranks", action="store_true", help="list every rank")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+def run_plan_command(args: argparse.Namespace) -> int:
+    """Run ``m2n-async plan``; returns the exit status."""
+    try:
+        plan, file_bucket = load_plan_file(args.spec)
+    except OSError as e:
+        print(f"m2n-async plan: cannot read {args.spec}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    except PlanError as e:
+        print(f"m2n-async plan: invalid plan: {e}", file=sys.stderr)
+        return 1
+    try:
+        bucket = (parse_size(args.bucket_bytes, "--bucket-bytes")
+                  if args.bucket_bytes is not None else file_bucket or DEFAULT_BUCKET_BYTES)
+        if not args.bandwidth > 0:
+            raise PlanError(f"--bandwidth must be > 0 GB/s, got {args.bandwidth}")
+        summary = summarize(plan, source=str(args.spec), bucket_bytes=bucket,
+                            bandwidth_bytes_per_second=args.bandwidth * 1e9)
+    except PlanError as e:
+        print(f"m2n-async plan: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(msgspec.json.encode(summary).decode())
+    else:
+        print(format_summary(summary, all_ranks=args.all_ranks))
+    carriers = [t for t, v in summary.transports.items() if v == "ok"]
+    if args.require is not None and args.require not in carriers:
+        print(f"m2n-async plan: transport {args.require!r} cannot carry this plan: "
+              f"{summary.transports[args.require]}", file=sys.stderr)
+        return 1
+    if not carriers:
+        print("m2n-async plan: no transport can carry this plan", file=sys.stderr)
+        return 1
+    return 0

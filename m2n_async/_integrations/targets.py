@@ -1,0 +1,255 @@
+"""Worker side: declare destination tensors and placements from a module and a TP plan.
+
+Theory of operation: an inference worker's model holds, per parameter, the *local* shard it
+serves with — a plain tensor already cut by tensor parallelism (vLLM/SGLang style) or a
+DTensor on the worker's TP mesh. ``WorkerEngine.connect(targets=...)`` wants, per plan name,
+that local tensor plus its placements on the worker mesh ``(replicas, tp)``: ``(REPLICATE,
+d)`` for a tensor sharded along dim ``d`` by tensor parallelism, ``None`` for a replicated one.
+
+For plain tensors the placement comes from a *TP plan*: glob patterns over module or
+parameter names mapped to ``"colwise"``, ``"rowwise"``, ``"replicate"``, a tensor dim, or
+torch's own ``ColwiseParallel()``/``RowwiseParallel()`` styles — the same vocabulary as
+``parallelize_module``, so a framework's existing plan can be reused as is. The styles mean
+what they mean in torch for the module type: for a Linear (weight ``[out, in]``) colwise
+shards weight and bias along dim 0 and rowwise shards the weight along dim 1 and replicates
+the bias; for an Embedding (``[num, dim]``) colwise shards dim 1, rowwise dim 0.
+
+Some destinations cannot be written in place: a fused QKV/gate-up tensor whose parts are not
+contiguous slices, or a quantized copy that needs scales. For those, a ``LoadTarget`` gives the
+engine a scratch tensor of the received shard's shape and a ``load(name, tensor)`` callback
+that writes the real destination. ``WorkerTargets.on_received(names)`` runs the callbacks
+for the names just received (the engine calls it per bucket when it supports the hook —
+see DEVELOPERS.md "Ecosystem" — else call ``run_loaders()`` after ``receive()``). Loaders
+must be idempotent: running one twice on the same received tensor must leave the same result.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from m2n_async._integrations.sources import (
+    Rename,
+    _clean,
+    _is_dtensor,
+    _torch_dtype,
+    layout_of_dtensor,
+    named_tensors,
+)
+from m2n_async._proto.errors import PlanError
+from m2n_async._proto.layout import REPLICATE
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["LoadTarget", "TPStyle", "WorkerTargets", "targets_from_module"]
+
+Placements = tuple[int, int] | None
+TPStyle = str | int | None | Any
+"""A TP plan value: ``"colwise"``, ``"rowwise"``, ``"replicate"`` (or ``None``), a tensor dim,
+or a torch ``ParallelStyle`` (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``)."""
+
+
+@dataclass(frozen=True, eq=False)
+class LoadTarget:
+    """A destination filled through a callback instead of written in place.
+
+    The engine receives this worker's shard of the parameter — ``shape`` (local shape),
+    ``dtype``, sharded on the worker mesh as ``placements`` — into a scratch tensor, then
+    ``load(name, tensor)`` copies, fuses or quantizes it into the real destination. ``load``
+    must not keep ``tensor`` (the scratch is rewritten by the next round) and must be
+    idempotent.
+    """
+
+    shape: tuple[int, ...]
+    dtype: Any  # torch.dtype or a dtype name
+    placements: Placements
+    load: Callable[[str, torch.Tensor], None]
+    device: Any = None  # torch.device or str; None: the module's device (or CPU)
+
+    @classmethod
+    def into(cls, view: torch.Tensor, placements: Placements) -> LoadTarget:
+        """Receive into scratch, then ``view.copy_(received)``: for non-contiguous slices of a
+        fused tensor (e.g. one part of a dim-1 fused weight), which cannot be written in place.
+        """
+        def load(_name: str, received: torch.Tensor) -> None:
+            view.copy_(received)
+
+        return cls(tuple(view.shape), view.dtype, placements, load, view.device)
+
+
+@dataclass
+class _Loader:
+    target: LoadTarget
+    scratch: Any = field(repr=False)
+
+
+class WorkerTargets(dict[str, tuple["torch.Tensor", Placements]]):
+    """``targets`` for ``WorkerEngine.connect``: plan name → ``(local tensor, placements)``.
+
+    A plain dict (so the engine needs nothing special), plus the scratch tensors of
+    ``LoadTarget``s and the hooks that run their callbacks: ``on_received(names)`` and
+    ``run_loaders()``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._loaders: dict[str, _Loader] = {}
+
+    @property
+    def loaded_names(self) -> tuple[str, ...]:
+        """Names delivered through a ``LoadTarget`` callback rather than in place."""
+        return tuple(self._loaders)
+
+    def add_loader(self, name: str, target: LoadTarget, default_device: Any = None) -> None:
+        """Declare ``name`` as a ``LoadTarget``: allocates its scratch receive tensor."""
+        import torch
+
+        if name in self:
+            raise PlanError(f"parameter {name!r}: declared twice as a worker target")
+        dtype = _torch_dtype(target.dtype)
+        device = target.device if target.device is not None else (default_device or "cpu")
+        scratch = torch.empty(target.shape, dtype=dtype, device=device)
+        self[name] = (scratch, target.placements)
+        self._loaders[name] = _Loader(target, scratch)
+
+    def on_received(self, names: Iterable[str]) -> None:
+        """Run the load callbacks of those ``names`` that are ``LoadTarget``s (others: no-op).
+
+        Called by the engine after each bucket is unpacked and complete, or by you.
+        """
+        for name in names:
+            entry = self._loaders.get(name)
+            if entry is not None:
+                try:
+                    entry.target.load(name, entry.scratch)
+                except Exception as e:
+                    raise PlanError(f"parameter {name!r}: load callback failed: "
+                                    f"{type(e).__name__}: {e}") from e
+
+    def run_loaders(self) -> None:
+        """Run every load callback: call after ``receive()`` if the engine did not."""
+        self.on_received(list(self._loaders))
+
+
+def _style_name(name: str, style: TPStyle) -> str | int | None:
+    if style is None or isinstance(style, int | str):
+        if isinstance(style, str):
+            key = style.lower()
+            if key not in ("colwise", "rowwise", "replicate"):
+                raise PlanError(f"TP plan entry for {name!r}: unknown style {style!r} (use "
+                                f"'colwise', 'rowwise', 'replicate' or a tensor dim)")
+            return None if key == "replicate" else key
+        return style
+    cls = type(style).__name__
+    # Match by class name so torch.distributed.tensor.parallel need not be imported here;
+    # only the weight placement matters to us, not the activation layouts.
+    if cls == "ColwiseParallel":
+        return "colwise"
+    if cls == "RowwiseParallel":
+        return "rowwise"
+    if cls in ("SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput"):
+        return None
+    raise PlanError(f"TP plan entry for {name!r}: unsupported style {cls}; use 'colwise', "
+                    f"'rowwise', 'replicate' or a tensor dim")
+
+
+def _shard_dim(modules: Mapping[str, torch.nn.Module], fqn: str, ndim: int,
+               tp_plan: Mapping[str, TPStyle]) -> int | None:
+    """Tensor dim parameter ``fqn`` is TP-sharded along, or ``None`` when replicated."""
+    import torch
+
+    owner_path, _, leaf = fqn.rpartition(".")
+    for pattern, style in tp_plan.items():
+        whole = fnmatch.fnmatchcase(fqn, pattern)
+        if not (whole or fnmatch.fnmatchcase(owner_path, pattern)):
+            continue
+        kind = _style_name(pattern, style)
+        if kind is None:
+            return None
+        if isinstance(kind, int):
+            dim = kind + ndim if kind < 0 else kind
+            if not 0 <= dim < max(ndim, 1):
+                raise PlanError(f"parameter {fqn!r}: TP plan {pattern!r} shards dim {kind} "
+                                f"of a tensor of rank {ndim}")
+            return dim
+        owner = modules.get(owner_path)
+        if isinstance(owner, torch.nn.Embedding) and leaf == "weight":
+            return 1 if kind == "colwise" else 0
+        if ndim == 0:
+            return None
+        if kind == "colwise":
+            return 0
+        # rowwise: the input dim of a [out, in] weight; a 1-D bias is added after the
+        # all-reduce, so every TP rank holds all of it.
+        return 1 if ndim >= 2 else None
+    return None
+
+
+def _dtensor_placements(name: str, t: Any) -> Placements:
+    layout = layout_of_dtensor(name, t)
+    if t.device_mesh.ndim == 1 or layout.mesh.dims[1] == 1:
+        # A 1-D TP mesh is the worker mesh's TP axis (axis 1); replicas are axis 0.
+        d = layout.shard_dim
+        return None if d is None else (REPLICATE, d)
+    return layout.placements
+
+
+def targets_from_module(module: torch.nn.Module, tp_plan: Mapping[str, TPStyle] | None = None,
+                        *, loaders: Mapping[str, LoadTarget] | None = None,
+                        buffers: bool = False, rename: Rename | None = None) -> WorkerTargets:
+    """Declare a worker's destination tensors: plan name → ``(local tensor, placements)``.
+
+    Each of the module's parameters (and persistent buffers with ``buffers=True``) becomes
+    a target holding its local tensor, written in place by the engine. Placements are on
+    the worker mesh ``(replicas, tp)``:
+
+    - a DTensor parameter gives its own (its 1-D TP mesh is the worker mesh's axis 1);
+    - a plain tensor, which must already be this worker's TP shard, takes them from
+      ``tp_plan``: the first entry whose glob pattern matches the parameter name or its
+      module's name decides — ``"colwise"``/``"rowwise"`` as torch's ``ColwiseParallel`` /
+      ``RowwiseParallel`` place that module type's weight and bias, ``"replicate"``/``None``,
+      or an explicit tensor dim; no match means replicated.
+
+    ``loaders`` adds or overrides names with ``LoadTarget``s (fused or quantized layouts):
+    the engine receives them into scratch and ``on_received``/``run_loaders`` call back.
+    Names use the same cleaning and ``rename`` as ``specs_from_module``, so the trainer's
+    plan names line up; pattern matching uses the names before ``rename``.
+
+    Raises:
+        PlanError: naming the parameter, for a placement the core cannot express, an
+            unknown TP style, or a name declared twice.
+    """
+    tp_plan = tp_plan or {}
+    targets = WorkerTargets()
+    loaders = dict(loaders or {})
+    device: Any = None
+    # Match the TP plan on clean names but key targets by plan names.
+    clean = named_tensors(module, buffers=buffers)
+    renamed = named_tensors(module, buffers=buffers, rename=rename) if rename else clean
+    by_id = {id(t): n for n, t in renamed.items()}
+    modules = {_clean(fqn): sub for fqn, sub in module.named_modules()}
+    for fqn, t in clean.items():
+        name = by_id.get(id(t))
+        if name is None:
+            continue  # rename() left it out
+        if device is None:
+            device = t.device
+        if name in loaders:
+            continue
+        if _is_dtensor(t):
+            placements = _dtensor_placements(name, t)
+            local = t.to_local()  # type: ignore[attr-defined]
+        else:
+            dim = _shard_dim(modules, fqn, t.dim(), tp_plan)
+            placements = None if dim is None else (REPLICATE, dim)
+            local = t
+        targets[name] = (local.detach(), placements)
+    for name, target in loaders.items():
+        if not isinstance(target, LoadTarget):
+            raise PlanError(f"loaders[{name!r}] must be a LoadTarget, got "
+                            f"{type(target).__name__}")
+        targets.add_loader(name, target, device)
+    return targets

@@ -1,0 +1,196 @@
+"""specs_from_module / module_shards: DTensor, FSDP2, TP and plain modules → ParamSpecs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from m2n_async import PlanError
+from m2n_async._integrations.sources import module_shards, specs_from_module
+from m2n_async._proto.layout import REPLICATE, Layout, Mesh
+from m2n_async._proto.params import ParamSpec, ParamTransfer
+from m2n_async._proto.plan import TransferPlan, validate_local_buffer
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.up = nn.Linear(8, 32)
+        self.down = nn.Linear(32, 8, bias=False)
+        self.register_buffer("steps", torch.zeros(2, dtype=torch.int64))
+        self.register_buffer("cache", torch.zeros(4), persistent=False)
+
+
+def _module(name: str, tensor: DTensor) -> nn.Module:
+    m = nn.Module()
+    m.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
+    return m
+
+
+# -- plain modules (no process group) ----------------------------------------------------
+
+
+def test_plain_module_is_replicated_on_a_one_rank_mesh() -> None:
+    specs = specs_from_module(Tiny())
+    assert [s.name for s in specs] == ["embed.weight", "up.weight", "up.bias", "down.weight"]
+    assert specs[1] == ParamSpec("up.weight", torch.float32, (32, 8), Layout(Mesh((1, 1)), None))
+
+
+def test_dtype_casts_floats_only_and_buffers_are_persistent_only() -> None:
+    specs = specs_from_module(Tiny(), dtype=torch.bfloat16, buffers=True)
+    by_name = {s.name: s.dtype for s in specs}
+    assert by_name == {"embed.weight": "bfloat16", "up.weight": "bfloat16",
+                       "up.bias": "bfloat16", "down.weight": "bfloat16", "steps": "int64"}
+
+
+def test_explicit_mesh_for_plain_tensors() -> None:
+    specs = specs_from_module(Tiny(), mesh=Mesh((4, 1)))
+    assert {s.layout for s in specs} == {Layout(Mesh((4, 1)), None)}
+
+
+def test_rename_maps_and_filters_and_refuses_collisions() -> None:
+    specs = specs_from_module(Tiny(), rename=lambda n: None if n.startswith("embed")
+                              else "model." + n)
+    assert [s.name for s in specs] == ["model.up.weight", "model.up.bias", "model.down.weight"]
+    with pytest.raises(PlanError, match=r"'embed.weight' and 'up.weight' both map to plan name"):
+        specs_from_module(Tiny(), rename=lambda n: "x")
+
+
+def test_wrapper_segments_are_dropped_and_tied_weights_appear_once() -> None:
+    inner = Tiny()
+    inner.down.weight = inner.up.weight  # tie (shapes differ in meaning, not for the test)
+    outer = nn.Module()
+    outer._orig_mod = inner  # what torch.compile inserts
+    names = [s.name for s in specs_from_module(outer)]
+    assert names == ["embed.weight", "up.weight", "up.bias"]
+
+
+def test_module_shards_is_lazy_uncached_and_casts() -> None:
+    model = Tiny()
+    shards = module_shards(model, ["up.bias", "up.weight"], dtype="bfloat16")
+    assert list(shards) == ["up.bias", "up.weight"] and len(shards) == 2
+    first = shards["up.bias"]
+    assert first.dtype == torch.bfloat16 and not first.requires_grad
+    with torch.no_grad():
+        model.up.bias.fill_(3.0)  # an optimizer step after the mapping was built
+    assert torch.equal(shards["up.bias"], torch.full((32,), 3.0, dtype=torch.bfloat16))
+    assert torch.all(first != 3.0)  # the earlier lookup was a copy, not a cached view
+    # without a cast the shard is the parameter's own storage (no copy)
+    assert module_shards(model)["up.weight"].data_ptr() == model.up.weight.data_ptr()
+
+
+def test_module_shards_names_missing_parameters() -> None:
+    with pytest.raises(PlanError, match=r"2 plan parameter\(s\) not found.*'a.weight', 'b'"):
+        module_shards(Tiny(), ["up.weight", "a.weight", "b"])
+    with pytest.raises(KeyError, match="nope"):
+        module_shards(Tiny())["nope"]
+
+
+# -- DTensor / FSDP2 / TP under a pretend world ---------------------------------------------
+
+
+def test_fsdp2_on_a_1d_mesh(fake_world) -> None:
+    with fake_world(5, 8):
+        mesh = init_device_mesh("cpu", (8,))
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+        fully_shard(model, mesh=mesh)
+        specs = specs_from_module(model, dtype=torch.bfloat16)
+        layout = Layout(Mesh((8, 1), 0), (0, REPLICATE))
+        assert [(s.name, s.shape, s.layout) for s in specs] == [
+            ("0.weight", (32, 16), layout), ("0.bias", (32,), layout),
+            ("2.weight", (16, 32), layout), ("2.bias", (16,), layout)]
+        # every local shard fits the spec on this rank (dtype, local shape, contiguity)
+        shards = module_shards(model, [s.name for s in specs], dtype=torch.bfloat16)
+        for s in specs:
+            validate_local_buffer(s, shards[s.name], 5, "source")
+        # and the specs make a valid plan towards a 4-rank TP worker mesh
+        dst = Layout(Mesh((1, 4), 8), (REPLICATE, 0))
+        plan = TransferPlan([ParamTransfer(s, dst) for s in specs], trainer_ranks=8,
+                            world_size=12)
+        assert plan.recv_bytes(8) == sum(s.nbytes for s in specs) // 4
+
+
+def test_tp_on_a_2d_mesh_maps_placements(fake_world) -> None:
+    with fake_world(6, 8):
+        mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+        full = torch.arange(32.0 * 8).reshape(32, 8)
+        cases = {
+            (Replicate(), Shard(1)): Layout(Mesh((2, 4)), (REPLICATE, 1)),
+            (Shard(0), Replicate()): Layout(Mesh((2, 4)), (0, REPLICATE)),
+            (Replicate(), Replicate()): Layout(Mesh((2, 4)), None),
+            # Shard(0) on both axes nests row-major == one axis of all 8 ranks
+            (Shard(0), Shard(0)): Layout(Mesh((8, 1)), (0, REPLICATE)),
+            (Shard(-1), Replicate()): Layout(Mesh((2, 4)), (1, REPLICATE)),
+        }
+        for placements, want in cases.items():
+            d = distribute_tensor(full, mesh, list(placements))
+            (spec,) = specs_from_module(_module("w", d))
+            assert spec.layout == want, placements
+            assert spec.shape == (32, 8)
+            local = module_shards(_module("w", d))["w"]
+            validate_local_buffer(spec, local, 6, "source")
+
+
+def test_shard_on_a_size_one_axis_is_a_replica(fake_world) -> None:
+    with fake_world(0, 4):
+        mesh = init_device_mesh("cpu", (1, 4))
+        d = distribute_tensor(torch.zeros(8, 8), mesh, [Shard(0), Shard(1)])
+        (spec,) = specs_from_module(_module("w", d))
+        assert spec.layout == Layout(Mesh((1, 4)), (REPLICATE, 1))
+
+
+def test_tp_submesh_is_contiguous(fake_world) -> None:
+    with fake_world(5, 8):
+        mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        specs = {s.name: s.layout for s in specs_from_module(model)}
+        tp = Mesh((4, 1), 4)  # rank 5's TP group is ranks [4, 8)
+        assert specs == {"0.weight": Layout(tp, (0, REPLICATE)),
+                         "0.bias": Layout(tp, (0, REPLICATE)),
+                         "2.weight": Layout(tp, (1, REPLICATE)),
+                         "2.bias": Layout(tp, None)}
+
+
+@pytest.mark.parametrize(("what", "pattern"), [
+    ("partial", r"parameter 'w': placement Partial\(sum\) on mesh axis 0.*Reduce first"),
+    ("two_dims", r"parameter 'w': mesh axes 0 and 1 shard different tensor dims.*redistribute"),
+    ("uneven", r"parameter 'w': dim 0 of size 9 is split 2 ways unevenly.*pad the dim"),
+    ("mesh3d", r"parameter 'w': its device mesh has 3 dims \(2, 2, 2\).*Flatten"),
+    ("strided_submesh", r"parameter 'w': its device mesh ranks \[1, 5\] are not a contiguous"),
+    ("fsdp_over_tp", r"parameter '0.weight': placement _StridedShard.* is not a plain Shard"),
+])
+def test_unsupported_layouts_are_refused_by_name(fake_world, what: str, pattern: str) -> None:
+    with fake_world(1, 8):
+        mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+        if what == "fsdp_over_tp":
+            module = nn.Sequential(nn.Linear(16, 32))
+            parallelize_module(module, mesh["tp"], {"0": ColwiseParallel()})
+            fully_shard(module, mesh=mesh["dp"])
+        else:
+            if what == "partial":
+                d = DTensor.from_local(torch.zeros(4, 4), mesh, [Partial(), Replicate()],
+                                       run_check=False)
+            elif what == "two_dims":
+                d = distribute_tensor(torch.zeros(8, 8), mesh, [Shard(0), Shard(1)])
+            elif what == "uneven":
+                d = distribute_tensor(torch.zeros(9, 4), mesh, [Shard(0), Replicate()])
+            elif what == "mesh3d":
+                m3 = init_device_mesh("cpu", (2, 2, 2))
+                d = distribute_tensor(torch.zeros(4, 4), m3, [Shard(0), Replicate(),
+                                                              Replicate()])
+            else:
+                d = distribute_tensor(torch.zeros(4, 4), mesh["dp"], [Shard(0)])
+            module = _module("w", d)
+        with pytest.raises(PlanError, match=pattern):
+            specs_from_module(module)
