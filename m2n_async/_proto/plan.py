@@ -126,42 +126,46 @@ def _intersect(a: Box, b: Box) -> Box | None:
 def _waterfill(needs: list[_Need], replicas: int) -> list[tuple[int, _Need]]:
     """Assign the needs of one source shard to replica slots ``0..replicas-1``.
 
-    Returns ``(slot, need)`` pairs; a need may be cut (along its largest dim) across slots.
+    Returns ``(slot, need)`` pairs in need order; a need may be cut along its largest dim
+    across consecutive slots. Slot ``q`` is filled until the bytes assigned so far reach
+    ``(q + 1) * quota`` (to the nearest slice), so rounding never accumulates: every slot's
+    load is within one slice of the quota.
     """
     if replicas == 1:
         return [(0, n) for n in needs]
     total = sum(n.nbytes for n in needs)
     quota = max(-(-total // replicas), MIN_PIECE_BYTES)
+    last = replicas - 1
     out: list[tuple[int, _Need]] = []
-    slot, room = 0, quota
+    slot, room = 0, quota  # room: bytes left before slot's cumulative target (may go < 0)
     for need in needs:
         rest = need
         while True:
-            if rest.nbytes <= room or slot == replicas - 1:
+            if rest.nbytes <= room or slot == last:
                 out.append((slot, rest))
                 room -= rest.nbytes
-                if room <= 0 and slot < replicas - 1:
-                    slot, room = slot + 1, quota
+                if room <= 0 and slot < last:
+                    slot, room = slot + 1, room + quota
                 break
-            # Cut `rest` along its largest dim so the first part (about) fills `room`.
+            # Cut `rest` along its largest dim so its head fills `room` to the nearest slice.
             box = rest.box
             dim = max(range(len(box)), key=lambda d: box[d][1] - box[d][0])
             lo, hi = box[dim]
             extent = hi - lo
-            unit = rest.nbytes // extent          # bytes per slice along `dim`
-            cut = (2 * room + unit) // (2 * unit)  # round(room / unit)
-            if cut >= extent:
+            unit = rest.nbytes // extent  # bytes per slice along `dim`
+            cut = (2 * room + unit) // (2 * unit) if room > 0 else 0  # round(room / unit)
+            if cut >= extent:  # rounding says the whole rest belongs here
                 out.append((slot, rest))
                 room -= rest.nbytes
-                if room <= 0:
-                    slot, room = slot + 1, quota
+                slot, room = slot + 1, room + quota
                 break
             if cut > 0:
                 head = (*box[:dim], (lo, lo + cut), *box[dim + 1:])
                 tail = (*box[:dim], (lo + cut, hi), *box[dim + 1:])
                 out.append((slot, _Need(rest.dst_rank, head, cut * unit)))
                 rest = _Need(rest.dst_rank, tail, rest.nbytes - cut * unit)
-            slot, room = slot + 1, quota
+                room -= cut * unit
+            slot, room = slot + 1, room + quota
     return out
 
 
@@ -230,7 +234,7 @@ def _m2n_problem(spec: ParamSpec) -> str | None:
         return (f"dtype {spec.dtype} is not supported by transport 'm2n' (supported: "
                 f"{', '.join(sorted(M2N_DTYPES))})")
     if not 1 <= len(spec.shape) <= M2N_MAX_TENSOR_RANK:
-        return (f"tensor rank {len(spec.shape)} (shape {spec.shape}) is outside 1..."
+        return (f"tensor rank {len(spec.shape)} (shape {spec.shape}) is outside 1.."
                 f"{M2N_MAX_TENSOR_RANK} supported by transport 'm2n'")
     return None
 
