@@ -15,26 +15,24 @@ shards weight and bias along dim 0 and rowwise shards the weight along dim 1 and
 the bias; for an Embedding (``[num, dim]``) colwise shards dim 1, rowwise dim 0.
 
 Some destinations cannot be written in place: a fused QKV/gate-up tensor whose parts are not
-contiguous slices, or a quantized copy that needs scales. For those, a ``LoadTarget`` gives the
-engine a scratch tensor of the received shard's shape and a ``load(name, tensor)`` callback
-that writes the real destination. ``WorkerTargets.on_received(names)`` runs the callbacks
-for the names just received (the engine calls it per bucket when it supports the hook —
-see DEVELOPERS.md "Ecosystem" — else call ``run_loaders()`` after ``receive()``). Loaders
-must be idempotent: running one twice on the same received tensor must leave the same result.
+contiguous slices, or a quantized copy that needs scales. For those a ``LoadTarget`` declares
+the received shard's local shape, dtype and placements plus a ``load(name, tensor)``
+callback; the engine hands the callback to the transport as the unpack sink (the data plane's
+``LoadCallback``), so the shard lives only in transport staging and no long-lived scratch copy
+is kept. Contract: DEVELOPERS.md "Ecosystem".
 """
 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from m2n_async._integrations.sources import (
     Rename,
     _clean,
     _is_dtensor,
-    _torch_dtype,
     layout_of_dtensor,
     named_tensors,
 )
@@ -44,7 +42,7 @@ from m2n_async._proto.layout import REPLICATE
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["LoadTarget", "TPStyle", "WorkerTargets", "targets_from_module"]
+__all__ = ["LoadTarget", "TPStyle", "Target", "WorkerTargets", "targets_from_module"]
 
 Placements = tuple[int, int] | None
 TPStyle = str | int | None | Any
@@ -56,23 +54,36 @@ or a torch ``ParallelStyle`` (``ColwiseParallel``, ``RowwiseParallel``, ``Sequen
 class LoadTarget:
     """A destination filled through a callback instead of written in place.
 
-    The engine receives this worker's shard of the parameter — ``shape`` (local shape),
-    ``dtype``, sharded on the worker mesh as ``placements`` — into a scratch tensor, then
-    ``load(name, tensor)`` copies, fuses or quantizes it into the real destination. ``load``
-    must not keep ``tensor`` (the scratch is rewritten by the next round) and must be
-    idempotent.
+    This worker's shard of the parameter — local ``shape``, ``dtype``, sharded on the worker
+    mesh as ``placements`` — is received into the transport's staging, and
+    ``load(name, tensor)`` copies, fuses or quantizes it into the real destination. The
+    tensor is valid only during the call (the staging is reused), so ``load`` copies what it
+    needs before returning; a round may call it again after a failed attempt, so it must be
+    idempotent. It runs on the engine's event-loop thread after the bucket's bytes arrived.
+
+    Quacks like a tensor for plan validation (``shape``, ``dtype``, ``device``,
+    ``is_contiguous()``), so the engine checks it against the plan like any target.
     """
 
     shape: tuple[int, ...]
     dtype: Any  # torch.dtype or a dtype name
     placements: Placements
     load: Callable[[str, torch.Tensor], None]
-    device: Any = None  # torch.device or str; None: the module's device (or CPU)
+    device: Any = "cpu"  # the worker's device (e.g. "cuda:0"): torch.device or str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
+        if not callable(self.load):
+            raise PlanError(f"LoadTarget.load must be callable, got {type(self.load).__name__}")
+
+    def is_contiguous(self) -> bool:
+        """Always true: the engine stages the received shard contiguously."""
+        return True
 
     @classmethod
     def into(cls, view: torch.Tensor, placements: Placements) -> LoadTarget:
-        """Receive into scratch, then ``view.copy_(received)``: for non-contiguous slices of a
-        fused tensor (e.g. one part of a dim-1 fused weight), which cannot be written in place.
+        """Copy the received shard into ``view``: for non-contiguous slices of a fused tensor
+        (e.g. one part of a dim-1 fused weight), which cannot be written in place.
         """
         def load(_name: str, received: torch.Tensor) -> None:
             view.copy_(received)
@@ -80,58 +91,23 @@ class LoadTarget:
         return cls(tuple(view.shape), view.dtype, placements, load, view.device)
 
 
-@dataclass
-class _Loader:
-    target: LoadTarget
-    scratch: Any = field(repr=False)
+Target = tuple["torch.Tensor", Placements] | LoadTarget
 
 
-class WorkerTargets(dict[str, tuple["torch.Tensor", Placements]]):
-    """``targets`` for ``WorkerEngine.connect``: plan name → ``(local tensor, placements)``.
-
-    A plain dict (so the engine needs nothing special), plus the scratch tensors of
-    ``LoadTarget``s and the hooks that run their callbacks: ``on_received(names)`` and
-    ``run_loaders()``.
+class WorkerTargets(dict[str, Target]):
+    """``targets`` for ``WorkerEngine.connect``: plan name → ``(local tensor, placements)``
+    or ``LoadTarget``. A plain dict, so it can be edited or merged before connecting.
     """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._loaders: dict[str, _Loader] = {}
 
     @property
     def loaded_names(self) -> tuple[str, ...]:
         """Names delivered through a ``LoadTarget`` callback rather than in place."""
-        return tuple(self._loaders)
+        return tuple(n for n, t in self.items() if isinstance(t, LoadTarget))
 
-    def add_loader(self, name: str, target: LoadTarget, default_device: Any = None) -> None:
-        """Declare ``name`` as a ``LoadTarget``: allocates its scratch receive tensor."""
-        import torch
-
-        if name in self:
-            raise PlanError(f"parameter {name!r}: declared twice as a worker target")
-        dtype = _torch_dtype(target.dtype)
-        device = target.device if target.device is not None else (default_device or "cpu")
-        scratch = torch.empty(target.shape, dtype=dtype, device=device)
-        self[name] = (scratch, target.placements)
-        self._loaders[name] = _Loader(target, scratch)
-
-    def on_received(self, names: Iterable[str]) -> None:
-        """Run the load callbacks of those ``names`` that are ``LoadTarget``s (others: no-op).
-
-        Called by the engine after each bucket is unpacked and complete, or by you.
-        """
-        for name in names:
-            entry = self._loaders.get(name)
-            if entry is not None:
-                try:
-                    entry.target.load(name, entry.scratch)
-                except Exception as e:
-                    raise PlanError(f"parameter {name!r}: load callback failed: "
-                                    f"{type(e).__name__}: {e}") from e
-
-    def run_loaders(self) -> None:
-        """Run every load callback: call after ``receive()`` if the engine did not."""
-        self.on_received(list(self._loaders))
+    def placements(self) -> dict[str, Placements]:
+        """Plan name → placements on the worker mesh (what the destination phase sends)."""
+        return {n: (t.placements if isinstance(t, LoadTarget) else t[1])
+                for n, t in self.items()}
 
 
 def _style_name(name: str, style: TPStyle) -> str | int | None:
@@ -213,8 +189,8 @@ def targets_from_module(module: torch.nn.Module, tp_plan: Mapping[str, TPStyle] 
       ``RowwiseParallel`` place that module type's weight and bias, ``"replicate"``/``None``,
       or an explicit tensor dim; no match means replicated.
 
-    ``loaders`` adds or overrides names with ``LoadTarget``s (fused or quantized layouts):
-    the engine receives them into scratch and ``on_received``/``run_loaders`` call back.
+    ``loaders`` adds or overrides names with ``LoadTarget``s (fused or quantized layouts),
+    which the engine delivers through their callbacks instead of in place.
     Names use the same cleaning and ``rename`` as ``specs_from_module``, so the trainer's
     plan names line up; pattern matching uses the names before ``rename``.
 
@@ -225,7 +201,6 @@ def targets_from_module(module: torch.nn.Module, tp_plan: Mapping[str, TPStyle] 
     tp_plan = tp_plan or {}
     targets = WorkerTargets()
     loaders = dict(loaders or {})
-    device: Any = None
     # Match the TP plan on clean names but key targets by plan names.
     clean = named_tensors(module, buffers=buffers)
     renamed = named_tensors(module, buffers=buffers, rename=rename) if rename else clean
@@ -235,8 +210,6 @@ def targets_from_module(module: torch.nn.Module, tp_plan: Mapping[str, TPStyle] 
         name = by_id.get(id(t))
         if name is None:
             continue  # rename() left it out
-        if device is None:
-            device = t.device
         if name in loaders:
             continue
         if _is_dtensor(t):
@@ -251,5 +224,5 @@ def targets_from_module(module: torch.nn.Module, tp_plan: Mapping[str, TPStyle] 
         if not isinstance(target, LoadTarget):
             raise PlanError(f"loaders[{name!r}] must be a LoadTarget, got "
                             f"{type(target).__name__}")
-        targets.add_loader(name, target, device)
+        targets[name] = target
     return targets

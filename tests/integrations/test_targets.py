@@ -1,0 +1,129 @@
+"""targets_from_module / LoadTarget: worker destinations from a module and a TP plan."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from m2n_async import PlanError
+from m2n_async._integrations.sources import specs_from_module
+from m2n_async._integrations.targets import LoadTarget, WorkerTargets, targets_from_module
+from m2n_async._proto.layout import REPLICATE, Layout, Mesh
+from m2n_async._proto.params import ParamTransfer
+from m2n_async._proto.plan import TransferPlan, validate_local_buffer
+
+TP = 4
+
+
+class Block(nn.Module):
+    """A transformer-ish block; ``tp`` > 1 builds the worker's local shards by hand."""
+
+    def __init__(self, tp: int = 1) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32 // tp, 16)       # vocab-parallel (rowwise)
+        self.q = nn.Linear(16, 32 // tp)              # colwise: weight [out/tp, in]
+        self.o = nn.Linear(32 // tp, 16)              # rowwise: weight [out, in/tp]
+        self.norm = nn.LayerNorm(16)                  # replicated
+        self.lm_head = nn.Linear(16, 8 // tp, bias=False)
+
+
+PLAN = {"embed": "rowwise", "q": "colwise", "o": RowwiseParallel(), "lm_head": 0,
+        "norm": SequenceParallel()}
+
+
+def test_tp_plan_styles_map_to_worker_placements() -> None:
+    targets = targets_from_module(Block(TP), PLAN)
+    assert isinstance(targets, dict) and isinstance(targets, WorkerTargets)
+    assert targets.placements() == {
+        "embed.weight": (REPLICATE, 0),
+        "q.weight": (REPLICATE, 0), "q.bias": (REPLICATE, 0),
+        "o.weight": (REPLICATE, 1), "o.bias": None,       # bias added after the all-reduce
+        "norm.weight": None, "norm.bias": None,
+        "lm_head.weight": (REPLICATE, 0),
+    }
+    block = Block(TP)
+    t = targets_from_module(block, PLAN)
+    assert t["q.weight"][0].data_ptr() == block.q.weight.data_ptr()  # written in place
+
+
+def test_embedding_colwise_and_explicit_dims_and_globs() -> None:
+    t = targets_from_module(Block(), {"embed": ColwiseParallel(), "*.weight": -1, "q": 0})
+    p = t.placements()
+    assert p["embed.weight"] == (REPLICATE, 1)
+    assert p["q.weight"] == (REPLICATE, 1)  # the first matching entry wins ("*.weight")
+    assert p["q.bias"] == (REPLICATE, 0)
+    assert p["norm.bias"] is None
+
+
+def test_unknown_style_and_bad_dim_are_refused() -> None:
+    with pytest.raises(PlanError, match=r"TP plan entry for 'q': unknown style 'diagonal'"):
+        targets_from_module(Block(), {"q": "diagonal"})
+    with pytest.raises(PlanError, match=r"'q.weight': TP plan 'q' shards dim 2 of a tensor"):
+        targets_from_module(Block(), {"q": 2})
+
+
+def test_worker_targets_match_a_trainer_plan() -> None:
+    """Trainer specs of the global model + worker targets of its TP shards = a valid plan."""
+    T = 2
+    specs = specs_from_module(Block(), mesh=Mesh((T, 1)))
+    worker_mesh = Mesh((1, TP), T)
+    workers = [targets_from_module(Block(TP), PLAN) for _ in range(TP)]
+    transfers = [ParamTransfer(s, Layout(worker_mesh, workers[0].placements()[s.name]))
+                 for s in specs]
+    plan = TransferPlan(transfers, trainer_ranks=T, world_size=T + TP)
+    for i, targets in enumerate(workers):
+        for tr in plan.params:
+            tensor = targets[tr.name][0]
+            validate_local_buffer(tr, tensor, T + i, "destination")
+
+
+def test_load_targets_declare_shape_and_call_back() -> None:
+    fused = torch.zeros(16, 8)
+    got: list[tuple[str, torch.Tensor]] = []
+    loaders = {
+        "q.weight": LoadTarget((8, 16), torch.bfloat16, (REPLICATE, 0),
+                               lambda n, t: got.append((n, t.clone()))),
+        # half of a dim-1 fused weight: a non-contiguous view, written through copy_
+        "extra.weight": LoadTarget.into(fused[:, 4:], (REPLICATE, 1)),
+    }
+    targets = targets_from_module(Block(TP), PLAN, loaders=loaders)
+    assert set(targets.loaded_names) == {"q.weight", "extra.weight"}
+    assert targets.placements()["extra.weight"] == (REPLICATE, 1)
+    extra = targets["extra.weight"]
+    assert isinstance(extra, LoadTarget) and extra.shape == (16, 4) and extra.is_contiguous()
+    extra.load("extra.weight", torch.ones(16, 4))
+    assert fused[:, 4:].eq(1).all() and fused[:, :4].eq(0).all()
+    # a LoadTarget validates against the plan like a tensor does
+    spec = specs_from_module(Block(), mesh=Mesh((1, 1)))[1]
+    assert spec.name == "q.weight"
+    tr = ParamTransfer(spec, Layout(Mesh((1, TP), 1), (REPLICATE, 0)))
+    validate_local_buffer(tr, LoadTarget((8, 16), torch.float32, (REPLICATE, 0), print), 2,
+                          "destination")
+    with pytest.raises(PlanError, match=r"shape \(4, 16\) != local shard shape \(8, 16\)"):
+        validate_local_buffer(tr, LoadTarget((4, 16), "float32", (REPLICATE, 0), print), 2,
+                              "destination")
+    with pytest.raises(PlanError, match="must be a LoadTarget"):
+        targets_from_module(Block(), loaders={"x": (torch.zeros(1), None)})  # type: ignore[dict-item]
+    with pytest.raises(PlanError, match="must be callable"):
+        LoadTarget((1,), "float32", None, None)  # type: ignore[arg-type]
+
+
+def test_dtensor_worker_params_give_their_own_placements(fake_world) -> None:
+    with fake_world(1, 4):
+        mesh = init_device_mesh("cpu", (4,))
+        block = Block()
+        parallelize_module(block, mesh, {"q": ColwiseParallel(), "o": RowwiseParallel()})
+        t = targets_from_module(block)
+        assert t.placements()["q.weight"] == (REPLICATE, 0)
+        assert t.placements()["o.weight"] == (REPLICATE, 1)
+        assert t.placements()["o.bias"] is None
+        assert tuple(t["q.weight"][0].shape) == (8, 16)  # the local shard, not the DTensor
+        assert type(t["q.weight"][0]) is torch.Tensor
