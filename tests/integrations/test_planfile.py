@@ -1,0 +1,201 @@
+"""``m2n-async plan SPEC``: file schema, validation errors, summary figures, exit status."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from m2n_async import PlanError
+from m2n_async._integrations.planfile import (
+    load_plan_file,
+    parse_placements,
+    parse_size,
+    summarize,
+)
+from m2n_async._proto.layout import REPLICATE
+from m2n_async.cli import main
+
+SPEC = """
+trainer_mesh = [2, 2]
+worker_mesh = [4]
+bucket_bytes = "256KiB"
+
+[[params]]
+name = "embed.weight"
+dtype = "bfloat16"
+shape = [1024, 256]
+source = ["replicate", "shard(0)"]
+dest = ["shard(0)"]
+
+[[params]]
+name = "layers.{i}.up.weight"
+repeat = 3
+dtype = "float32"
+shape = [512, 256]
+source = [0, -1]
+dest = ["Shard(dim=1)"]
+
+[[params]]
+name = "layers.{i}.norm.weight"
+repeat = 3
+dtype = "float32"
+shape = [256]
+source_mesh = [4]
+"""
+
+
+def _write(tmp_path: Path, text: str, name: str = "plan.toml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = main(["plan", *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_summary_figures_are_the_plans(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path, SPEC)
+    rc, out, err = _run(capsys, str(path), "--json", "--bandwidth", "2")
+    assert (rc, err) == (0, "")
+    s = json.loads(out)
+    assert s["params"] == 7 and s["trainer_ranks"] == 4 and s["worker_ranks"] == 4
+    assert s["dtypes"] == {"bfloat16": 1, "float32": 6}
+    embed, up, norm = 1024 * 256 * 2, 512 * 256 * 4, 256 * 4
+    assert s["total_bytes"] == embed + 3 * up + 3 * norm
+    # every worker rank holds a quarter of each sharded param and all of each norm
+    for r in s["ranks"][4:]:
+        assert (r["role"], r["send_bytes"]) == ("worker", 0)
+        assert r["recv_bytes"] == embed // 4 + 3 * up // 4 + 3 * norm
+    # the trainers send what the workers receive
+    assert sum(r["send_bytes"] for r in s["ranks"]) == sum(r["recv_bytes"] for r in s["ranks"])
+    assert s["moved_bytes"] == sum(r["recv_bytes"] for r in s["ranks"])
+    busiest = max(max(r["send_bytes"], r["recv_bytes"]) for r in s["ranks"])
+    assert s["lower_bound_seconds"] == pytest.approx(busiest / 2e9)
+    # embed: source shards dim 0 into 2, dest into 4 -> each dest shard reads 1 source shard,
+    # each source shard feeds 2; up: dim 0 in 2 vs dim 1 in 4 -> fan-in 2, fan-out 4
+    assert s["fan_in"] == {"value": 2, "param": "layers.0.up.weight"}
+    assert s["fan_out"] == {"value": 4, "param": "layers.0.up.weight"}
+    # a param's bucket cost is its busiest rank's bytes: 128 KiB for embed and each up
+    # (a quarter of 512 KiB), so [embed, up0] [up1, up2] [norms] at 256 KiB
+    assert s["bucket_bytes"] == 256 << 10
+    assert (s["buckets"], s["largest_bucket_bytes"]) == (3, 256 << 10)
+    assert s["transports"] == {"m2n": "ok", "nccl": "ok", "gloo": "ok"}
+
+
+def test_text_report_and_bucket_override(tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path, SPEC)
+    rc, out, _ = _run(capsys, str(path), "--bucket-bytes", "64MiB")
+    assert rc == 0
+    assert "buckets      1 at 64.0 MiB" in out
+    assert "fan-in max   2 (layers.0.up.weight)" in out
+    assert "m2n   ok" in out and "gloo  ok" in out
+    assert out.count(" worker ") == 4 and out.count(" trainer ") == 4
+
+
+def test_json_file_gives_the_same_plan(tmp_path: Path) -> None:
+    import tomllib
+
+    toml_path = _write(tmp_path, SPEC)
+    json_path = _write(tmp_path, json.dumps(tomllib.loads(SPEC)), "plan.json")
+    a, bucket_a = load_plan_file(toml_path)
+    b, bucket_b = load_plan_file(json_path)
+    assert summarize(a).digest == summarize(b).digest and bucket_a == bucket_b == 256 << 10
+
+
+def test_transport_limits_are_reported_and_require(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    # int16 is not an M2N dtype; 32 source shards into one destination shard exceeds fan-in 16
+    path = _write(tmp_path, """
+trainer_mesh = [32]
+worker_mesh = [1]
+[[params]]
+name = "counts"
+dtype = "int16"
+shape = [64]
+source = ["shard(0)"]
+[[params]]
+name = "w"
+dtype = "bfloat16"
+shape = [64, 4]
+source = ["shard(0)"]
+""")
+    rc, out, err = _run(capsys, str(path))
+    assert rc == 0 and err == ""
+    assert "m2n   no: parameter 'counts' (source and destination): dtype int16" in out
+    assert "nccl  ok" in out
+    assert "(the 8 busiest of 33 ranks; --all-ranks lists every one)" in out
+    rc, out, err = _run(capsys, str(path), "--require", "m2n")
+    assert rc == 1 and "transport 'm2n' cannot carry this plan" in err
+    rc, _, _ = _run(capsys, str(path), "--require", "gloo")
+    assert rc == 0
+    path.write_text(path.read_text().replace('"int16"', '"int32"'))
+    rc, out, err = _run(capsys, str(path), "--json")
+    assert rc == 0
+    verdict = json.loads(out)["transports"]["m2n"]
+    assert "parameter 'counts': fan-in 32" in verdict and "M2N limit 16" in verdict
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (("shape = [512, 256]", "shape = [511, 256]"),
+     r"params\[1\] \('layers.\{i\}.up.weight'\): parameter 'layers.0.up.weight' \(source side\)"
+     r": dim 0 of size 511 does not divide evenly into 2 shards"),
+    (("repeat = 3\ndtype = \"float32\"\nshape = [512",
+      "repeat = 3\ncolour = 1\ndtype = \"float32\"\nshape = [512"),
+     r"unknown field `colour` - at `\$.params\[1\]`"),
+    (('dest = ["shard(0)"]', 'dest = ["spread(0)"]'),
+     r"params\[0\] \('embed.weight'\) dest: cannot read placement 'spread\(0\)'"),
+    (('dest = ["shard(0)"]', 'dest = "shard(0)"'), r"a single placement 'shard\(0\)' is ambiguous"),
+    (('name = "layers.{i}.norm.weight"', 'name = "norm"'),
+     r"params\[2\] \('norm'\): repeat = 3 needs \"\{i\}\""),
+    (("source_mesh = [4]", "source_mesh = [8]"),
+     r"source_mesh \(8, 1\) has 8 ranks but the source side has 4"),
+    (('dtype = "bfloat16"', 'dtype = "int4"'), r"parameter 'embed.weight': unsupported dtype"),
+    (("worker_mesh = [4]", "worker_mesh = [4, 2, 1]"), r"worker_mesh: a mesh has 1 or 2 dims"),
+    (("trainer_mesh = [2, 2]", "trainer_mesh = [2, 2"), r"not valid TOML"),
+])
+def test_invalid_files_name_what_is_wrong(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                          edit: tuple[str, str], message: str) -> None:
+    old, new = edit
+    assert old in SPEC
+    path = _write(tmp_path, SPEC.replace(old, new, 1))
+    rc, out, err = _run(capsys, str(path))
+    assert rc == 1 and out == ""
+    assert err.startswith("m2n-async plan: invalid plan: ")
+    import re
+
+    assert re.search(message, err), err
+
+
+def test_unreadable_file_and_bad_options(tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = _run(capsys, str(tmp_path / "missing.toml"))
+    assert rc == 2 and "cannot read" in err
+    path = _write(tmp_path, SPEC)
+    rc, _, err = _run(capsys, str(path), "--bucket-bytes", "lots")
+    assert rc == 2 and "--bucket-bytes: cannot read 'lots' as a size" in err
+    rc, _, err = _run(capsys, str(path), "--bandwidth", "0")
+    assert rc == 2 and "--bandwidth must be > 0" in err
+
+
+def test_parse_helpers() -> None:
+    assert parse_size("512MiB") == 512 << 20
+    assert parse_size("1GB") == 10**9
+    assert parse_size("1.5 KiB") == 1536
+    assert parse_size(4096) == 4096
+    for bad in ("0", "-1MiB", "12 parsecs", True):
+        with pytest.raises(PlanError):
+            parse_size(bad)  # type: ignore[arg-type]
+    assert parse_placements(None, "x") is None
+    assert parse_placements("Replicate()", "x") is None
+    assert parse_placements(["r", "R"], "x") is None
+    assert parse_placements(["s(1)"], "x") == (1, REPLICATE)
+    assert parse_placements([-1, "2"], "x") == (REPLICATE, 2)
+    for bad in ([], [0, 0, 0], ["shard(-1)"], [-2], [True]):
+        with pytest.raises(PlanError):
+            parse_placements(bad, "x")  # type: ignore[arg-type]
