@@ -44,6 +44,14 @@ from m2n_async._store import (
 
 # --- handshake (issue 4) ---
 # --- engine (issue 5/6) ---
+# --- ecosystem (issue 8) ---
+# isort: split
+from m2n_async._integrations.planfile import PlanSummary, load_plan_file
+from m2n_async._integrations.planfile import summarize as summarize_plan
+from m2n_async._integrations.sources import ModuleShards, module_shards, specs_from_module
+from m2n_async._integrations.targets import LoadTarget, WorkerTargets, targets_from_module
+
+# --- end ecosystem (issue 8) ---
 
 __version__ = "0.1.0"
 
@@ -84,5 +92,16 @@ __all__ = [
     "current_generation",
     "generation_namespace",
     "next_generation",
+    # ecosystem (issue 8)
+    "LoadTarget",
+    "ModuleShards",
+    "PlanSummary",
+    "WorkerTargets",
+    "load_plan_file",
+    "module_shards",
+    "specs_from_module",
+    "summarize_plan",
+    "targets_from_module",
+    # end ecosystem (issue 8)
     "__version__",
 ]
