@@ -19,13 +19,15 @@ broken: every pending and later call raises ``StoreError`` naming the cause.
 
 from __future__ import annotations
 
+import errno
+import os
 import socket
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Self, TypeVar
 
 import anyio
-import anyio.abc
+import anyio.lowlevel
 
 from m2n_async._proto.errors import (
     AuthenticationError,
@@ -36,6 +38,7 @@ from m2n_async._proto.errors import (
 )
 from m2n_async._store import _auth
 from m2n_async._store._core import StaleGenerationError
+from m2n_async._store._io import SocketChannel
 from m2n_async._store._wire import (
     DEFAULT_MAX_FRAME,
     STORE_PROTO_VERSION,
@@ -68,8 +71,6 @@ from m2n_async._store._wire import (
 
 __all__ = ["StoreClient", "parse_address"]
 
-_READ_CHUNK = 65536
-_SEND_TIMEOUT = 30.0
 _CANCEL_TIMEOUT = 1.0
 R = TypeVar("R", bound=ServerMessage)
 
@@ -120,13 +121,12 @@ class StoreClient:
     ``set`` from another task).
     """
 
-    def __init__(self, stream: anyio.abc.SocketStream, reader: FrameReader[ServerMessage],
+    def __init__(self, chan: SocketChannel, reader: FrameReader[ServerMessage],
                  session: int, address: str) -> None:
-        self._stream = stream
+        self._chan = chan
         self._reader = reader
         self.session = session
         self.address = address
-        self._send_lock = anyio.Lock()
         self._pending: dict[int, _Slot] = {}
         self._next_rid = 1
         self._reading = False
@@ -147,19 +147,11 @@ class StoreClient:
         host, port = parse_address(address)
         key = _auth.token_bytes(token)
         where = f"store at {host}:{port}"
+        chan = SocketChannel(await _open_socket(host, port, where))
         try:
-            stream = await anyio.connect_tcp(host, port)
-        except OSError as exc:
-            raise StoreError(f"cannot connect to the {where}: {exc}") from exc
-        try:
-            try:
-                sock = stream.extra(anyio.abc.SocketAttribute.raw_socket)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except (OSError, anyio.TypedAttributeLookupError):
-                pass
             reader: FrameReader[ServerMessage] = FrameReader(
                 ServerMessage, max_frame=max_frame)  # type: ignore[arg-type]
-            hello = await _read_one(stream, reader, where)
+            hello = await _read_one(chan, reader, where)
             if isinstance(hello, Error):
                 raise _error_to_exception(hello, where)
             if not isinstance(hello, ServerHello):
@@ -171,8 +163,12 @@ class StoreClient:
                     f"{STORE_PROTO_VERSION}")
             nonce = _auth.new_nonce()
             mac = _auth.client_proof(key, hello.nonce, nonce)
-            await stream.send(encode_frame(ClientAuth(STORE_PROTO_VERSION, nonce, mac)))
-            reply = await _read_one(stream, reader, where)
+            try:
+                await chan.send(encode_frame(ClientAuth(STORE_PROTO_VERSION, nonce, mac)))
+            except (OSError, anyio.ClosedResourceError) as exc:
+                raise StoreError(f"{where} closed the connection during the handshake"
+                                 ) from exc
+            reply = await _read_one(chan, reader, where)
             if isinstance(reply, Error):
                 raise _error_to_exception(reply, where)
             if not isinstance(reply, AuthOk):
@@ -182,10 +178,9 @@ class StoreClient:
                 raise AuthenticationError(
                     f"{where} failed to prove it holds the token: refusing to use it")
         except BaseException:
-            with anyio.CancelScope(shield=True):
-                await stream.aclose()
+            chan.close()
             raise
-        return cls(stream, reader, reply.session, f"{host}:{port}")
+        return cls(chan, reader, reply.session, f"{host}:{port}")
 
     # --- the Store protocol --------------------------------------------------------------
 
@@ -262,8 +257,8 @@ class StoreClient:
             return
         self._closed = True
         self._fail_all(StoreError(f"store client for {self.address} was closed"))
-        with anyio.CancelScope(shield=True):
-            await self._stream.aclose()
+        self._chan.close()
+        await anyio.lowlevel.checkpoint()
 
     async def __aenter__(self) -> Self:
         return self
@@ -323,18 +318,15 @@ class StoreClient:
                                    "request in time; connection dropped"))
 
     async def _send(self, msg: _Msg) -> None:
-        frame = encode_frame(msg)
-        async with self._send_lock:
-            self._check_usable()
-            try:
-                # Shielded: a send cut in half would desynchronize the stream for every caller.
-                with anyio.CancelScope(shield=True), anyio.fail_after(_SEND_TIMEOUT):
-                    await self._stream.send(frame)
-            except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError,
-                    TimeoutError) as exc:
-                self._break(StoreError(f"store at {self.address}: connection lost while "
-                                       f"sending ({exc!r})"))
-                raise _fresh(self._broken) from exc  # type: ignore[arg-type]
+        self._check_usable()
+        try:
+            await self._chan.send(encode_frame(msg))
+        except (OSError, anyio.ClosedResourceError) as exc:
+            if self._closed:
+                raise StoreError(f"store client for {self.address} is closed") from None
+            self._break(StoreError(f"store at {self.address}: connection lost while sending "
+                                   f"({exc!r})"))
+            raise _fresh(self._broken) from exc  # type: ignore[arg-type]
 
     async def _await_reply(self, slot: _Slot) -> ServerMessage:
         while not slot.done:
@@ -368,7 +360,9 @@ class StoreClient:
         try:
             msg = self._reader.next_message()
             while msg is None:
-                data = await self._stream.receive(_READ_CHUNK)
+                data = await self._chan.receive()
+                if not data:
+                    raise anyio.EndOfStream
                 self._reader.feed(data)
                 msg = self._reader.next_message()
         except RemoteProtocolError as exc:
@@ -435,14 +429,43 @@ def _error_to_exception(msg: Error, where: str) -> M2NError:
     return StoreError(text)
 
 
-async def _read_one(stream: anyio.abc.SocketStream, reader: FrameReader[ServerMessage],
+async def _read_one(chan: SocketChannel, reader: FrameReader[ServerMessage],
                     where: str) -> ServerMessage:
     while True:
         msg = reader.next_message()
         if msg is not None:
             return msg
         try:
-            data = await stream.receive(_READ_CHUNK)
-        except (anyio.EndOfStream, anyio.BrokenResourceError, OSError) as exc:
+            data = await chan.receive()
+        except (anyio.ClosedResourceError, OSError) as exc:
             raise StoreError(f"{where} closed the connection during the handshake") from exc
+        if not data:
+            raise StoreError(f"{where} closed the connection during the handshake")
         reader.feed(data)
+
+
+async def _open_socket(host: str, port: int, where: str) -> socket.socket:
+    """A connected non-blocking socket to ``host:port`` (first address that answers)."""
+    try:
+        infos = await anyio.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise StoreError(f"cannot resolve the {where}: {exc}") from exc
+    errors: list[str] = []
+    for family, type_, proto, _, sockaddr in infos:
+        sock = socket.socket(family, type_, proto)
+        try:
+            sock.setblocking(False)
+            err = sock.connect_ex(sockaddr)
+            if err in (errno.EINPROGRESS, errno.EAGAIN, errno.EWOULDBLOCK):
+                await anyio.wait_writable(sock)
+                err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if err == 0:
+                return sock
+            errors.append(f"{sockaddr}: {os.strerror(err)}")
+        except OSError as exc:
+            errors.append(f"{sockaddr}: {exc}")
+        except BaseException:
+            sock.close()
+            raise
+        sock.close()
+    raise StoreError(f"cannot connect to the {where}: {'; '.join(errors) or 'no address'}")

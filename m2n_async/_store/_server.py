@@ -34,6 +34,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from m2n_async._proto.errors import M2NError, PeerLostError, RemoteProtocolError, StoreError
 from m2n_async._store import _auth
 from m2n_async._store._core import Session, StaleGenerationError, StoreCore, Waiter
+from m2n_async._store._io import SocketChannel
 from m2n_async._store._wire import (
     DEFAULT_MAX_FRAME,
     STORE_PROTO_VERSION,
@@ -66,7 +67,6 @@ from m2n_async._store._wire import (
 __all__ = ["StoreServer", "format_address"]
 
 _log = logging.getLogger("m2n_async.store")
-_READ_CHUNK = 65536
 _SEND_TIMEOUT = 30.0  # a peer that does not drain its socket for this long is dropped
 
 
@@ -132,15 +132,13 @@ class StoreServer:
             raise StoreError("StoreServer is already running")
         stack = AsyncExitStack()
         try:
-            listener = await anyio.create_tcp_listener(local_host=self._host,
-                                                       local_port=self._port)
-            await stack.enter_async_context(listener)
+            sock = await _listen(self._host, self._port)
+            stack.callback(_close_listener, sock)
             tg = await stack.enter_async_context(anyio.create_task_group())
             stack.callback(tg.cancel_scope.cancel)  # runs first on exit: stop serving
-            sockname = listener.extra(anyio.abc.SocketAttribute.local_address)
-            host, port = str(sockname[0]), int(sockname[1])
-            self._address = format_address(host, port)
-            tg.start_soon(listener.serve, self._handle, tg)
+            host, port = sock.getsockname()[:2]
+            self._address = format_address(str(host), int(port))
+            tg.start_soon(self._accept_loop, sock, tg)
         except BaseException:
             await stack.aclose()
             raise
@@ -166,35 +164,67 @@ class StoreServer:
 
     # --- per connection ------------------------------------------------------------------
 
-    async def _handle(self, stream: anyio.abc.SocketStream) -> None:
+    async def _accept_loop(self, sock: socket.socket, tg: anyio.abc.TaskGroup) -> None:
+        while True:
+            await anyio.wait_readable(sock)
+            try:
+                conn, _ = sock.accept()
+            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                continue
+            except OSError as exc:  # EMFILE and friends: back off instead of spinning
+                _log.warning("store accept failed (%s); retrying in 0.1 s", exc)
+                await anyio.sleep(0.1)
+                continue
+            tg.start_soon(self._handle, conn)
+
+    async def _handle(self, sock: socket.socket) -> None:
         self._connections += 1
+        chan = SocketChannel(sock, send_timeout=_SEND_TIMEOUT)
         try:
-            async with stream:
-                _set_nodelay(stream)
-                conn = _Connection(self, stream)
-                await conn.run()
+            await _Connection(self, chan).run()
         except Exception:  # one connection's failure must never stop the server
             _log.exception("store connection handler failed; connection dropped")
         finally:
+            chan.close()
             self._connections -= 1
 
 
-def _set_nodelay(stream: anyio.abc.SocketStream) -> None:
+async def _listen(host: str, port: int) -> socket.socket:
+    """A listening non-blocking socket bound to exactly ``host`` (first resolved address)."""
     try:
-        sock = stream.extra(anyio.abc.SocketAttribute.raw_socket)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    except (OSError, anyio.TypedAttributeLookupError):
+        infos = await anyio.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                        flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        raise StoreError(f"StoreServer cannot resolve host {host!r}: {exc}") from exc
+    family, type_, proto, _, sockaddr = infos[0]
+    sock = socket.socket(family, type_, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(1024)
+        sock.setblocking(False)
+    except OSError as exc:
+        sock.close()
+        raise StoreError(f"StoreServer cannot listen on {format_address(host, port)}: {exc}"
+                         ) from exc
+    return sock
+
+
+def _close_listener(sock: socket.socket) -> None:
+    try:
+        anyio.notify_closing(sock)
+    except Exception:  # no waiter registered (loop already gone)
         pass
+    sock.close()
 
 
 class _Connection:
-    def __init__(self, server: StoreServer, stream: anyio.abc.SocketStream) -> None:
+    def __init__(self, server: StoreServer, chan: SocketChannel) -> None:
         self._server = server
         self._core = server.core
-        self._stream = stream
+        self._chan = chan
         self._reader: FrameReader[ClientMessage] = FrameReader(
             ClientMessage, max_frame=server._max_frame)  # type: ignore[arg-type]
-        self._send_lock = anyio.Lock()
         self._pending: dict[int, Waiter] = {}
         send, receive = anyio.create_memory_object_stream[int](max_buffer_size=math.inf)
         self._done_send: MemoryObjectSendStream[int] = send
@@ -233,9 +263,10 @@ class _Connection:
             if msg is not None:
                 return msg
             try:
-                data = await self._stream.receive(_READ_CHUNK)
-            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError,
-                    OSError):
+                data = await self._chan.receive()
+            except (anyio.ClosedResourceError, OSError):
+                return None
+            if not data:
                 return None
             self._reader.feed(data)
 
@@ -246,10 +277,7 @@ class _Connection:
             frame = encode_frame(Error(
                 rid, "limit", f"reply of {len(frame) - 4} bytes exceeds the store frame limit "
                 f"of {self._server._max_frame} bytes"))
-        async with self._send_lock:
-            # Shielded so a cancelled sender cannot leave half a frame on the wire.
-            with anyio.CancelScope(shield=True), anyio.fail_after(_SEND_TIMEOUT):
-                await self._stream.send(frame)
+        await self._chan.send(frame)  # frame-atomic under cancellation (see _io)
 
     async def _send_error(self, rid: int, kind: str, message: str, *,
                           best_effort: bool = False) -> None:
