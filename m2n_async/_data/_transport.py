@@ -20,7 +20,8 @@ Lifecycle (who calls what, and when)::
     each round (engine pipeline, DESIGN §7):
         t.begin_round(round, deadline)
         for each bucket, up to max_inflight at once:
-            staging = await t.stage(bucket, sources)   # trainer: pack; worker: allocate
+            staging = await t.stage(bucket, sources=..)   # trainer: pack
+            staging = await t.stage(bucket, sinks=..)     # worker: allocate (or zero-copy)
             completion = t.transfer(staging)          # submit sends/recvs on native thread
             await completion.wait()                   # event loop, never blocks it
             await t.unpack(staging, sinks)            # worker: into targets / load callbacks
@@ -124,6 +125,9 @@ class TransportSettings:
     device: str | None = None
     #: Seconds allowed to create the communicator in ``connect``.
     connect_timeout: float = 60.0
+    #: Address the CPU data plane binds and advertises (gloo). None: 127.0.0.1 when the
+    #: store is on loopback, else torch's default (hostname / ``GLOO_SOCKET_IFNAME``).
+    host: str | None = None
 
     def __post_init__(self) -> None:
         if self.bucket_bytes <= 0:
@@ -396,11 +400,14 @@ class Transport(ABC):
         self._deadline = None
 
     @abstractmethod
-    async def stage(self, bucket: Bucket,
-                    sources: Mapping[str, torch.Tensor] | None) -> Staging:
+    async def stage(self, bucket: Bucket, *,
+                    sources: Mapping[str, torch.Tensor] | None = None,
+                    sinks: Mapping[str, Sink] | None = None) -> Staging:
         """Trainer: pack this rank's outgoing pieces of ``bucket`` from ``sources`` (name ->
         local shard, validated by the engine, covering at least the bucket's params).
-        Worker (``sources`` is None): allocate the receive staging.
+        Worker: allocate the receive staging; ``sinks`` (name -> target tensor or load
+        callback, the same mapping ``unpack`` gets) lets a transport receive straight into a
+        target tensor where the bytes arrive contiguous (zero-copy).
 
         Returns once the staging is ordered before any later ``transfer`` of it (a CUDA
         transport may return after enqueueing and recording an event).

@@ -138,13 +138,56 @@ class CommunicatorId(msgspec.Struct, frozen=True, forbid_unknown_fields=True, ta
 
 
 # --- round messages (engine, issue 5) ---
+# Written under ``{job}/{generation}/round/{round}/``: ``start`` (trainer rank 0),
+# ``done/{rank}`` (every rank) and ``abort`` (the first failing rank wins a compare-and-set, so
+# every rank reads the same first failure and raises the same error).
+
+
+class RoundStart(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
+    """Trainer rank 0 opens round ``round``: the version it will commit and its deadline.
+
+    ``closing`` marks the end of the job's rounds (trainer rank 0 closed its engine): workers
+    waiting for a round stop instead of waiting for ever.
+    """
+
+    proto_version: int
+    generation: int
+    round: int
+    version: int
+    round_timeout: float  # seconds; every rank bounds its part of the round by it
+    closing: bool
+
+
+class RoundDone(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
+    """Every rank's outcome of a round; gathered by every rank before the version commits."""
+
+    proto_version: int
+    generation: int
+    round: int
+    rank: int
+    ok: bool
+    error: str | None  # why this rank failed (None when ok)
+    nbytes: int  # bytes this rank sent or received
+    seconds: float
+
+
+class Abort(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
+    """The first failure of a round: watchdogs on every rank abort their data plane on it."""
+
+    proto_version: int
+    generation: int
+    round: int
+    rank: int  # the rank that failed first (or that saw a peer die / a deadline pass)
+    reason: str
+
 
 # --- the union, encoder, decoder ---
 # Helpers adding envelopes: define the Struct in your section above (frozen=True,
 # forbid_unknown_fields=True, tag=True) and add it to this one line.
 Envelope: TypeAlias = (SourcePlanRecord | PlanRecord
                        | Hello | SourcePlan | DestinationPlan | DataPlaneReport | RuntimeReady
-                       | PhaseFailure | CommunicatorId)  # handshake (issue 4)
+                       | PhaseFailure | CommunicatorId  # handshake (issue 4)
+                       | RoundStart | RoundDone | Abort)  # rounds (issue 5)
 
 _T = TypeVar("_T")
 _ENCODER: Final = msgspec.msgpack.Encoder()

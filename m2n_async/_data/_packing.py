@@ -1,0 +1,218 @@
+"""The packing planner: per bucket and per peer, where each piece lies in the packed buffer.
+
+Theory of operation. The plan lists, for every parameter, the pieces (global boxes) each
+source rank sends to each destination rank, sorted by ``(src_rank, dst_rank, box)``. Within a
+bucket, a rank moves ONE contiguous byte buffer per peer: the concatenation of its pieces for
+that peer in (parameter, piece) order. Sender and receiver walk the same parameters and the
+same sorted pieces, filtered to their pair, so both compute the same segment offsets from the
+plan alone — nothing about the layout travels, and one send matches one receive of the same
+size.
+
+Everything is done in *bytes*: a local shard is viewed as ``uint8`` with its last dim scaled
+by the item size (``tensor.view(torch.uint8)``), so packing never needs the buffer offset
+aligned to the dtype, works for every fixed-width dtype (bool, int16 and fp8 included) and is
+bit-exact by construction (a copy of bytes, never a cast).
+
+Zero-copy: a peer buffer made of ONE segment that is a contiguous byte range of the local shard
+is moved directly from (trainer) or into (worker, tensor target) that range; no staging. Each
+side decides this alone — the wire bytes are the same either way.
+
+This module is the planner (pure Python over the plan, cached per rank and bucket) plus the
+CPU/torch executors that copy segments; the GPU ``nccl`` transport reuses both (its copies
+then run on a CUDA stream).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from m2n_async._proto.errors import PlanError
+
+if TYPE_CHECKING:
+    from m2n_async._proto.layout import Box
+    from m2n_async._proto.plan import Bucket, TransferPlan
+
+__all__ = [
+    "BucketPacking",
+    "PeerBuffer",
+    "Segment",
+    "byte_view",
+    "copy_in",
+    "copy_out",
+    "pack_peer",
+    "plan_bucket",
+    "unpack_peer",
+]
+
+
+class Segment(NamedTuple):
+    """One piece inside a peer buffer, and where it lies in the rank's local shard."""
+
+    param: int                       # index in the plan
+    offset: int                      # byte offset in the peer buffer
+    nbytes: int
+    slices: tuple[slice, ...]        # into the local shard's byte view (see ``byte_view``)
+    shape: tuple[int, ...]           # byte-view shape of the region (``slices`` extents)
+    span: tuple[int, int] | None     # [start, stop) in the flat byte view, if contiguous
+    whole: bool                      # the segment is the entire local shard
+
+
+class PeerBuffer(NamedTuple):
+    """Everything this rank moves to/from one peer within one bucket, in wire order."""
+
+    peer: int
+    nbytes: int
+    segments: tuple[Segment, ...]
+
+    @property
+    def direct(self) -> Segment | None:
+        """The single contiguous segment if the buffer can move zero-copy, else None."""
+        if len(self.segments) == 1 and self.segments[0].span is not None:
+            return self.segments[0]
+        return None
+
+
+class BucketPacking(NamedTuple):
+    """A rank's side of one bucket: its peer buffers (ascending peer rank) and totals."""
+
+    bucket: Bucket
+    rank: int
+    sending: bool                     # True on a trainer (source), False on a worker
+    peers: tuple[PeerBuffer, ...]
+    nbytes: int                       # payload bytes this rank moves in the bucket
+    params: tuple[int, ...]           # params with at least one segment here, in plan order
+
+
+def _local_geometry(plan: TransferPlan, i: int, rank: int, sending: bool
+                    ) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """(local shape, local box origin, itemsize) of param ``i`` on ``rank``'s side."""
+    p = plan.params[i]
+    spec = p.spec
+    layout = spec.layout if sending else p.dst
+    shape = tuple(spec.shape)
+    box = layout.box(shape, rank)
+    local = tuple(hi - lo for lo, hi in box)
+    origin = tuple(lo for lo, _ in box)
+    return local, origin, spec.itemsize
+
+
+def _segment(param: int, offset: int, nbytes: int, box: Box, local: tuple[int, ...],
+             origin: tuple[int, ...], itemsize: int) -> Segment:
+    if not local:  # a 0-d tensor is moved as its single element
+        return Segment(param, offset, nbytes, (slice(0, itemsize),), (itemsize,),
+                       (0, itemsize), True)
+    rel = [(lo - o, hi - o) for (lo, hi), o in zip(box, origin, strict=True)]
+    # byte view: the last dim is scaled by the item size
+    bshape = (*local[:-1], local[-1] * itemsize)
+    lo_last, hi_last = rel[-1]
+    rel[-1] = (lo_last * itemsize, hi_last * itemsize)
+    slices = tuple(slice(lo, hi) for lo, hi in rel)
+    shape = tuple(hi - lo for lo, hi in rel)
+    # Contiguous iff every dim after the last partial one is full and every dim before it
+    # has extent 1 (row-major).
+    partial = [d for d in range(len(bshape)) if shape[d] != bshape[d]]
+    span: tuple[int, int] | None = None
+    if not partial or all(shape[d] == 1 for d in range(partial[-1])):
+        start = 0
+        for d in range(len(bshape)):
+            start = start * bshape[d] + rel[d][0]
+        span = (start, start + nbytes)
+    whole = not partial
+    return Segment(param, offset, nbytes, slices, shape, span, whole)
+
+
+def plan_bucket(plan: TransferPlan, bucket: Bucket, rank: int) -> BucketPacking:
+    """Compute ``rank``'s peer buffers for ``bucket`` (pure; cache the result per bucket)."""
+    sending = rank < plan.trainer_ranks
+    per_peer: dict[int, list[Segment]] = {}
+    offsets: dict[int, int] = {}
+    params: list[int] = []
+    received: dict[int, int] = {}
+    for i in range(bucket.start, bucket.stop):
+        geometry: tuple[tuple[int, ...], tuple[int, ...], int] | None = None
+        touched = False
+        for piece in plan.pieces(i):
+            if sending:
+                if piece.src_rank != rank:
+                    continue
+                peer = piece.dst_rank
+            else:
+                if piece.dst_rank != rank:
+                    continue
+                peer = piece.src_rank
+            if geometry is None:
+                geometry = _local_geometry(plan, i, rank, sending)
+            off = offsets.get(peer, 0)
+            seg = _segment(i, off, piece.nbytes, piece.box, *geometry)
+            per_peer.setdefault(peer, []).append(seg)
+            offsets[peer] = off + piece.nbytes
+            touched = True
+            if not sending:
+                received[i] = received.get(i, 0) + piece.nbytes
+        if touched:
+            params.append(i)
+        if not sending and geometry is not None:
+            # The plan promises every destination rank's box is covered exactly once.
+            local, _, itemsize = geometry
+            want = itemsize
+            for n in local:
+                want *= n
+            if received[i] != want:
+                raise PlanError(f"parameter {plan.params[i].spec.name!r}: the plan delivers "
+                                f"{received[i]} bytes to rank {rank}, its shard has {want}")
+    peers = tuple(PeerBuffer(peer, offsets[peer], tuple(per_peer[peer]))
+                  for peer in sorted(per_peer))
+    return BucketPacking(bucket, rank, sending, peers, sum(offsets.values()), tuple(params))
+
+
+# -- executors (torch; CPU here, the same calls on a CUDA stream in the GPU transports) ------
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as uint8 with its last dim scaled by the item size (no copy; needs contiguous)."""
+    if t.dim() == 0:
+        t = t.reshape(1)
+    return t.view(torch.uint8)
+
+
+def copy_in(buf: torch.Tensor, seg: Segment, src_bytes: torch.Tensor) -> None:
+    """Copy ``seg``'s region of a local shard (byte view) into the flat ``buf``."""
+    buf[seg.offset:seg.offset + seg.nbytes].view(seg.shape).copy_(src_bytes[seg.slices])
+
+
+def copy_out(buf: torch.Tensor, seg: Segment, dst_bytes: torch.Tensor) -> None:
+    """Copy ``seg`` from the flat ``buf`` into its region of a local shard (byte view)."""
+    dst_bytes[seg.slices].copy_(buf[seg.offset:seg.offset + seg.nbytes].view(seg.shape))
+
+
+def pack_peer(buf: torch.Tensor, peer: PeerBuffer,
+              src_bytes: Callable[[int], torch.Tensor]) -> None:
+    """Fill ``buf`` (flat uint8, ``peer.nbytes`` long) with ``peer``'s segments.
+
+    ``src_bytes(i)`` returns the byte view of param ``i``'s local shard. When every segment is
+    a contiguous range, one ``torch.cat(out=...)`` does the whole buffer: per-segment Python
+    overhead dominates packing of many small tensors.
+    """
+    segs = peer.segments
+    if len(segs) > 1 and all(s.span is not None for s in segs):
+        parts = []
+        for s in segs:
+            a, b = s.span  # type: ignore[misc]
+            parts.append(src_bytes(s.param).view(-1)[a:b])
+        torch.cat(parts, out=buf)
+        return
+    for s in segs:
+        copy_in(buf, s, src_bytes(s.param))
+
+
+def unpack_peer(buf: torch.Tensor, peer: PeerBuffer,
+                dst_bytes: Mapping[int, torch.Tensor]) -> None:
+    """Scatter ``peer``'s segments from ``buf`` into the byte views ``dst_bytes[param]``
+    (params absent from the mapping are skipped: the caller handles them)."""
+    for s in peer.segments:
+        dst = dst_bytes.get(s.param)
+        if dst is not None:
+            copy_out(buf, s, dst)
