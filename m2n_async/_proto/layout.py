@@ -42,11 +42,17 @@ class Mesh(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
 
     def __post_init__(self) -> None:
         # Normalize lists (e.g. from user code) to tuples so equality and hashing behave.
-        dims = self.dims
-        if not isinstance(dims, tuple):
+        # Runs for every mesh decoded off the wire too (10^5 per plan): keep it branch-cheap.
+        dims: tuple[int, ...] = self.dims
+        if type(dims) is not tuple:  # a list from user code
             dims = tuple(dims)
             msgspec.structs.force_setattr(self, "dims", dims)
-        if (len(dims) != 2 or not all(type(d) is int and d > 0 for d in dims)):
+        if len(dims) != 2:
+            raise PlanError(f"Mesh dims must be two positive ints (use (n, 1) for a 1-D "
+                            f"mesh), got {self.dims!r}")
+        d0, d1 = dims
+        # type() not isinstance(): bool is an int subclass and True is no size.
+        if type(d0) is not int or type(d1) is not int or d0 < 1 or d1 < 1:
             raise PlanError(f"Mesh dims must be two positive ints (use (n, 1) for a 1-D "
                             f"mesh), got {self.dims!r}")
         if type(self.start_rank) is not int or self.start_rank < 0:
@@ -91,17 +97,18 @@ class Layout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
     placements: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
-        p = self.placements
+        p: tuple[int, ...] | None = self.placements
         if p is None:
             return
-        if not isinstance(p, tuple):
+        if type(p) is not tuple:  # a list from user code
             p = tuple(p)
             msgspec.structs.force_setattr(self, "placements", p)
-        if len(p) != 2 or not all(type(x) is int and x >= REPLICATE for x in p):
+        if (len(p) != 2 or type(p[0]) is not int or type(p[1]) is not int
+                or p[0] < REPLICATE or p[1] < REPLICATE):
             raise PlanError(f"placements must be a 2-tuple of REPLICATE (-1) or a tensor dim "
                             f">= 0 per mesh axis, or None for a fully replicated tensor; "
                             f"got {self.placements!r}")
-        sharded = sum(1 for x in p if x != REPLICATE)
+        sharded = (p[0] != REPLICATE) + (p[1] != REPLICATE)
         if sharded == 0:
             raise PlanError("placements (REPLICATE, REPLICATE) are spelled None (fully "
                             "replicated); got (-1, -1)")
@@ -194,13 +201,17 @@ class Layout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
 
     def shape_problem(self, shape: tuple[int, ...]) -> str | None:
         """Why ``shape`` cannot be placed by this layout, or ``None`` if it can."""
-        d = self.shard_dim
-        if d is None:
+        p = self.placements
+        if p is None:
             return None
+        # inlined shard_dim/num_shards: this runs once per spec, also when decoding
+        if p[0] != REPLICATE:
+            d, n = p[0], self.mesh.dims[0]
+        else:
+            d, n = p[1], self.mesh.dims[1]
         if d >= len(shape):
             return (f"shard dim {d} does not exist in a tensor of rank {len(shape)} "
                     f"(shape {tuple(shape)}, placements {self.placements})")
-        n = self.num_shards
         if shape[d] % n:
             return (f"dim {d} of size {shape[d]} does not divide evenly into {n} shards "
                     f"(placements {self.placements}, mesh {self.mesh.dims})")

@@ -145,8 +145,11 @@ class ParamSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=Fals
         if type(shape) is not tuple:
             msgspec.structs.force_setattr(self, "shape", _shape_tuple(name, shape))
         else:
-            _shape_tuple(name, shape)
-        if not isinstance(self.layout, Layout):
+            for n in shape:
+                # type() not isinstance(): bool is an int subclass and True is no size.
+                if type(n) is not int or n < 1:
+                    _shape_tuple(name, shape)  # raises the PlanError
+        if type(self.layout) is not Layout:
             raise PlanError(f"parameter {name!r}: layout must be a Layout, got "
                             f"{type(self.layout).__name__}")
         problem = self.layout.shape_problem(self.shape)

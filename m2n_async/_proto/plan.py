@@ -129,7 +129,8 @@ def _waterfill(needs: list[_Need], replicas: int) -> list[tuple[int, _Need]]:
     Returns ``(slot, need)`` pairs in need order; a need may be cut along its largest dim
     across consecutive slots. Slot ``q`` is filled until the bytes assigned so far reach
     ``(q + 1) * quota`` (to the nearest slice), so rounding never accumulates: every slot's
-    load is within one slice of the quota.
+    load is within ``max(one slice, 2 * MIN_PIECE_BYTES)`` of the quota, and no cut leaves a
+    part below ``MIN_PIECE_BYTES``.
     """
     if replicas == 1:
         return [(0, n) for n in needs]
@@ -141,20 +142,26 @@ def _waterfill(needs: list[_Need], replicas: int) -> list[tuple[int, _Need]]:
     for need in needs:
         rest = need
         while True:
-            if rest.nbytes <= room or slot == last:
+            # Small needs are never cut (the overfill is carried into the next slot's room).
+            if rest.nbytes <= room or slot == last or rest.nbytes < 2 * MIN_PIECE_BYTES:
                 out.append((slot, rest))
                 room -= rest.nbytes
                 if room <= 0 and slot < last:
                     slot, room = slot + 1, room + quota
                 break
-            # Cut `rest` along its largest dim so its head fills `room` to the nearest slice.
+            # Cut `rest` along its largest dim so its head fills `room` to the nearest slice,
+            # leaving neither part below MIN_PIECE_BYTES.
             box = rest.box
             dim = max(range(len(box)), key=lambda d: box[d][1] - box[d][0])
             lo, hi = box[dim]
             extent = hi - lo
             unit = rest.nbytes // extent  # bytes per slice along `dim`
             cut = (2 * room + unit) // (2 * unit) if room > 0 else 0  # round(room / unit)
-            if cut >= extent:  # rounding says the whole rest belongs here
+            if cut * unit < MIN_PIECE_BYTES:
+                cut = 0
+            elif (extent - cut) * unit < MIN_PIECE_BYTES:
+                cut = extent
+            if cut >= extent:  # the whole rest belongs here
                 out.append((slot, rest))
                 room -= rest.nbytes
                 slot, room = slot + 1, room + quota

@@ -305,3 +305,22 @@ def test_digests_change_with_any_field_or_order(plan: TransferPlan, data: st.Dat
         assert complete_plan_digest(p2) != complete_plan_digest(plan)
         assert source_plan_digest(p2.source_specs(), t) == d
     assert source_plan_digest(specs, t) != complete_plan_digest(plan)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 8), st.integers(1, 6), st.integers(1, 600), st.integers(1, 64))
+def test_cuts_never_leave_pieces_below_the_floor(replicas: int, workers: int, rows: int,
+                                                 cols: int) -> None:
+    src = Layout(Mesh((replicas, 1), 0), None)
+    dst = Layout(Mesh((workers, 1), replicas), None)
+    shape = (rows, cols * 256)
+    plan = TransferPlan([ParamTransfer(ParamSpec("w", "float32", shape, src), dst)],
+                        trainer_ranks=replicas, world_size=replicas + workers)
+    whole = rows * cols * 256 * 4
+    floor = plan_mod.MIN_PIECE_BYTES
+    for p in plan.pieces(0):
+        assert p.nbytes >= floor or p.box == tuple((0, n) for n in shape), p
+    loads = [plan.send_bytes(r) for r in range(replicas)]
+    quota = max(-(-whole * workers // replicas), floor)
+    assert sum(loads) == whole * workers
+    assert max(loads) <= quota + max(2 * floor, whole // max(shape))
