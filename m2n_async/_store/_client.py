@@ -280,7 +280,8 @@ class StoreClient:
 
     def _check_usable(self) -> None:
         if self._broken is not None:
-            raise _fresh(self._broken)
+            raise StoreError(f"store connection to {self.address} is unusable after an "
+                             f"earlier failure: {self._broken}") from self._broken
         if self._closed:
             raise StoreError(f"store client for {self.address} is closed")
 
@@ -390,9 +391,11 @@ class StoreClient:
         slot.wake()
 
     def _break(self, exc: M2NError) -> None:
+        """Mark the connection unusable and close it (the server then ends our session)."""
         if self._broken is None:
             self._broken = exc
         self._fail_all(exc)
+        self._chan.close()
 
     def _fail_all(self, exc: M2NError) -> None:
         pending, self._pending = self._pending, {}

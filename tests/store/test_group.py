@@ -1,0 +1,183 @@
+"""ControlGroup over both Store implementations."""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import msgspec
+import pytest
+from store_helpers import World
+
+from m2n_async import ControlGroup, PeerLostError, RemoteProtocolError
+from m2n_async._proto.errors import LocalProtocolError
+
+pytestmark = pytest.mark.asyncio
+
+DEADLINE = 20.0
+
+
+class Hello(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
+    rank: int
+    note: str
+
+
+class Other(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
+    value: float
+
+
+async def make_groups(world: World, n: int, namespace: str = "job/1/g") -> list[ControlGroup]:
+    groups = [ControlGroup(await world.session(), r, n, namespace) for r in range(n)]
+    for g in groups:
+        await g.join()
+    return groups
+
+
+async def run_all(groups: list[ControlGroup], fn: object) -> dict[int, object]:
+    out: dict[int, object] = {}
+
+    async def one(g: ControlGroup) -> None:
+        out[g.rank] = await fn(g)  # type: ignore[operator]
+
+    with anyio.fail_after(DEADLINE):
+        async with anyio.create_task_group() as tg:
+            for g in groups:
+                tg.start_soon(one, g)
+    return out
+
+
+async def test_all_gather_typed(world: World) -> None:
+    groups = await make_groups(world, 5)
+    out = await run_all(groups, lambda g: g.all_gather(Hello(g.rank, f"r{g.rank}"), Hello))
+    expected = [Hello(r, f"r{r}") for r in range(5)]
+    assert out == {r: expected for r in range(5)}
+
+
+async def test_all_gather_bytes_and_barrier(world: World) -> None:
+    groups = await make_groups(world, 3)
+    out = await run_all(groups, lambda g: g.all_gather_bytes(bytes([g.rank]) * 1000))
+    assert out[2] == [bytes([r]) * 1000 for r in range(3)]
+    out = await run_all(groups, lambda g: g.barrier())
+    assert out == {0: None, 1: None, 2: None}
+
+
+@pytest.mark.parametrize("root", [0, 2])
+async def test_broadcast(world: World, root: int) -> None:
+    groups = await make_groups(world, 3)
+    out = await run_all(groups, lambda g: g.broadcast(
+        Hello(root, "from root") if g.rank == root else None, Hello, root))
+    assert out == {r: Hello(root, "from root") for r in range(3)}
+
+
+async def test_broadcast_root_without_envelope_is_a_local_error(world: World) -> None:
+    (g,) = await make_groups(world, 1)
+    with pytest.raises(LocalProtocolError, match="root rank 0"):
+        await g.broadcast(None, Hello, 0)
+    with pytest.raises(ValueError, match="root"):
+        await g.broadcast(None, Hello, 3)
+
+
+async def test_wrong_envelope_type_names_the_rank(world: World) -> None:
+    groups = await make_groups(world, 3)
+
+    async def call(g: ControlGroup) -> object:
+        envelope: object = Other(1.5) if g.rank == 1 else Hello(g.rank, "x")
+        try:
+            return await g.all_gather(envelope, Hello)
+        except RemoteProtocolError as exc:
+            return str(exc)
+
+    out = await run_all(groups, call)
+    assert all("rank 1" in str(v) and "invalid" in str(v) for v in out.values())
+
+
+async def test_no_key_growth_over_thousands_of_rounds(world: World) -> None:
+    n, rounds = 4, 2000
+    groups = await make_groups(world, n)
+    sizes: list[int] = []
+
+    async def loop(g: ControlGroup) -> None:
+        for i in range(rounds):
+            if i % 3 == 0:
+                await g.barrier()
+            elif i % 3 == 1:
+                got = await g.all_gather_bytes(b"%d:%d" % (g.rank, i))
+                assert got == [b"%d:%d" % (r, i) for r in range(n)]
+            else:
+                assert await g.broadcast(i if g.rank == 1 else None, int, 1) == i
+            if g.rank == 0:
+                sizes.append(len(world.core))
+
+    with anyio.fail_after(120):
+        async with anyio.create_task_group() as tg:
+            for g in groups:
+                tg.start_soon(loop, g)
+    # liveness keys + at most two calls' keys (a rank may be one call ahead of another).
+    assert max(sizes) <= n + 2 * n
+    assert len(world.core) <= 2 * n
+    for g in groups:
+        await g.aclose()
+    assert len(world.core) == 0, world.core.keys()
+
+
+async def test_peer_lost_names_the_rank_fast(world: World) -> None:
+    groups = await make_groups(world, 4)
+    errors: dict[int, PeerLostError] = {}
+    t_fail: dict[int, float] = {}
+
+    async def survivor(g: ControlGroup) -> None:
+        try:
+            await g.all_gather_bytes(b"x")
+        except PeerLostError as exc:
+            errors[g.rank] = exc
+            t_fail[g.rank] = time.monotonic()
+
+    with anyio.fail_after(DEADLINE):
+        async with anyio.create_task_group() as tg:
+            for g in groups[:3]:
+                tg.start_soon(survivor, g)
+            await anyio.sleep(0.1)
+            t0 = time.monotonic()
+            await groups[3].store.aclose()  # rank 3 dies before contributing
+    assert sorted(errors) == [0, 1, 2]
+    for r, exc in errors.items():
+        assert exc.ranks == (3,)
+        assert "rank 3" in str(exc) and "job/1/g" in str(exc)
+        assert t_fail[r] - t0 < 2.0
+
+
+async def test_missing_ranks_and_skipped_call_isolation(world: World) -> None:
+    groups = await make_groups(world, 3)
+    assert await groups[0].missing_ranks() == []
+    await run_all(groups, lambda g: g.barrier())
+    assert await groups[0].missing_ranks() == []  # the last call completed
+    # Rank 2 skips a call: ranks 0 and 1 wait under call 1's prefix while rank 2's next call is
+    # call 1 of a different kind — nobody reads another call's envelope; they time out.
+    results: dict[int, object] = {}
+
+    async def lagging(g: ControlGroup) -> None:
+        with anyio.move_on_after(0.5):
+            results[g.rank] = await g.all_gather_bytes(b"a")
+
+    async def skipper(g: ControlGroup) -> None:
+        with anyio.move_on_after(0.5):
+            results[g.rank] = await g.broadcast(7, int, 2)
+
+    with anyio.fail_after(DEADLINE):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lagging, groups[0])
+            tg.start_soon(lagging, groups[1])
+            tg.start_soon(skipper, groups[2])
+    assert results == {}
+    assert await groups[0].missing_ranks() == [2]
+    assert await groups[2].missing_ranks() == [0, 1]
+
+
+async def test_group_validates_arguments(world: World) -> None:
+    s = await world.session()
+    with pytest.raises(ValueError, match="rank"):
+        ControlGroup(s, 3, 3, "ns")
+    with pytest.raises(ValueError, match="world_size"):
+        ControlGroup(s, 0, 0, "ns")
+    with pytest.raises(ValueError, match="namespace"):
+        ControlGroup(s, 0, 1, "ns/")
