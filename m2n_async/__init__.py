@@ -43,6 +43,12 @@ from m2n_async._store import (
 )
 
 # --- handshake (issue 4) ---
+# isort: split
+from m2n_async._engine._preflight import PreflightOutcome
+from m2n_async._proto.handshake import TRANSITIONS as PREFLIGHT_TRANSITIONS
+from m2n_async._proto.handshake import Phase as PreflightPhase
+from m2n_async._proto.handshake import PreflightPlan
+
 # --- engine (issue 5/6) ---
 # --- ecosystem (issue 8) ---
 # isort: split
@@ -92,6 +98,11 @@ __all__ = [
     "current_generation",
     "generation_namespace",
     "next_generation",
+    # handshake (issue 4)
+    "PREFLIGHT_TRANSITIONS",
+    "PreflightOutcome",
+    "PreflightPhase",
+    "PreflightPlan",
     # ecosystem (issue 8)
     "LoadTarget",
     "ModuleShards",

@@ -21,7 +21,7 @@ phase (transport, plan digest) are compared exactly, so a deviation there names 
 
 The machine is sans-IO like the rest of ``_proto``: no clocks, no event loop, no torch. Time
 (deadlines) and liveness (lost peers) belong to the driver, which reports them with
-``abandon(Event.TIMED_OUT | Event.PEER_LOST | Event.CANCELLED)``.
+``abandon(Event.TIMED_OUT | Event.PEER_LOST | Event.STORE_ERROR | Event.CANCELLED)``.
 """
 
 from __future__ import annotations
@@ -95,13 +95,14 @@ class Event(enum.Enum):
     REJECTED = "rejected"  # PreflightError: a local step failed, or an envelope was bad
     TIMED_OUT = "timed out"  # the phase deadline passed (driver)
     PEER_LOST = "peer lost"  # a rank's store session ended (driver)
+    STORE_ERROR = "store error"  # this rank's store failed or refused a request (driver)
     CANCELLED = "cancelled"  # the caller cancelled (driver)
 
 
 def _phase_row(next_phase: Phase) -> dict[Event, Phase]:
     return {Event.AGREED: next_phase, Event.REJECTED: Phase.FAILED,
             Event.TIMED_OUT: Phase.FAILED, Event.PEER_LOST: Phase.FAILED,
-            Event.CANCELLED: Phase.FAILED}
+            Event.STORE_ERROR: Phase.FAILED, Event.CANCELLED: Phase.FAILED}
 
 
 TRANSITIONS: Final[Mapping[Phase, Mapping[Event, Phase]]] = {

@@ -34,6 +34,7 @@ from m2n_async._proto.messages import (
     PROTO_VERSION,
     DataPlaneIdentity,
     DataPlaneReport,
+    DestinationPlan,
     Hello,
     PhaseFailure,
     SourcePlan,
@@ -203,11 +204,13 @@ def test_all_phases_agree(t: int, n: int) -> None:
 def test_only_the_first_trainer_and_worker_ship_bulk_data() -> None:
     world = World(2, 3)
     world.run_to(Phase.SOURCE)
-    envs = [world.local(r) for r in range(5)]
-    assert [e.params is not None for e in envs] == [True, False, False, False, False]
+    sources = [world.local(r) for r in range(5)]
+    assert [isinstance(e, SourcePlan) and e.params is not None
+            for e in sources] == [True, False, False, False, False]
     world.run_to(Phase.DESTINATION)
-    envs = [world.local(r) for r in range(5)]
-    assert [e.placements is not None for e in envs] == [False, False, True, False, False]
+    dests = [world.local(r) for r in range(5)]
+    assert [isinstance(e, DestinationPlan) and e.placements is not None
+            for e in dests] == [False, False, True, False, False]
 
 
 # -- strict decoding ---------------------------------------------------------------------------

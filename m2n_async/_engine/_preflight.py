@@ -1,0 +1,309 @@
+"""The preflight driver: runs the sans-IO ``Handshake`` over a ``ControlGroup`` (DESIGN §5).
+
+Theory of operation: a thin I/O loop in the httpcore style. Per phase it (1) runs this rank's
+local step inside ``try/except`` — a failing step becomes a ``PhaseFailure`` envelope, because
+the peers need the diagnosis and would otherwise wait out the deadline for it; (2) all-gathers
+the encoded envelope; (3) hands the bytes to ``Handshake.receive``, which raises the same
+``PreflightError`` on every rank when any rank failed or disagreed. Steps (1) and (2) run under
+one deadline per phase, ``phase_timeout + per_param_timeout * n_params`` (bigger plans ship
+more specs and placements, and take longer to validate).
+
+Failure translation at this boundary:
+- deadline passed → ``TimeoutError`` naming the phase and the ranks that never posted
+  (``ControlGroup.missing_ranks``), or saying that this rank's own local step overran;
+- a peer's store session ended → ``PeerLostError`` naming the phase and the rank, at once (the
+  group's gathers watch every peer's liveness key; nobody waits for the deadline);
+- anything else from the store propagates as ``StoreError`` with the phase in a note.
+
+Synchronous callbacks (``capabilities``, ``data_plane_identity``) run on a worker thread so that
+one that blocks (an import that hangs, a wedged driver query) cannot freeze the event loop: the
+deadline still fires, and the thread is abandoned. The driver creates no communicator, handle
+or buffer; only the engine's ``prepare_runtime`` callback may, in ``runtime_ready``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, TypeVar
+
+import anyio
+import msgspec
+
+from m2n_async._proto.errors import PeerLostError, PreflightError, StoreError
+from m2n_async._proto.handshake import Event, Handshake, Phase, PreflightPlan
+from m2n_async._proto.messages import (
+    PROTO_VERSION,
+    CommunicatorId,
+    DataPlaneIdentity,
+    PhaseFailure,
+)
+from m2n_async._proto.params import ParamSpec
+from m2n_async._proto.plan import TransferPlan
+from m2n_async._store import ControlGroup
+
+__all__ = [
+    "DEFAULT_PER_PARAM_TIMEOUT",
+    "PreflightInputs",
+    "PreflightOutcome",
+    "phase_deadline",
+    "run_preflight",
+    "share_unique_id",
+]
+
+DEFAULT_PER_PARAM_TIMEOUT = 1e-4
+"""Seconds added to each phase's deadline per parameter (100k params: +10 s)."""
+
+# Bound on the follow-up store query that names the missing ranks after a timeout: the
+# diagnosis must not turn one expired deadline into a second, unbounded wait.
+_MISSING_QUERY_TIMEOUT = 5.0
+
+_GATHERING = (Phase.HELLO, Phase.SOURCE, Phase.DESTINATION, Phase.DATA_PLANE,
+              Phase.RUNTIME_READY)
+
+_R = TypeVar("_R")
+
+
+@dataclass(frozen=True)
+class PreflightInputs:
+    """What one rank brings to the handshake (see DEVELOPERS.md, "Handshake")."""
+
+    role: Literal["trainer", "worker"]
+    rank: int
+    world_size: int
+    trainer_ranks: int
+    generation: int
+    params: Sequence[ParamSpec] | None
+    mesh_dims: tuple[int, int] | None
+    dst_placements: Mapping[str, tuple[int, int] | None] | None
+    transport: str
+    capabilities: Callable[[], Sequence[str]]
+    data_plane_identity: Callable[[str], DataPlaneIdentity]
+    prepare_runtime: Callable[[PreflightPlan], Awaitable[None]]
+
+    @property
+    def n_params(self) -> int:
+        """The plan size this rank knows before the handshake (for deadline scaling)."""
+        if self.params is not None:
+            return len(self.params)
+        return len(self.dst_placements) if self.dst_placements is not None else 0
+
+
+@dataclass(frozen=True)
+class PreflightOutcome:
+    """What every rank agreed on; identical on every rank except ``rank``/``role``/``seconds``."""
+
+    role: str
+    rank: int
+    generation: int
+    plan: TransferPlan
+    digest: str  # complete-plan digest
+    transport: str
+    reason: str  # why this transport (names what ruled out the better ones)
+    seconds: Mapping[str, float] = field(default_factory=dict)  # phase name -> wall time here
+
+    @property
+    def preflight_plan(self) -> PreflightPlan:
+        """The agreement as ``prepare_runtime`` saw it."""
+        return PreflightPlan(self.plan, self.digest, self.transport, self.reason)
+
+
+def phase_deadline(phase_timeout: float, n_params: int,
+                   per_param_timeout: float = DEFAULT_PER_PARAM_TIMEOUT) -> float:
+    """Seconds one phase may take on a rank that knows ``n_params`` parameters."""
+    return phase_timeout + per_param_timeout * max(n_params, 0)
+
+
+async def run_preflight(group: ControlGroup, inputs: PreflightInputs, *, phase_timeout: float,
+                        per_param_timeout: float = DEFAULT_PER_PARAM_TIMEOUT
+                        ) -> PreflightOutcome:
+    """Run every preflight phase with the other ranks of ``group``; return the agreement.
+
+    Raises ``PreflightError(phase, {rank: message})`` — the same on every rank — when a rank's
+    local step failed, an envelope was invalid, or ranks disagreed; ``TimeoutError`` naming the
+    phase and the ranks that did not arrive when a phase overran its deadline;
+    ``PeerLostError`` naming the phase and rank when a peer's store session ended; a
+    ``StoreError`` from the store itself. ``ValueError`` for inputs that do not match
+    ``group`` (a local programming error; raised before anything is sent).
+
+    The group is joined (its liveness key written) first; it must be fresh, and after any
+    failure it is out of step with its peers: a retry needs a new generation.
+
+    Cancellation: propagates at once. This rank's envelopes up to the current phase may be
+    visible to the peers, which then time out (or see this rank lost when its session ends).
+    No communicator, handle or buffer was created by the driver; only ``prepare_runtime`` may
+    have prepared local resources (it owns their cleanup). The group must not be reused.
+    """
+    _check_inputs(group, inputs, phase_timeout, per_param_timeout)
+    machine = Handshake(role=inputs.role, rank=inputs.rank, world_size=inputs.world_size,
+                        trainer_ranks=inputs.trainer_ranks, generation=inputs.generation,
+                        transport=inputs.transport)
+    deadline = phase_deadline(phase_timeout, inputs.n_params, per_param_timeout)
+    seconds: dict[str, float] = {}
+    for phase in _GATHERING:
+        started = anyio.current_time()
+        await _run_phase(group, machine, inputs, phase, deadline)
+        seconds[phase.value] = anyio.current_time() - started
+    assert machine.phase is Phase.CONNECTED and machine.plan is not None
+    agreed = machine.plan
+    return PreflightOutcome(role=inputs.role, rank=inputs.rank, generation=inputs.generation,
+                            plan=agreed.plan, digest=agreed.digest, transport=agreed.transport,
+                            reason=agreed.reason, seconds=seconds)
+
+
+async def share_unique_id(group: ControlGroup, generation: int,
+                          create: Callable[[], bytes] | None, *, phase_timeout: float
+                          ) -> bytes:
+    """Rank 0's communicator unique id on every rank, after ``run_preflight`` succeeded.
+
+    Rank 0 passes ``create`` (e.g. ``lambda: bytes(nccl.get_unique_id().as_bytes)``), the
+    others ``None``. The id travels with its SHA-256 and the generation; every rank checks
+    both. If ``create`` raises on rank 0, every rank raises the same
+    ``PreflightError("connected", {0: ...})`` instead of waiting for an id that never comes.
+    ``TimeoutError``/``PeerLostError`` as in ``run_preflight``.
+
+    Cancellation: propagates; rank 0's id may already be visible to the others, which then
+    time out. Nothing is created here except the id bytes themselves.
+    """
+    if (group.rank == 0) != (create is not None):
+        raise ValueError("share_unique_id: rank 0, and only rank 0, passes `create`")
+    if not phase_timeout > 0:
+        raise ValueError(f"share_unique_id phase_timeout must be > 0, got {phase_timeout}")
+    phase = Phase.CONNECTED.value
+    payload = b""
+    if create is not None:
+        try:
+            uid = bytes(create())
+            env: msgspec.Struct = CommunicatorId(PROTO_VERSION, generation,
+                                                 hashlib.sha256(uid).hexdigest(), uid)
+        except Exception as exc:  # reported to every rank, below
+            env = PhaseFailure(PROTO_VERSION, generation, 0, phase,
+                               f"{type(exc).__name__}: {exc}")
+        payload = Handshake.encode(env)
+
+    async def produce() -> bytes:
+        return payload
+
+    raw = await _gather(group, phase, generation, phase_timeout, produce, None)
+    try:
+        got = msgspec.msgpack.decode(raw[0], type=CommunicatorId | PhaseFailure)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise PreflightError(phase, {0: f"sent an invalid unique-id envelope: {exc}"},
+                             generation=generation) from None
+    if isinstance(got, PhaseFailure):
+        raise PreflightError(phase, {0: f"could not create the unique id: {got.error}"},
+                             generation=generation)
+    if got.proto_version != PROTO_VERSION or got.generation != generation:
+        raise PreflightError(phase, {0: f"unique id of protocol {got.proto_version}, generation "
+                                        f"{got.generation}; expected {PROTO_VERSION}, "
+                                        f"{generation}"}, generation=generation)
+    if hashlib.sha256(got.unique_id).hexdigest() != got.digest:
+        raise PreflightError(phase, {0: "unique id does not match its SHA-256 (corrupted)"},
+                             generation=generation)
+    return got.unique_id
+
+
+# -- machinery ------------------------------------------------------------------------------
+
+
+def _check_inputs(group: ControlGroup, inputs: PreflightInputs, phase_timeout: float,
+                  per_param_timeout: float) -> None:
+    if not phase_timeout > 0:
+        raise ValueError(f"phase_timeout must be > 0 seconds, got {phase_timeout!r}")
+    if not per_param_timeout >= 0:
+        raise ValueError(f"per_param_timeout must be >= 0 seconds, got {per_param_timeout!r}")
+    if (group.rank, group.world_size) != (inputs.rank, inputs.world_size):
+        raise ValueError(f"preflight inputs are for rank {inputs.rank} of {inputs.world_size} "
+                         f"but the control group is rank {group.rank} of {group.world_size}")
+
+
+async def _local_envelope(machine: Handshake, inputs: PreflightInputs, phase: Phase
+                          ) -> msgspec.Struct:
+    if phase is Phase.HELLO:
+        return machine.hello()
+    if phase is Phase.SOURCE:
+        return machine.source(inputs.params if inputs.role == "trainer" else None)
+    if phase is Phase.DESTINATION:
+        caps = await _off_loop(inputs.capabilities)
+        return machine.destination(caps, inputs.mesh_dims, inputs.dst_placements)
+    if phase is Phase.DATA_PLANE:
+        assert machine.plan is not None
+        identity = await _off_loop(functools.partial(inputs.data_plane_identity,
+                                                     machine.plan.transport))
+        return machine.data_plane(identity)
+    assert phase is Phase.RUNTIME_READY and machine.plan is not None
+    await inputs.prepare_runtime(machine.plan)
+    return machine.runtime_ready()
+
+
+async def _off_loop(fn: Callable[[], _R]) -> _R:
+    # A limiter of its own: the shared default one (40 threads) may be busy with other
+    # work, and a preflight step must not queue behind it.
+    return await anyio.to_thread.run_sync(fn, abandon_on_cancel=True,
+                                          limiter=anyio.CapacityLimiter(1))
+
+
+async def _run_phase(group: ControlGroup, machine: Handshake, inputs: PreflightInputs,
+                     phase: Phase, deadline: float) -> None:
+    async def produce() -> bytes:
+        if phase is Phase.HELLO:
+            await group.join()  # liveness first: peers must see this rank die from now on
+        try:
+            return machine.encode(await _local_envelope(machine, inputs, phase))
+        except Exception as exc:  # the diagnosis goes to every rank instead of raising here
+            return machine.encode(machine.failure(exc))
+
+    payloads = await _gather(group, phase.value, inputs.generation, deadline, produce, machine)
+    machine.receive(payloads)  # PreflightError: the same on every rank
+
+
+async def _gather(group: ControlGroup, phase: str, generation: int, deadline: float,
+                  produce: Callable[[], Awaitable[bytes]], machine: Handshake | None
+                  ) -> list[bytes]:
+    """``produce()`` then all-gather it, under ``deadline``; failures translated and named."""
+    where = f"preflight phase {phase!r} (generation {generation}, rank {group.rank})"
+    local_done = False
+
+    def abandon(event: Event) -> None:
+        if machine is not None:
+            machine.abandon(event)
+
+    try:
+        with anyio.fail_after(deadline):
+            payload = await produce()
+            local_done = True
+            return await group.all_gather_bytes(payload)
+    except TimeoutError:
+        abandon(Event.TIMED_OUT)
+        raise TimeoutError(await _timeout_message(group, where, deadline, local_done)) from None
+    except PeerLostError as exc:
+        abandon(Event.PEER_LOST)
+        who = f"rank(s) {list(exc.ranks)}" if exc.ranks else "a peer"
+        raise PeerLostError(f"{where}: {who} lost ({exc})", ranks=exc.ranks,
+                            key=exc.key) from exc
+    except StoreError as exc:
+        abandon(Event.STORE_ERROR)
+        exc.add_note(f"during {where}")
+        raise
+    except BaseException:
+        abandon(Event.CANCELLED)
+        raise
+
+
+async def _timeout_message(group: ControlGroup, where: str, deadline: float,
+                           local_done: bool) -> str:
+    if not local_done:
+        return (f"{where} timed out after {deadline:.3g} s: this rank's own local step did "
+                f"not finish")
+    missing: list[int] | None = None
+    with anyio.move_on_after(_MISSING_QUERY_TIMEOUT):
+        missing = await group.missing_ranks()
+    if missing is None:
+        who = "the store did not say which ranks are missing"
+    elif missing:
+        who = f"rank(s) {missing} did not arrive"
+    else:
+        who = "every rank had arrived at this rank's last call (this rank is the late one)"
+    return f"{where} timed out after {deadline:.3g} s: {who}"

@@ -1,0 +1,413 @@
+"""The preflight driver with ranks as tasks of one event loop over the in-memory store.
+
+The phase-failure suite is parametrized over phase x failing rank (first/last trainer,
+first/last worker) x kind (local exception, disagreeing envelope, hang, disconnect) x topology
+(1+1, 2+3): every surviving rank must raise the same error naming the phase and the failing
+rank(s) within the phase deadline + 1 s, and nothing of the data plane may exist.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import msgspec
+import pytest
+
+from m2n_async import PeerLostError, PreflightError
+from m2n_async._engine._preflight import (
+    PreflightInputs,
+    PreflightOutcome,
+    run_preflight,
+    share_unique_id,
+)
+from m2n_async._proto.handshake import Handshake, PreflightPlan
+from m2n_async._proto.layout import REPLICATE, Layout, Mesh
+from m2n_async._proto.messages import DataPlaneIdentity
+from m2n_async._proto.params import ParamSpec
+from m2n_async._store import ControlGroup, StoreClient, StoreServer
+from m2n_async.testing import MemoryStore
+
+GEN = 3
+PHASES = ["hello", "source", "destination", "data_plane", "runtime_ready"]
+KINDS = ["local", "disagree", "hang", "disconnect"]
+HANG_TIMEOUT = 0.5  # the hang cases wait this out; everything else is far from any deadline
+LONG_TIMEOUT = 30.0  # disconnects must be seen long before this
+
+
+def specs(t: int) -> list[ParamSpec]:
+    mesh = Mesh((t, 1))
+    return [ParamSpec("w", "float32", (12, 6), Layout(mesh, (0, REPLICATE))),
+            ParamSpec("b", "bfloat16", (12,), Layout(mesh, None))]
+
+
+def placements() -> dict[str, tuple[int, int] | None]:
+    return {"w": (REPLICATE, 1), "b": None}
+
+
+class Disconnected(Exception):
+    """The injected 'process exit' of a failing rank (its store session is closed)."""
+
+
+@dataclass
+class Fault:
+    phase: str
+    rank: int
+    kind: str
+
+
+@dataclass
+class Log:
+    """What happened, per rank, with loop times."""
+
+    fault_at: float | None = None
+    prepared: list[int] = field(default_factory=list)
+    communicators: list[int] = field(default_factory=list)
+    outcome: dict[int, PreflightOutcome | BaseException] = field(default_factory=dict)
+    done_at: dict[int, float] = field(default_factory=dict)
+
+    def mark(self) -> None:
+        if self.fault_at is None:
+            self.fault_at = time.monotonic()
+
+
+def tamper(phase: str, rank: int, t: int, n: int, payload: bytes) -> bytes:
+    """A well-formed envelope that disagrees with the others (see expected_disagreers)."""
+    d = msgspec.msgpack.decode(payload)
+    trainer = rank < t
+    if phase == "hello":
+        d["role"] = "worker" if trainer else "trainer"
+    elif phase == "source":
+        d["digest"] = "0" * 64
+    elif phase == "destination":
+        if trainer:
+            d["capabilities"] = ["warp"]
+        else:
+            d["mesh_dims"] = [n, 1] if n > 1 else [2, 1]
+    elif phase == "data_plane":
+        d["identity"]["env"] = [["NCCL_RESHARD_X", "2"]]
+    else:
+        d["plan_digest"] = "0" * 64
+    return msgspec.msgpack.encode(d)
+
+
+def expected_disagreers(phase: str, rank: int, t: int, n: int) -> set[int]:
+    """Who a disagreement must name: the odd rank, or every holder when there is no majority."""
+    if phase == "source" and rank < t and t == 2:
+        return {0, 1}  # two trainers, two digests: no majority
+    if phase == "data_plane" and t + n == 2:
+        return {0, 1}  # one rank against one
+    return {rank}
+
+
+class FaultyGroup:
+    """A ControlGroup that injects a fault at one phase's gather of one rank."""
+
+    def __init__(self, inner: ControlGroup, fault: Fault | None, log: Log, t: int, n: int
+                 ) -> None:
+        self.inner, self.fault, self.log, self.t, self.n = inner, fault, log, t, n
+        self.rank, self.world_size = inner.rank, inner.world_size
+        self.calls = 0
+
+    async def join(self) -> None:
+        await self.inner.join()
+
+    async def missing_ranks(self) -> list[int]:
+        return await self.inner.missing_ranks()
+
+    async def all_gather_bytes(self, payload: bytes) -> list[bytes]:
+        phase = PHASES[self.calls] if self.calls < len(PHASES) else "after"
+        self.calls += 1
+        f = self.fault
+        if f is not None and f.rank == self.rank and f.phase == phase and f.kind != "local":
+            self.log.mark()
+            if f.kind == "hang":
+                await anyio.sleep_forever()
+            if f.kind == "disconnect":
+                await self.inner.store.aclose()
+                raise Disconnected(f"rank {self.rank} exits")
+            payload = tamper(phase, self.rank, self.t, self.n, payload)
+        return await self.inner.all_gather_bytes(payload)
+
+
+def make_inputs(r: int, t: int, n: int, log: Log, fault: Fault | None = None, *,
+                transport: str = "auto", generation: int = GEN,
+                capabilities: Callable[[], list[str]] | None = None) -> PreflightInputs:
+    local = fault if fault is not None and fault.kind == "local" and fault.rank == r else None
+
+    def caps() -> list[str]:
+        if local and local.phase == "destination":
+            log.mark()
+            raise RuntimeError(f"injected capability probe failure on rank {r}")
+        return ["gloo"]
+
+    def identity(transport: str) -> DataPlaneIdentity:
+        if local and local.phase == "data_plane":
+            log.mark()
+            raise RuntimeError(f"injected identity failure on rank {r}")
+        return DataPlaneIdentity(None, None, (("NCCL_RESHARD_X", "1"),))
+
+    async def prepare(plan: PreflightPlan) -> None:
+        await anyio.lowlevel.checkpoint()
+        if local and local.phase == "runtime_ready":
+            log.mark()
+            raise RuntimeError(f"injected runtime failure on rank {r}")
+        log.prepared.append(r)
+
+    trainer = r < t
+    return PreflightInputs(
+        role="trainer" if trainer else "worker", rank=r, world_size=t + n, trainer_ranks=t,
+        generation=generation, params=specs(t) if trainer else None,
+        mesh_dims=None if trainer else (1, n), dst_placements=None if trainer else placements(),
+        transport=transport, capabilities=capabilities or caps, data_plane_identity=identity,
+        prepare_runtime=prepare)
+
+
+def patch_local_fault(monkeypatch: pytest.MonkeyPatch, fault: Fault | None, log: Log) -> None:
+    """hello and source have no callback to fail: make the machine's local step raise."""
+    if fault is None or fault.kind != "local" or fault.phase not in ("hello", "source"):
+        return
+    original = getattr(Handshake, fault.phase)
+
+    def failing(self: Handshake, *args: Any) -> Any:
+        if self.rank == fault.rank:
+            log.mark()
+            raise RuntimeError(f"injected {fault.phase} failure on rank {self.rank}")
+        return original(self, *args)
+
+    monkeypatch.setattr(Handshake, fault.phase, failing)
+
+
+async def run_world(t: int, n: int, *, fault: Fault | None = None, phase_timeout: float,
+                    stores: list[Any] | None = None,
+                    inputs: Mapping[int, PreflightInputs] | None = None,
+                    log: Log | None = None) -> Log:
+    log = log if log is not None else Log()
+    w = t + n
+    if stores is None:
+        root = MemoryStore()
+        stores = [root.session() for _ in range(w)]
+    ns = f"job/{GEN}/preflight"
+
+    async def rank_main(r: int) -> None:
+        group = FaultyGroup(ControlGroup(stores[r], r, w, ns), fault, log, t, n)
+        inp = (inputs or {}).get(r) or make_inputs(r, t, n, log, fault)
+        try:
+            out = await run_preflight(group, inp, phase_timeout=phase_timeout)  # type: ignore[arg-type]
+            log.communicators.append(r)  # what an engine would do next
+            log.outcome[r] = out
+        except Exception as e:
+            log.outcome[r] = e
+        log.done_at[r] = time.monotonic()
+
+    with anyio.fail_after(phase_timeout * 2 + 15):
+        async with anyio.create_task_group() as tg:
+            for r in range(w):
+                tg.start_soon(rank_main, r)
+    return log
+
+
+def ranks_of(t: int, n: int) -> dict[str, int]:
+    return {"first_trainer": 0, "last_trainer": t - 1, "first_worker": t,
+            "last_worker": t + n - 1}
+
+
+def matrix() -> list[Any]:
+    cases = []
+    for topo, (t, n) in (("1+1", (1, 1)), ("2+3", (2, 3))):
+        seen: set[int] = set()
+        for who, rank in ranks_of(t, n).items():
+            if rank in seen:
+                continue  # in 1+1 the first trainer is the last one
+            seen.add(rank)
+            for phase in PHASES:
+                for kind in KINDS:
+                    cases.append(pytest.param(t, n, phase, rank, kind,
+                                              id=f"{topo}-{phase}-{who}-{kind}"))
+    return cases
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("t,n,phase,bad,kind", matrix())
+async def test_phase_failure(monkeypatch: pytest.MonkeyPatch, t: int, n: int, phase: str,
+                             bad: int, kind: str) -> None:
+    fault = Fault(phase, bad, kind)
+    timeout = {"hang": HANG_TIMEOUT, "disconnect": LONG_TIMEOUT}.get(kind, 5.0)
+    log = Log()
+    patch_local_fault(monkeypatch, fault, log)
+    await run_world(t, n, fault=fault, phase_timeout=timeout, log=log)
+    fault_at = log.fault_at
+    assert fault_at is not None, "the fault was never injected"
+
+    survivors = [r for r in range(t + n) if kind in ("local", "disagree") or r != bad]
+    errors = {r: log.outcome[r] for r in survivors}
+    for r, e in errors.items():
+        assert isinstance(e, Exception), f"rank {r} did not fail: {e}"
+        # within the phase deadline + 1 s of the fault (a disconnect: at once)
+        limit = 2.0 if kind == "disconnect" else timeout + 1.0
+        assert log.done_at[r] - fault_at <= limit, (r, log.done_at[r] - fault_at)
+
+    if kind in ("local", "disagree"):
+        first = errors[survivors[0]]
+        assert isinstance(first, PreflightError) and first.phase == phase
+        for e in errors.values():
+            assert isinstance(e, PreflightError)
+            assert (e.phase, e.failures, e.generation) == (phase, first.failures, GEN)
+        if kind == "local":
+            assert list(first.failures) == [bad]
+            assert first.failures[bad].startswith("local step failed: RuntimeError: injected")
+        else:
+            assert set(first.failures) == expected_disagreers(phase, bad, t, n), first
+    elif kind == "hang":
+        for e in errors.values():
+            assert isinstance(e, TimeoutError), repr(e)
+            assert f"preflight phase {phase!r}" in str(e)
+            assert f"rank(s) [{bad}] did not arrive" in str(e)
+    else:
+        for e in errors.values():
+            assert isinstance(e, PeerLostError), repr(e)
+            assert e.ranks == (bad,) and f"preflight phase {phase!r}" in str(e)
+        assert isinstance(log.outcome[bad], Disconnected)
+
+    # Nothing of the data plane exists: no communicator anywhere, and no local preparation
+    # at all unless the failing phase was runtime_ready itself.
+    assert log.communicators == []
+    if phase != "runtime_ready":
+        assert log.prepared == []
+
+
+# -- the happy path and the rest of the driver -------------------------------------------------
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("t,n", [(1, 1), (2, 3)])
+async def test_all_ranks_agree(t: int, n: int) -> None:
+    log = await run_world(t, n, phase_timeout=5.0)
+    outs = [log.outcome[r] for r in range(t + n)]
+    assert all(isinstance(o, PreflightOutcome) for o in outs), outs
+    digests = {o.digest for o in outs if isinstance(o, PreflightOutcome)}
+    assert len(digests) == 1
+    o0 = outs[0]
+    assert isinstance(o0, PreflightOutcome)
+    assert o0.transport == "gloo" and "m2n is not available" in o0.reason
+    assert [p.name for p in o0.plan.params] == ["w", "b"]
+    assert list(o0.seconds) == PHASES
+    assert sorted(log.prepared) == list(range(t + n))
+    assert o0.preflight_plan.digest == o0.digest
+
+
+@pytest.mark.asyncio
+async def test_all_ranks_agree_over_tcp_store() -> None:
+    async with StoreServer(token="s3cret") as server:
+        clients = [await StoreClient.connect(server.address, token="s3cret") for _ in range(3)]
+        try:
+            log = await run_world(1, 2, phase_timeout=5.0, stores=clients)
+        finally:
+            for c in clients:
+                await c.aclose()
+    assert all(isinstance(log.outcome[r], PreflightOutcome) for r in range(3)), log.outcome
+
+
+@pytest.mark.asyncio
+async def test_stale_generation_rank_is_named_by_everyone() -> None:
+    t, n = 2, 3
+    log0 = Log()
+    inputs = {r: make_inputs(r, t, n, log0, generation=GEN - 1 if r == 3 else GEN)
+              for r in range(t + n)}
+    log = await run_world(t, n, phase_timeout=5.0, inputs=inputs)
+    for r in range(t + n):
+        e = log.outcome[r]
+        assert isinstance(e, PreflightError) and e.phase == "hello"
+        if r != 3:
+            assert list(e.failures) == [3] and "stale generation 2" in e.failures[3]
+
+
+@pytest.mark.asyncio
+async def test_blocking_sync_callback_cannot_freeze_the_loop() -> None:
+    t, n = 1, 2
+    release = threading.Event()
+    log0 = Log()
+
+    def stuck() -> list[str]:
+        release.wait(10)  # a wedged driver query; blocks its thread, not the loop
+        return ["gloo"]
+
+    inputs = {r: make_inputs(r, t, n, log0, capabilities=stuck if r == 2 else None)
+              for r in range(t + n)}
+    started = time.monotonic()
+    try:
+        log = await run_world(t, n, phase_timeout=HANG_TIMEOUT, inputs=inputs)
+    finally:
+        release.set()
+    assert time.monotonic() - started < HANG_TIMEOUT + 3
+    own = log.outcome[2]
+    assert isinstance(own, TimeoutError) and "own local step did not finish" in str(own)
+    for r in (0, 1):
+        e = log.outcome[r]
+        assert isinstance(e, TimeoutError) and "rank(s) [2] did not arrive" in str(e)
+        assert "preflight phase 'destination'" in str(e)
+
+
+@pytest.mark.asyncio
+async def test_inputs_that_do_not_match_the_group_fail_before_sending() -> None:
+    store = MemoryStore()
+    group = ControlGroup(store, 0, 2, "job/1/x")
+    inp = make_inputs(1, 1, 1, Log())
+    with pytest.raises(ValueError, match="rank 1 of 2 but the control group is rank 0"):
+        await run_preflight(group, inp, phase_timeout=1.0)
+    with pytest.raises(ValueError, match="phase_timeout must be > 0"):
+        await run_preflight(group, make_inputs(0, 1, 1, Log()), phase_timeout=0)
+    assert await store.gather("job/", 0) == {}
+
+
+@pytest.mark.asyncio
+async def test_explicit_transport_nobody_can_run_names_every_rank() -> None:
+    t, n = 1, 2
+    log0 = Log()
+    inputs = {r: make_inputs(r, t, n, log0, transport="nccl") for r in range(t + n)}
+    log = await run_world(t, n, phase_timeout=5.0, inputs=inputs)
+    for r in range(t + n):
+        e = log.outcome[r]
+        assert isinstance(e, PreflightError) and e.phase == "destination"
+        assert sorted(e.failures) == [0, 1, 2]
+        assert "cannot run the requested transport 'nccl'" in e.failures[1]
+    assert log0.prepared == [] and log.prepared == []
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("broken", [False, True])
+async def test_share_unique_id(broken: bool) -> None:
+    root = MemoryStore()
+    w = 3
+    groups = [ControlGroup(root.session(), r, w, "job/1/uid") for r in range(w)]
+    results: dict[int, bytes | BaseException] = {}
+
+    def create() -> bytes:
+        if broken:
+            raise OSError("no GPU")
+        return b"\x01" * 128
+
+    async def one(r: int) -> None:
+        await groups[r].join()
+        try:
+            results[r] = await share_unique_id(groups[r], 1, create if r == 0 else None,
+                                               phase_timeout=5.0)
+        except Exception as e:
+            results[r] = e
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            for r in range(w):
+                tg.start_soon(one, r)
+    if not broken:
+        assert results == {r: b"\x01" * 128 for r in range(w)}
+    else:
+        for r in range(w):
+            e = results[r]
+            assert isinstance(e, PreflightError) and e.phase == "connected"
+            assert e.failures == {0: "could not create the unique id: OSError: no GPU"}
