@@ -15,6 +15,7 @@ decoded off the wire, so a malformed peer record fails at decode time.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Final
 
@@ -99,19 +100,24 @@ def dtype_itemsize(name: str) -> int:
 
 
 def _shape_tuple(name: str, shape: object) -> tuple[int, ...]:
-    if not isinstance(shape, tuple):
+    """``shape`` as a tuple of ints (``torch.Size`` and numpy ints accepted), or PlanError."""
+    try:
+        items: tuple[object, ...] = tuple(shape)  # type: ignore[arg-type]
+    except TypeError:
+        raise PlanError(f"parameter {name!r}: shape must be a sequence of ints, got "
+                        f"{shape!r}") from None
+    out = []
+    for n in items:
+        # bool is an int subclass (and operator.index accepts it); True is no size.
         try:
-            shape = tuple(shape)  # type: ignore[arg-type]
+            v = -1 if isinstance(n, bool) else operator.index(n)  # type: ignore[arg-type]
         except TypeError:
-            raise PlanError(f"parameter {name!r}: shape must be a sequence of ints, got "
-                            f"{shape!r}") from None
-    assert isinstance(shape, tuple)
-    for n in shape:
-        # type() not isinstance(): bool is an int subclass and True is no size.
-        if type(n) is not int or n < 1:
+            v = -1
+        if v < 1:
             raise PlanError(f"parameter {name!r}: shape must hold positive ints, got "
                             f"{shape!r}")
-    return shape
+        out.append(v)
+    return tuple(out)
 
 
 class ParamSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
@@ -142,13 +148,9 @@ class ParamSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=Fals
                 raise PlanError(f"parameter {name!r}: {e}") from None
             msgspec.structs.force_setattr(self, "dtype", canon)
         shape = self.shape
-        if type(shape) is not tuple:
+        # Fast path (every decoded spec): an exact tuple of positive exact ints.
+        if type(shape) is not tuple or not all(type(n) is int and n > 0 for n in shape):
             msgspec.structs.force_setattr(self, "shape", _shape_tuple(name, shape))
-        else:
-            for n in shape:
-                # type() not isinstance(): bool is an int subclass and True is no size.
-                if type(n) is not int or n < 1:
-                    _shape_tuple(name, shape)  # raises the PlanError
         if type(self.layout) is not Layout:
             raise PlanError(f"parameter {name!r}: layout must be a Layout, got "
                             f"{type(self.layout).__name__}")

@@ -51,6 +51,7 @@ from m2n_async._proto.params import (
     M2N_DTYPES,
     ParamSpec,
     ParamTransfer,
+    dtype_name,
 )
 
 __all__ = [
@@ -298,7 +299,9 @@ class TransferPlan:
     Construction validates what holds for any transport (unique names, source meshes cover
     ``[0, trainer_ranks)``, destination meshes cover ``[trainer_ranks, world_size)``, shard
     dims exist and divide evenly); ``validate(transport)`` and ``check_plan_limits`` add the
-    transport's rules. Geometry is computed lazily and cached.
+    transport's rules. Geometry is computed lazily and cached; the caches are filled by
+    publishing finished objects, so calls from several threads are safe (at worst a piece of
+    geometry is computed twice). A plan is immutable once built.
     """
 
     def __init__(self, params: Iterable[ParamTransfer], *, trainer_ranks: int,
@@ -380,9 +383,11 @@ class TransferPlan:
 
     def _geo_index(self) -> list[int]:
         if self._geo_ids is None:
+            # Built in locals and published at the end: a second thread racing here computes
+            # the same lists again instead of seeing half-built ones.
             ids: dict[tuple[tuple[int, ...], str, Layout, Layout], int] = {}
             geo_ids = []
-            keys = self._geo_keys
+            keys: list[tuple[tuple[int, ...], int, Layout, Layout]] = []
             for p in self.params:
                 s = p.spec
                 key = (s.shape, s.dtype, s.layout, p.dst)
@@ -391,6 +396,7 @@ class TransferPlan:
                     gid = ids[key] = len(keys)
                     keys.append((s.shape, DTYPE_ITEMSIZE[s.dtype], s.layout, p.dst))
                 geo_ids.append(gid)
+            self._geo_keys = keys
             self._geo_ids = geo_ids
         return self._geo_ids
 
@@ -592,7 +598,10 @@ def validate_local_buffer(spec_or_transfer: ParamSpec | ParamTransfer, tensor_li
         m = layout.mesh
         raise PlanError(f"{where}: rank is not in the {side} mesh [{m.start_rank}, "
                         f"{m.start_rank + m.size})")
-    got_dtype = str(tensor_like.dtype).removeprefix("torch.")
+    try:
+        got_dtype = dtype_name(tensor_like.dtype)
+    except PlanError:  # e.g. a quantized dtype: report it as it spells itself
+        got_dtype = str(tensor_like.dtype).removeprefix("torch.")
     if got_dtype != spec.dtype:
         raise PlanError(f"{where}: tensor dtype {got_dtype} != planned dtype {spec.dtype}")
     want = layout.local_shape(spec.shape, rank)

@@ -289,3 +289,23 @@ def test_validate_local_buffer_rules() -> None:
         validate_local_buffer(t.spec, FakeTensor("bfloat16", (8, 2)), 5, "destination")
     with pytest.raises(PlanError, match="side must be 'source' or 'destination'"):
         validate_local_buffer(t, FakeTensor("bfloat16", (8, 2)), 5, "dst")
+
+
+def test_shape_accepts_torch_size_and_index_ints() -> None:
+    class Eight:  # any int-like with __index__ (numpy ints behave the same)
+        def __index__(self) -> int:
+            return 8
+
+    s = spec(shape=torch.Size([8, 8]))  # type: ignore[arg-type]
+    assert type(s.shape) is tuple and s.shape == (8, 8)
+    s2 = spec(shape=(Eight(), 8))  # type: ignore[arg-type]
+    assert s2.shape == (8, 8) and all(type(n) is int for n in s2.shape)
+    with pytest.raises(PlanError, match="positive ints"):
+        spec(shape=(True, 8))
+
+
+def test_local_buffer_dtype_aliases_and_unknown_dtypes() -> None:
+    t = ParamTransfer(spec(dtype="float16"), DST)
+    validate_local_buffer(t, FakeTensor("torch.half", (4, 8)), 0, "source")
+    with pytest.raises(PlanError, match="tensor dtype quint8 != planned dtype float16"):
+        validate_local_buffer(t, FakeTensor(torch.quint8, (4, 8)), 0, "source")
