@@ -162,6 +162,10 @@ def test_bytes_sent_equal_bytes_received(plan: TransferPlan) -> None:
         for p in plan.pieces(i):
             send[p.src_rank] += p.nbytes
             recv[p.dst_rank] += p.nbytes
+    for i in range(len(plan)):
+        for r in range(plan.world_size):
+            assert plan.pieces_from(i, r) == tuple(p for p in plan.pieces(i) if p.src_rank == r)
+            assert plan.pieces_to(i, r) == tuple(p for p in plan.pieces(i) if p.dst_rank == r)
     assert [plan.send_bytes(r) for r in range(plan.world_size)] == send
     assert [plan.recv_bytes(r) for r in range(plan.world_size)] == recv
     assert sum(send) == sum(recv) == plan.total_bytes()
