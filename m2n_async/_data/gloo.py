@@ -1,0 +1,567 @@
+"""The ``gloo`` transport: the planner's packed per-peer buffers over Gloo point-to-point.
+
+Theory of operation. Every rank builds its own ``torch.distributed.ProcessGroupGloo``
+directly — never ``init_process_group`` — so a trainer's default process group (its own
+torch.distributed world) keeps working beside it. The group's rendezvous goes through a
+``torch.distributed.Store`` subclass that forwards to the engine's async store under the
+generation's prefix: no second TCPStore binding the wildcard address, no pickle, keys of a
+stale generation unreadable. The group binds ``TransportSettings.host`` (127.0.0.1 for a
+loopback store).
+
+Per bucket, each rank moves one contiguous uint8 buffer per peer (``_packing``): the trainer
+packs on a pack thread, the native thread issues every send/recv of the bucket (tag = bucket
+index) and waits for them with the round deadline as timeout, and the worker scatters on an
+unpack thread into its targets or hands shards to load callbacks. Buffers come from a pool of
+at most ``max_inflight`` equal arenas (sized once from this rank's largest bucket), so pages
+are touched once, not every round. Single-segment contiguous peer buffers move zero-copy from
+the trainer's shard or straight into the worker's target.
+
+Abort. Gloo has no way to cancel a pending point-to-point op, and ``ProcessGroup.abort`` /
+``shutdown`` do not wake a blocked ``wait``. What does: a second ``wait`` on the same op with a
+1 ms timeout. It fails, and Gloo closes that op's pair, which wakes the blocked waiter at once
+and makes the peer's side of the pair fail with "connection closed" — so an abort here also
+makes the peers' pending ops return promptly. ``abort`` therefore force-times-out every
+pending op (1 ms each, from any thread) after marking the transport aborted under the lock
+the native thread takes before issuing new ops. A peer process that dies closes its sockets,
+which fails our pending ops the same way.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.from_thread
+import anyio.lowlevel
+import torch
+
+from m2n_async._data._native import NativeThread, threadsafe_notifier
+from m2n_async._data._packing import (
+    BucketPacking,
+    PeerBuffer,
+    byte_view,
+    copy_out,
+    pack_peer,
+    plan_bucket,
+)
+from m2n_async._data._transport import (
+    Completion,
+    NativeCompletion,
+    Rendezvous,
+    Sink,
+    Staging,
+    Transport,
+    TransportContext,
+    TransportSettings,
+)
+from m2n_async._proto.errors import LocalProtocolError, PeerLostError, PlanError, TransferError
+
+if TYPE_CHECKING:
+    from m2n_async._proto.plan import Bucket, TransferPlan
+    from m2n_async._store import Store
+
+__all__ = ["GlooTransport", "StoreAdapter"]
+
+_FORCE_CLOSE = datetime.timedelta(milliseconds=1)
+
+
+class StoreAdapter(torch.distributed.Store):
+    """A c10d ``Store`` that forwards to an async ``Store`` (ours) from a foreign thread.
+
+    Gloo's rendezvous calls ``set``, ``get`` and ``wait`` on the thread that constructs the
+    process group (our native thread); each call runs as a coroutine on the engine's event
+    loop (``anyio.from_thread.run`` with the loop's token), under ``prefix``, bounded by
+    ``timeout`` and failing at once on a lost peer (``watch``). ``cancel_all`` (from any
+    thread) cancels the calls in flight, so an abort during connect does not wait for the
+    timeout.
+    """
+
+    def __init__(self, store: Store, prefix: str, *, timeout: float,
+                 watch: Sequence[str] = ()) -> None:
+        super().__init__()
+        self._store = store
+        self._prefix = prefix
+        self._timeout = timeout
+        self._watch = tuple(watch)
+        self._token = anyio.lowlevel.current_token()
+        self._scopes: set[anyio.CancelScope] = set()
+        self._cancelled: str | None = None
+        self._cancel_soon = threadsafe_notifier(self._cancel_scopes)
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def _run(self, what: str, fn: Callable[[], Any]) -> Any:
+        async def call() -> Any:
+            if self._cancelled is not None:
+                raise RuntimeError(f"gloo rendezvous {what}: aborted ({self._cancelled})")
+            with anyio.CancelScope() as scope:
+                self._scopes.add(scope)
+                try:
+                    with anyio.fail_after(self._timeout):
+                        return await fn()
+                finally:
+                    self._scopes.discard(scope)
+            raise RuntimeError(f"gloo rendezvous {what}: aborted ({self._cancelled})")
+
+        return anyio.from_thread.run(call, token=self._token)
+
+    def _cancel_scopes(self) -> None:
+        for scope in list(self._scopes):
+            scope.cancel()
+
+    def cancel_all(self, reason: str) -> None:
+        """Cancel pending and future calls (thread-safe)."""
+        self._cancelled = reason
+        self._cancel_soon()
+
+    def _key(self, key: str) -> str:
+        return self._prefix + key
+
+    @staticmethod
+    def _bytes(value: Any) -> bytes:
+        if isinstance(value, str):
+            return value.encode()
+        return bytes(value)
+
+    # -- the c10d Store interface Gloo uses ------------------------------------------------
+
+    def set(self, key: str, value: Any) -> None:
+        data = self._bytes(value)
+        self._run(f"set {key!r}", lambda: self._store.set(self._key(key), data))
+
+    def get(self, key: str) -> bytes:
+        async def get() -> bytes:
+            got = await self._store.get(self._key(key), wait=True, watch=self._watch)
+            if got is None:  # pragma: no cover - get(wait=True) returns bytes by contract
+                raise RuntimeError(f"gloo rendezvous key {key!r} vanished")
+            return got
+        result: bytes = self._run(f"get {key!r}", get)
+        return result
+
+    def wait(self, keys: Sequence[str], timeout: Any = None) -> None:
+        full = [self._key(k) for k in keys]
+        self._run(f"wait {list(keys)!r}", lambda: self._store.wait(full, watch=self._watch))
+
+    def check(self, keys: Sequence[str]) -> bool:
+        async def check() -> bool:
+            for k in keys:
+                if await self._store.get(self._key(k)) is None:
+                    return False
+            return True
+        result: bool = self._run("check", check)
+        return result
+
+    def add(self, key: str, value: int) -> int:
+        result: int = self._run(f"add {key!r}", lambda: self._store.add(self._key(key), value))
+        return result
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        exp = self._bytes(expected) if expected else None
+        des = self._bytes(desired)
+
+        async def cas() -> bytes:
+            _, current = await self._store.compare_set(self._key(key), exp, des)
+            return current if current is not None else b""
+        result: bytes = self._run(f"compare_set {key!r}", cas)
+        return result
+
+    def delete_key(self, key: str) -> bool:
+        result: bool = self._run(f"delete {key!r}", lambda: self._store.delete(self._key(key)))
+        return result
+
+    def num_keys(self) -> int:  # not used by Gloo; our store cannot count cheaply
+        raise RuntimeError("StoreAdapter.num_keys is not supported")
+
+
+class _Arenas:
+    """At most ``max_inflight`` equal-size uint8 buffers, reused across buckets and rounds."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+        self.allocated = 0
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        if nbytes > self.size:  # cannot happen: size is the largest bucket's staging
+            raise LocalProtocolError(f"staging of {nbytes} bytes exceeds the arena size "
+                                     f"{self.size}")
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+            self.allocated += 1
+        return torch.empty(self.size, dtype=torch.uint8)
+
+    def release(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+
+@dataclass(eq=False)
+class GlooStaging(Staging):
+    """One bucket's buffers: ``(peer, buffer)`` in peer order, plus what unpack needs."""
+
+    packing: BucketPacking | None = None
+    buffers: list[tuple[PeerBuffer, torch.Tensor, bool]] = field(default_factory=list)
+    arena: torch.Tensor | None = None
+    keep: list[torch.Tensor] = field(default_factory=list)  # zero-copy sources/targets
+
+
+class GlooTransport(Transport):
+    """CPU data plane over ``ProcessGroupGloo`` point-to-point (module docstring)."""
+
+    name = "gloo"
+
+    @classmethod
+    def unavailable_reason(cls, settings: TransportSettings) -> str | None:
+        if not torch.distributed.is_available():
+            return "this torch build has no torch.distributed"
+        if not torch.distributed.is_gloo_available():
+            return "this torch build has no Gloo backend"
+        if settings.device not in (None, "cpu"):
+            return f"gloo moves CPU tensors; device {settings.device!r} requested"
+        return None
+
+    @classmethod
+    def check_plan(cls, plan: TransferPlan) -> None:
+        plan.validate("gloo")
+
+    def __init__(self, ctx: TransportContext) -> None:
+        super().__init__(ctx)
+        self._lock = threading.Lock()
+        self._pending: list[tuple[Any, int]] = []  # (work, peer) issued and not yet waited
+        self._pg: Any = None
+        self._adapter: StoreAdapter | None = None
+        self._packings: dict[int, BucketPacking] = {}
+        self._arenas: _Arenas | None = None
+        self._pack_thread: NativeThread | None = None
+        self._unpack_thread: NativeThread | None = None
+        self._names = [p.spec.name for p in ctx.plan.params]
+        self._dtypes = [getattr(torch, p.spec.dtype) for p in ctx.plan.params]
+        self._closed = False
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    @property
+    def static_bytes(self) -> int:
+        a = self._arenas
+        return 0 if a is None else a.allocated * a.size
+
+    def packing(self, bucket: Bucket) -> BucketPacking:
+        """This rank's side of ``bucket`` (computed once, cached)."""
+        bp = self._packings.get(bucket.index)
+        if bp is None:
+            bp = self._packings[bucket.index] = plan_bucket(self.ctx.plan, bucket,
+                                                            self.ctx.rank)
+        return bp
+
+    async def prepare(self) -> None:
+        """Plan every bucket of this rank, size the arenas, start the pack/unpack threads.
+
+        Cancellation: the threads are stopped by ``close``.
+        """
+        largest = 0
+        for bucket in self.ctx.buckets:
+            bp = self.packing(bucket)
+            largest = max(largest, sum(p.nbytes for p in bp.peers))
+        self._arenas = _Arenas(max(largest, 1))
+        role = self.ctx.role
+        if role == "trainer":
+            self._pack_thread = NativeThread(f"gloo-pack-r{self.ctx.rank}")
+        else:
+            self._unpack_thread = NativeThread(f"gloo-unpack-r{self.ctx.rank}")
+        await anyio.lowlevel.checkpoint()
+
+    async def connect(self, rendezvous: Rendezvous) -> None:
+        """Create the Gloo group on the native thread; rendezvous through our store.
+
+        Cancellation: the rendezvous calls in flight are cancelled; ``close`` drops the group.
+        """
+        self.check_usable()
+        timeout = rendezvous.timeout
+        adapter = StoreAdapter(rendezvous.store, rendezvous.prefix, timeout=timeout,
+                               watch=rendezvous.watch)
+        self._adapter = adapter
+        host = self.ctx.settings.host
+        rank, size = self.ctx.rank, self.ctx.world_size
+
+        def build() -> Any:
+            opts = torch.distributed.ProcessGroupGloo._Options()
+            opts._timeout = datetime.timedelta(seconds=timeout)
+            opts._devices = [torch.distributed.ProcessGroupGloo.create_device(
+                hostname=host or "")]
+            return torch.distributed.ProcessGroupGloo(adapter, rank, size, opts)
+
+        try:
+            self._pg = await self.ctx.native.run(
+                build, description=f"gloo connect rank {rank}/{size}")
+        except BaseException as exc:
+            adapter.cancel_all("connect failed or was cancelled")
+            if isinstance(exc, (TimeoutError, PeerLostError, TransferError)) or not isinstance(
+                    exc, Exception):
+                raise
+            raise TransferError(f"gloo: creating the process group failed at "
+                                f"{self.ctx.where()}: {exc}", rank=rank) from exc
+
+    # -- per bucket ----------------------------------------------------------------------
+
+    async def stage(self, bucket: Bucket, *,
+                    sources: Mapping[str, torch.Tensor] | None = None,
+                    sinks: Mapping[str, Sink] | None = None) -> Staging:
+        self.check_usable()
+        bp = self.packing(bucket)
+        if self.ctx.role == "trainer":
+            if sources is None:
+                raise LocalProtocolError(f"gloo stage on a trainer needs sources "
+                                         f"({self.ctx.where(bucket=bucket.index)})")
+            thread = self._pack_thread
+            if thread is None:
+                raise LocalProtocolError("gloo transport used before prepare()")
+            return await thread.run(self._pack, bp, sources,
+                                    description=f"pack bucket {bucket.index}")
+        return self._alloc_recv(bp, sinks or {})
+
+    def _byte_source(self, sources: Mapping[str, torch.Tensor]) -> Callable[[int], torch.Tensor]:
+        cache: dict[int, torch.Tensor] = {}
+        names = self._names
+
+        def get(i: int) -> torch.Tensor:
+            v = cache.get(i)
+            if v is None:
+                try:
+                    t = sources[names[i]]
+                except KeyError:
+                    raise PlanError(f"parameter {names[i]!r}: no local shard was provided "
+                                    f"(rank {self.ctx.rank})") from None
+                v = cache[i] = byte_view(t)
+            return v
+        return get
+
+    def _pack(self, bp: BucketPacking, sources: Mapping[str, torch.Tensor]) -> GlooStaging:
+        t0 = time.perf_counter()
+        get = self._byte_source(sources)
+        staged = GlooStaging(bp.bucket, packing=bp, nbytes_moved=bp.nbytes)
+        need = sum(p.nbytes for p in bp.peers if p.direct is None)
+        arena = self._arenas.acquire(need) if need and self._arenas is not None else None
+        staged.arena = arena
+        staged.nbytes = 0 if arena is None else arena.numel()
+        off = 0
+        for peer in bp.peers:
+            seg = peer.direct
+            if seg is not None:
+                a, b = seg.span  # type: ignore[misc]
+                buf = get(seg.param).view(-1)[a:b]
+                staged.keep.append(buf)
+                staged.buffers.append((peer, buf, True))
+                continue
+            assert arena is not None
+            buf = arena[off:off + peer.nbytes]
+            off += peer.nbytes
+            pack_peer(buf, peer, get)
+            staged.buffers.append((peer, buf, False))
+        staged.seconds["pack"] = time.perf_counter() - t0
+        return staged
+
+    def _alloc_recv(self, bp: BucketPacking, sinks: Mapping[str, Sink]) -> GlooStaging:
+        staged = GlooStaging(bp.bucket, packing=bp, nbytes_moved=bp.nbytes)
+        direct: list[tuple[PeerBuffer, torch.Tensor]] = []
+        need = 0
+        for peer in bp.peers:
+            seg = peer.direct
+            target = sinks.get(self._names[seg.param]) if seg is not None else None
+            if seg is not None and isinstance(target, torch.Tensor):
+                a, b = seg.span  # type: ignore[misc]
+                direct.append((peer, byte_view(target).view(-1)[a:b]))
+            else:
+                need += peer.nbytes
+        arena = self._arenas.acquire(need) if need and self._arenas is not None else None
+        staged.arena = arena
+        staged.nbytes = 0 if arena is None else arena.numel()
+        off = 0
+        direct_map = {id(p): buf for p, buf in direct}
+        for peer in bp.peers:
+            buf = direct_map.get(id(peer))
+            if buf is not None:
+                staged.keep.append(buf)
+                staged.buffers.append((peer, buf, True))
+                continue
+            assert arena is not None
+            staged.buffers.append((peer, arena[off:off + peer.nbytes], False))
+            off += peer.nbytes
+        return staged
+
+    def transfer(self, staging: Staging) -> Completion:
+        self.check_usable()
+        if not isinstance(staging, GlooStaging) or self._pg is None:
+            raise LocalProtocolError(f"gloo transfer needs a connected transport and its own "
+                                     f"staging ({self.ctx.where(bucket=staging.bucket.index)})")
+        call = self.ctx.native.submit(self._run_bucket, staging,
+                                      description=f"gloo bucket {staging.bucket.index}")
+        return NativeCompletion(call, keep=staging)  # type: ignore[arg-type]
+
+    def _run_bucket(self, staged: GlooStaging) -> None:
+        """Native thread: issue every op of the bucket, then wait for each (round deadline)."""
+        t0 = time.perf_counter()
+        sending = self.ctx.role == "trainer"
+        tag = staged.bucket.index
+        pg = self._pg
+        issued: list[tuple[Any, int]] = []
+        with self._lock:
+            self.check_usable()
+            try:
+                for peer, buf, _ in staged.buffers:
+                    op = pg.send if sending else pg.recv
+                    work = op([buf], peer.peer, tag)
+                    issued.append((work, peer.peer))
+            except Exception as exc:
+                raise self._translate(exc, staged, None) from exc
+            finally:
+                self._pending = list(issued)
+        try:
+            for work, peer_rank in issued:
+                left = self.remaining()
+                try:
+                    work.wait(datetime.timedelta(seconds=left))
+                except Exception as exc:
+                    raise self._translate(exc, staged, peer_rank) from exc
+        finally:
+            with self._lock:
+                self._pending = []
+        staged.seconds["transfer"] = time.perf_counter() - t0
+
+    def _translate(self, exc: BaseException, staged: GlooStaging,
+                   peer: int | None) -> BaseException:
+        where = self.ctx.where(round=self.round, bucket=staged.bucket.index, peer=peer)
+        op = "send" if self.ctx.role == "trainer" else "recv"
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if self._abort_reason is not None:
+            return TransferError(f"gloo {op} aborted ({self._abort_reason}) at {where}",
+                                 rank=self.ctx.rank, round=self.round)
+        if "Timed out" in text:
+            return TimeoutError(f"gloo {op} did not complete before the round deadline at "
+                                f"{where}: {text}")
+        if "closed by peer" in text or "Connection reset" in text:
+            return TransferError(f"gloo {op}: peer rank {peer} closed the connection (process "
+                                 f"died or aborted) at {where}: {text}",
+                                 rank=self.ctx.rank, round=self.round)
+        return TransferError(f"gloo {op} failed at {where}: {text}", rank=self.ctx.rank,
+                             round=self.round)
+
+    async def unpack(self, staging: Staging, sinks: Mapping[str, Sink]) -> None:
+        """Scatter into targets / call load callbacks on the unpack thread, in plan order.
+
+        Cancellation: the unpack thread finishes the bucket; the engine aborts the round.
+        """
+        self.check_usable()
+        if self.ctx.role == "trainer":
+            return
+        thread = self._unpack_thread
+        if thread is None or not isinstance(staging, GlooStaging):
+            raise LocalProtocolError("gloo unpack before prepare() or with foreign staging")
+        await thread.run(self._unpack, staging, sinks,
+                         description=f"unpack bucket {staging.bucket.index}")
+
+    def _unpack(self, staged: GlooStaging, sinks: Mapping[str, Sink]) -> None:
+        t0 = time.perf_counter()
+        bp = staged.packing
+        assert bp is not None
+        names = self._names
+        views: dict[int, torch.Tensor] = {}
+        callbacks: dict[int, Callable[[str, torch.Tensor], None]] = {}
+        for i in bp.params:
+            sink = sinks.get(names[i])
+            if sink is None:
+                raise PlanError(f"parameter {names[i]!r}: no target or load callback on "
+                                f"rank {self.ctx.rank}")
+            if isinstance(sink, torch.Tensor):
+                views[i] = byte_view(sink)
+            else:
+                callbacks[i] = sink
+        for peer, buf, direct in staged.buffers:
+            if not direct:
+                for seg in peer.segments:
+                    dst = views.get(seg.param)
+                    if dst is not None:
+                        copy_out(buf, seg, dst)
+        if callbacks:
+            self._run_callbacks(staged, callbacks)
+        staged.seconds["unpack"] = time.perf_counter() - t0
+
+    def _run_callbacks(self, staged: GlooStaging,
+                       callbacks: Mapping[int, Callable[[str, torch.Tensor], None]]) -> None:
+        plan = self.ctx.plan
+        by_param: dict[int, list[tuple[torch.Tensor, Any]]] = {i: [] for i in callbacks}
+        for peer, buf, _ in staged.buffers:
+            for seg in peer.segments:
+                if seg.param in by_param:
+                    by_param[seg.param].append((buf, seg))
+        for i, fn in callbacks.items():  # dict order = plan order (bp.params)
+            p = plan.params[i]
+            dtype = self._dtypes[i]
+            shape = p.dst.local_shape(p.spec.shape, self.ctx.rank)
+            parts = by_param[i]
+            tensor: torch.Tensor | None = None
+            if len(parts) == 1 and parts[0][1].whole:
+                buf, seg = parts[0]
+                raw = buf[seg.offset:seg.offset + seg.nbytes]
+                if raw.data_ptr() % p.spec.itemsize == 0:  # zero-copy view of the staging
+                    tensor = raw.view(dtype).view(shape)
+            if tensor is None:
+                tensor = torch.empty(shape, dtype=dtype)
+                dst = byte_view(tensor)
+                for buf, seg in parts:
+                    copy_out(buf, seg, dst)
+            try:
+                fn(p.spec.name, tensor)
+            except Exception as exc:
+                raise TransferError(f"load callback for parameter {p.spec.name!r} raised at "
+                                    f"{self.ctx.where(round=self.round)}: {exc!r}",
+                                    rank=self.ctx.rank, round=self.round) from exc
+
+    def release(self, staging: Staging) -> None:
+        if isinstance(staging, GlooStaging):
+            if staging.arena is not None and self._arenas is not None and not self.aborted:
+                self._arenas.release(staging.arena)
+            staging.arena = None
+            staging.buffers.clear()
+            staging.keep.clear()
+
+    # -- abort / close -------------------------------------------------------------------
+
+    def abort(self, reason: str) -> None:
+        with self._lock:
+            if self._abort_reason is None:
+                self._abort_reason = reason
+            pending = list(self._pending)
+        if self._adapter is not None:
+            self._adapter.cancel_all(reason)
+        for work, _ in pending:
+            try:  # fails after 1 ms and closes the pair: wakes our waiter and the peer's
+                work.wait(_FORCE_CLOSE)
+            except Exception:  # expected: that is the point
+                pass
+
+    async def close(self) -> None:
+        """Drop the group and stop the helper threads (bounded).
+
+        Cancellation: run shielded by the engine; a cancelled close may leave threads behind.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        threads = [t for t in (self._pack_thread, self._unpack_thread) if t is not None]
+        for t in threads:
+            await anyio.to_thread.run_sync(t.close, 5.0, abandon_on_cancel=True)
+        if self._arenas is not None:
+            self._arenas.clear()
+        self._pg = None
+        self._adapter = None

@@ -1,0 +1,127 @@
+"""Engine configuration, lifecycle states and the per-round result.
+
+Theory of operation: ``EngineConfig`` is the one bag of knobs a user touches; the engine maps
+it onto the data plane's ``TransportSettings`` and the handshake's timeouts. The fields that
+must agree between ranks (``transport``, ``bucket_bytes``, ``max_cta``) are compared in the
+handshake — a rank configured differently fails preflight naming the field — so nothing
+silently runs with mismatched bucket boundaries (which would hang a real collective).
+``SyncResult`` is what every round returns on every rank.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from m2n_async._proto.errors import PlanError
+
+__all__ = ["EngineConfig", "EngineState", "SyncResult"]
+
+_MIB = 1 << 20
+
+
+class EngineState(enum.Enum):
+    """Lifecycle (DESIGN §6): PREFLIGHT → READY ⇄ UPDATING → POISONED / CLOSED."""
+
+    PREFLIGHT = "preflight"
+    READY = "ready"
+    UPDATING = "updating"
+    POISONED = "poisoned"
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How an engine runs. Defaults suit a CPU/Gloo job; every field is validated here.
+
+    - ``transport``: ``"auto"`` (m2n > nccl > gloo: the best one every rank can run and that
+      can express the plan), or ``"m2n"``, ``"nccl"``, ``"gloo"``. Must match on every rank.
+    - ``bucket_bytes``: bytes of staging per bucket (per rank, both directions); bucket
+      boundaries derive from it and the plan, so it must match on every rank.
+    - ``max_inflight``: buckets between pack and release at once (pack i+1 ‖ transfer i ‖
+      unpack i-1 needs 3). Extra memory is bounded by ``max_inflight x bucket_bytes`` (a
+      single parameter larger than ``bucket_bytes`` gets a bucket of its own).
+    - ``max_cta``: M2N CTA limit (GPU); compared across ranks.
+    - ``phase_timeout``: seconds per handshake phase (plus a per-parameter allowance), also
+      the bound on communicator creation.
+    - ``round_timeout``: seconds a round may take on any rank before it is aborted everywhere;
+      trainer rank 0's value (or its ``sync_weights(timeout=)``) applies to every rank.
+    - ``abort_grace``: seconds a failing round may spend telling its peers (abort record,
+      outcome gather) before this rank gives up on them.
+    - ``device``: "cpu" / "cuda" / "cuda:N" / None (transport default).
+    - ``host``: address the CPU data plane binds (None: 127.0.0.1 for a loopback store).
+    - ``job``: store namespace; engines of one job share it, different jobs may share a store.
+    - ``link_bytes_per_second``: per-rank link bandwidth used for the plan's lower bound and
+      ``SyncResult.efficiency`` (None: not computed).
+    """
+
+    transport: str = "auto"
+    bucket_bytes: int = 64 * _MIB
+    max_inflight: int = 3
+    max_cta: int | None = None
+    phase_timeout: float = 60.0
+    round_timeout: float = 300.0
+    abort_grace: float = 5.0
+    device: str | None = None
+    host: str | None = None
+    job: str = "m2n"
+    link_bytes_per_second: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.transport not in ("auto", "m2n", "nccl", "gloo"):
+            raise PlanError(f"EngineConfig.transport must be 'auto', 'm2n', 'nccl' or 'gloo', "
+                            f"got {self.transport!r}")
+        if type(self.bucket_bytes) is not int or self.bucket_bytes < 1:
+            raise PlanError(f"EngineConfig.bucket_bytes must be an int >= 1, got "
+                            f"{self.bucket_bytes!r}")
+        if type(self.max_inflight) is not int or self.max_inflight < 1:
+            raise PlanError(f"EngineConfig.max_inflight must be an int >= 1, got "
+                            f"{self.max_inflight!r}")
+        if self.max_cta is not None and (type(self.max_cta) is not int or self.max_cta < 1):
+            raise PlanError(f"EngineConfig.max_cta must be None or an int >= 1, got "
+                            f"{self.max_cta!r}")
+        for name in ("phase_timeout", "round_timeout", "abort_grace"):
+            v = getattr(self, name)
+            if not (isinstance(v, int | float) and v > 0 and math.isfinite(v)):
+                raise PlanError(f"EngineConfig.{name} must be a finite number of seconds > 0, "
+                                f"got {v!r}")
+        if not self.job or "/" in self.job:
+            raise PlanError(f"EngineConfig.job must be non-empty without '/', got {self.job!r}")
+        bps = self.link_bytes_per_second
+        if bps is not None and not (isinstance(bps, int | float) and bps > 0):
+            raise PlanError(f"EngineConfig.link_bytes_per_second must be None or > 0, got "
+                            f"{bps!r}")
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    """The outcome of one committed round on this rank.
+
+    ``bytes`` is what this rank sent (trainer) or received (worker) — checked equal to the
+    plan's count, so a zero-byte "success" cannot happen. ``phases`` holds seconds per stage:
+    ``wait_start`` (until the round began here), ``pack``, ``transfer``, ``unpack`` (busy
+    time, overlapped), ``pipeline`` (wall time of all buckets), ``commit`` (outcome gather).
+    ``efficiency`` is the plan's lower bound over ``seconds`` when
+    ``EngineConfig.link_bytes_per_second`` is set. ``peak_extra_bytes`` is the peak staging
+    held by the pipeline (≤ ``max_inflight x bucket_bytes``).
+    """
+
+    version: int
+    round: int
+    generation: int
+    bytes: int
+    seconds: float
+    phases: Mapping[str, float] = field(default_factory=dict)
+    buckets: int = 0
+    lower_bound_seconds: float | None = None
+    efficiency: float | None = None
+    peak_extra_bytes: int = 0
+    transport: str = ""
+    reason: str = ""
+
+    @property
+    def gbps(self) -> float:
+        """Gigabytes (10^9) per second this rank moved in the round."""
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
