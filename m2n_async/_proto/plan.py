@@ -11,11 +11,15 @@ replica of a destination shard needs the whole shard) we list the overlaps with 
 shards — together they cover its box exactly once. A source shard held by ``R`` replicas must
 pick which replica sends what: we "water-fill" the shard's overlaps, in order, into the
 replicas with a quota of ``max(ceil(bytes / R), MIN_PIECE_BYTES)`` each, cutting an overlap
-along its largest dim where a quota ends. Each replica then sends within one slice of the
-quota, and a shard needs at most ``R - 1`` extra cuts. The quota floor stops tiny tensors being
-sliced into many tiny pieces (per-piece pack cost dominates there); to keep those from all
-landing on the first replica, the replica order is rotated by the parameter's index in the
-plan (``i mod R``), which also spreads consecutive parameters of one bucket across replicas.
+along its largest dim where a quota ends (the targets are cumulative, so rounding never piles
+up on the last replica). Each replica then sends within ``max(one slice, 2 * MIN_PIECE_BYTES)``
+of the quota, a shard needs at most ``R - 1`` extra cuts, and no cut leaves a piece below
+``MIN_PIECE_BYTES``. The floors stop small tensors being sliced into many tiny pieces
+(per-piece pack cost dominates there); to keep those from all landing on the first replica,
+the replica order is rotated by the parameter's index in the plan (``i mod R``), which also
+spreads consecutive parameters of one bucket across replicas. ``pieces(i)`` is sorted by
+``(src_rank, dst_rank, box)``: a sender packs, and a receiver unpacks, the pieces of one peer
+in that order, so both sides agree on every byte offset without exchanging any.
 
 Cost. Geometry depends only on ``(shape, dtype, source layout, destination layout)``; real
 models have a few hundred distinct such keys among 10^5 tensors, so it is computed lazily once
