@@ -58,8 +58,9 @@ class LoadTarget:
     mesh as ``placements`` — is received into the transport's staging, and
     ``load(name, tensor)`` copies, fuses or quantizes it into the real destination. The
     tensor is valid only during the call (the staging is reused), so ``load`` copies what it
-    needs before returning; a round may call it again after a failed attempt, so it must be
-    idempotent. It runs on the engine's event-loop thread after the bucket's bytes arrived.
+    needs before returning. Callbacks run one at a time, in plan order, once the bucket's
+    bytes have arrived — on the transport's unpack thread (CPU) or after the unpack stream
+    synchronized (CUDA) — so ``load`` must not touch the event loop.
 
     Quacks like a tensor for plan validation (``shape``, ``dtype``, ``device``,
     ``is_contiguous()``), so the engine checks it against the plan like any target.

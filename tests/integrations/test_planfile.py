@@ -199,3 +199,16 @@ def test_parse_helpers() -> None:
     for bad in ([], [0, 0, 0], ["shard(-1)"], [-2], [True]):
         with pytest.raises(PlanError):
             parse_placements(bad, "x")  # type: ignore[arg-type]
+
+
+def test_the_documented_example_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    """examples/plan.toml is what docs/concepts.md shows; keep the two in step."""
+    example = Path(__file__).resolve().parents[2] / "examples" / "plan.toml"
+    plan, bucket = load_plan_file(example)
+    s = summarize(plan, bucket_bytes=bucket or 0, bandwidth_bytes_per_second=370e9)
+    assert (s.params, s.trainer_ranks, s.worker_ranks, s.buckets) == (291, 8, 8, 8)
+    assert (s.fan_in.value, s.fan_out.value) == (8, 4)
+    assert s.transports == {"m2n": "ok", "nccl": "ok", "gloo": "ok"}
+    assert round(s.lower_bound_seconds, 4) == 0.0109
+    concepts = (example.parents[1] / "docs" / "concepts.md").read_text()
+    assert "buckets      8 at 512.0 MiB" in concepts and "0.0109 s at 370 GB/s" in concepts
