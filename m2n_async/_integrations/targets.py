@@ -167,10 +167,17 @@ def _shard_dim(modules: Mapping[str, torch.nn.Module], fqn: str, ndim: int,
 
 def _dtensor_placements(name: str, t: Any) -> Placements:
     layout = layout_of_dtensor(name, t)
-    if t.device_mesh.ndim == 1 or layout.mesh.dims[1] == 1:
+    if t.device_mesh.ndim == 1:
         # A 1-D TP mesh is the worker mesh's TP axis (axis 1); replicas are axis 0.
         d = layout.shard_dim
         return None if d is None else (REPLICATE, d)
+    if layout.mesh.dims != tuple(int(n) for n in t.device_mesh.mesh.shape):
+        # layout_of_dtensor re-factored a 2-D mesh sharding one dim on both axes into
+        # (size, 1); the worker mesh is (replicas, tp), so that cannot be said there.
+        raise PlanError(
+            f"parameter {name!r}: its placements {t.placements} shard one dim across both "
+            f"axes of the worker's 2-D mesh; worker targets are placed on (replicas, tp), so "
+            f"use a 1-D TP mesh (replicas = 1) or Replicate() on the replica axis")
     return layout.placements
 
 

@@ -127,3 +127,18 @@ def test_dtensor_worker_params_give_their_own_placements(fake_world) -> None:
         assert t.placements()["o.bias"] is None
         assert tuple(t["q.weight"][0].shape) == (8, 16)  # the local shard, not the DTensor
         assert type(t["q.weight"][0]) is torch.Tensor
+
+
+def test_dtensor_worker_params_on_a_2d_mesh(fake_world) -> None:
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    with fake_world(3, 4):
+        mesh = init_device_mesh("cpu", (2, 2))
+        m = nn.Module()
+        m.register_parameter("a", nn.Parameter(distribute_tensor(
+            torch.zeros(4, 4), mesh, [Replicate(), Shard(1)]), requires_grad=False))
+        assert targets_from_module(m).placements() == {"a": (REPLICATE, 1)}
+        m.register_parameter("b", nn.Parameter(distribute_tensor(
+            torch.zeros(4, 4), mesh, [Shard(0), Shard(0)]), requires_grad=False))
+        with pytest.raises(PlanError, match=r"parameter 'b': .*shard one dim across both axes"):
+            targets_from_module(m)
