@@ -1,0 +1,708 @@
+"""CUDA plumbing shared by the GPU data planes (``nccl`` and ``m2n``).
+
+Theory of operation.
+
+*Imports.* ``nccl.core`` (nccl4py) and ``nccl.m2n`` (nccl-extensions) are imported lazily,
+once, and every failure becomes an actionable message: what to install, and — for ``m2n`` —
+the libnccl version actually loaded, because ``nccl.m2n`` needs libnccl >= 2.30.5 while PyPI
+torch pins 2.28.9 (REFERENCE §1, §3). The version is checked *before* ``nccl.m2n`` is imported:
+with an older libnccl the import dies on an undefined symbol, which says nothing useful.
+
+*Identity.* What must be equal on every rank (libnccl version, ``max_cta``, the matched
+``NCCL_*`` variables, our own grouping switch) is computed here, for the handshake's
+``data_plane`` phase; ``capabilities`` lists the transports this process can run.
+
+*Completion.* The event loop never blocks on CUDA. Work is ordered on three streams per
+transport (pack, transfer, unpack); the transfer stream waits on the pack stream through an
+event, the pack stream waits on the producer (the caller's current stream). The end of a
+bucket's transfer is a CUDA event created with ``blocking=True`` (so a waiting thread sleeps
+instead of spinning a core); one watcher thread per transport waits on those events in order
+and fires a thread-safe ``Signal`` the loop awaits through ``wait_threadsafe``. ``abort``
+fires every pending signal with the abort error, so a waiter returns even when the GPU work
+never will (a dead peer in the middle of an M2N kernel, REFERENCE §3 / DEVELOPERS "GPU
+notes"). ``M2N_ASYNC_CUDA_COMPLETION=poll`` switches to ``Event.query()`` polling with backoff
+instead of the watcher thread.
+
+*Native calls.* Everything that enters NCCL runs on the engine's ``NativeThread`` (thread
+affinity of M2N groups, plan order). Communicator abort/destroy and M2N handle destroy run on a
+separate short-lived daemon thread, bounded by a timeout: on this hardware ``ncclCommAbort``
+does not return while an M2N kernel waits on a dead peer, and fail-stop must not hang on it.
+
+*CPU mode.* With ``device="cpu"`` the streams and events are absent and every ordering point
+is immediate. Only the fake-runtime tests use it (they exercise the transports' packing,
+ordering and grouping logic without a GPU); the real transports refuse a CPU device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from m2n_async._data._native import poll_until, wait_threadsafe
+from m2n_async._data._transport import Completion, Transport, TransportSettings
+from m2n_async._proto.errors import LocalProtocolError, TransferError
+
+if TYPE_CHECKING:
+    import torch
+
+    from m2n_async._data._native import NativeCall
+    from m2n_async._data._transport import Rendezvous
+    from m2n_async._proto.messages import DataPlaneIdentity
+
+__all__ = [
+    "GPU_INSTALL_HINT",
+    "M2N_MIN_LIBNCCL",
+    "CudaCompletion",
+    "GpuTransportBase",
+    "Signal",
+    "Streams",
+    "capabilities",
+    "data_plane_identity",
+    "gpu_unavailable_reason",
+    "grouping_mode",
+    "libnccl_version",
+    "m2n_module",
+    "nccl_core",
+    "reset_import_cache",
+    "torch_dtype",
+]
+
+#: nccl.m2n calls ``ncclCommQueryProperties`` & co., first shipped in libnccl 2.30.5.
+M2N_MIN_LIBNCCL: tuple[int, int, int] = (2, 30, 5)
+
+GPU_INSTALL_HINT = (
+    "install the GPU extra: pip install 'm2n_async[gpu]' (nccl4py==0.6.0, "
+    "nccl-extensions==0.1.0, cuda-bindings>=13) on a CUDA host")
+M2N_LIBNCCL_HINT = (
+    "nccl.m2n needs libnccl >= 2.30.5; PyPI torch pins nvidia-nccl-cu13==2.28.9. Install "
+    "`pip install nvidia-nccl-cu13==2.30.7` (or `nccl-extensions[cu13]`) over it — NCCL keeps "
+    "its ABI — and make sure the process loads exactly that libnccl; or use transport='nccl'")
+
+#: Our own switch for M2N grouping: "auto" (probe once after the communicator exists and
+#: agree on every rank), "on" (group; a failure is an error) or "off" (ordered single calls).
+GROUPING_ENV = "M2N_ASYNC_M2N_GROUPING"
+#: "watch" (blocking-sync events waited by a watcher thread, default) or "poll".
+COMPLETION_ENV = "M2N_ASYNC_CUDA_COMPLETION"
+
+
+# -- lazy imports -----------------------------------------------------------------------------
+
+_import_lock = threading.Lock()
+_imported: dict[str, ModuleType | BaseException] = {}
+
+
+def reset_import_cache() -> None:
+    """Forget cached import results (tests swap fake ``nccl`` modules in and out)."""
+    with _import_lock:
+        _imported.clear()
+
+
+def _import(name: str) -> ModuleType:
+    with _import_lock:
+        got = _imported.get(name)
+        if got is None:
+            try:
+                got = importlib.import_module(name)
+            except BaseException as exc:
+                got = exc
+            _imported[name] = got
+    if isinstance(got, BaseException):
+        raise got
+    return got
+
+
+def nccl_core() -> ModuleType:
+    """``nccl.core`` (nccl4py), or ``LocalProtocolError`` saying what to install."""
+    try:
+        return _import("nccl.core")
+    except Exception as exc:
+        raise LocalProtocolError(
+            f"cannot import nccl.core (nccl4py): {type(exc).__name__}: {exc}; "
+            f"{GPU_INSTALL_HINT}") from exc
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    out: list[int] = []
+    for part in text.split("+", 1)[0].split("."):
+        digits = "".join(ch for ch in part if ch.isdigit())
+        if not digits:
+            break
+        out.append(int(digits))
+    return tuple(out)
+
+
+def libnccl_version() -> tuple[str | None, str | None]:
+    """(version, path) of the libnccl this process loaded through nccl4py; (None, None)
+    when nccl4py or libnccl is unavailable."""
+    try:
+        info = nccl_core().get_version().libnccl
+    except Exception:
+        return None, None
+    if info is None:
+        return None, None
+    path = getattr(info, "path", None)
+    return str(info.version), (str(path) if path is not None else None)
+
+
+def m2n_module() -> ModuleType:
+    """``nccl.m2n``, after checking the loaded libnccl is new enough (else an actionable
+    ``LocalProtocolError`` naming the loaded version and path)."""
+    nccl_core()
+    version, path = libnccl_version()
+    if version is None:
+        raise LocalProtocolError(f"nccl4py imports but no libnccl could be loaded; "
+                                 f"{GPU_INSTALL_HINT}")
+    if _version_tuple(version) < M2N_MIN_LIBNCCL:
+        raise LocalProtocolError(
+            f"transport 'm2n' unavailable: the loaded libnccl is {version}"
+            f"{f' ({path})' if path else ''}; {M2N_LIBNCCL_HINT}")
+    try:
+        return _import("nccl.m2n")
+    except Exception as exc:
+        raise LocalProtocolError(
+            f"cannot import nccl.m2n (nccl-extensions) with libnccl {version}: "
+            f"{type(exc).__name__}: {exc}; {GPU_INSTALL_HINT}") from exc
+
+
+def grouping_mode() -> str:
+    """The M2N grouping switch from ``M2N_ASYNC_M2N_GROUPING`` (default "auto")."""
+    mode = os.environ.get(GROUPING_ENV, "auto").strip().lower() or "auto"
+    if mode not in ("auto", "on", "off"):
+        raise LocalProtocolError(f"{GROUPING_ENV}={mode!r}: expected 'auto', 'on' or 'off'")
+    return mode
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for a plan dtype name ("bfloat16", "float8_e4m3fn", ...)."""
+    dtype = getattr(_torch(), name, None)
+    if dtype is None or not isinstance(dtype, _torch().dtype):
+        raise LocalProtocolError(f"this torch has no dtype {name!r}")
+    return dtype  # type: ignore[no-any-return]
+
+
+def resolve_device(settings: TransportSettings) -> torch.device:
+    """The CUDA device a GPU transport runs on: ``settings.device`` or the current one."""
+    torch = _torch()
+    if settings.device is None:
+        return torch.device("cuda", torch.cuda.current_device())  # type: ignore[no-any-return]
+    dev = torch.device(settings.device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev  # type: ignore[no-any-return]
+
+
+def gpu_unavailable_reason(transport: str, settings: TransportSettings) -> str | None:
+    """None when this process can run ``transport`` ("nccl" or "m2n"), else why not —
+    naming what to install and the libnccl version found. Creates no resource."""
+    try:
+        torch = _torch()
+    except Exception as exc:  # pragma: no cover - torch is a hard dependency
+        return f"torch cannot be imported: {exc}"
+    if settings.device is not None and torch.device(settings.device).type != "cuda":
+        return f"device {settings.device!r} is not a CUDA device"
+    if not torch.cuda.is_available():
+        return "CUDA is not available in this process (torch.cuda.is_available() is False)"
+    try:
+        dev = resolve_device(settings)
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            return f"device {dev} does not exist ({torch.cuda.device_count()} CUDA devices)"
+        if transport == "m2n":
+            m2n_module()
+        else:
+            nccl_core()
+            if libnccl_version()[0] is None:
+                return f"nccl4py imports but libnccl cannot be loaded; {GPU_INSTALL_HINT}"
+    except LocalProtocolError as exc:
+        return str(exc)
+    return None
+
+
+def _gpu_identity(transport: str, settings: TransportSettings) -> dict[str, str]:
+    from m2n_async._proto.handshake import nccl_environment
+
+    version, _ = libnccl_version()
+    out = {"libnccl": version or "none",
+           "max_cta": "default" if settings.max_cta is None else str(settings.max_cta)}
+    if transport == "m2n":
+        out[GROUPING_ENV] = grouping_mode()
+    out.update(dict(nccl_environment(os.environ)))
+    return out
+
+
+def data_plane_identity(transport: str, settings: TransportSettings) -> DataPlaneIdentity:
+    """The handshake's ``DataPlaneIdentity`` for ``transport`` in this process.
+
+    GPU transports: the loaded libnccl version, ``max_cta`` and the matched ``NCCL_*``
+    environment (plus ``M2N_ASYNC_M2N_GROUPING`` for m2n). Other transports: ``max_cta`` and
+    the environment only (the variables still must not differ on ranks of one job).
+    """
+    from m2n_async._proto.handshake import nccl_environment
+    from m2n_async._proto.messages import DataPlaneIdentity
+
+    env = dict(nccl_environment(os.environ))
+    version: str | None = None
+    if transport in ("nccl", "m2n"):
+        version = libnccl_version()[0]
+        if transport == "m2n":
+            env[GROUPING_ENV] = grouping_mode()
+    return DataPlaneIdentity(libnccl_version=version, max_cta=settings.max_cta,
+                             env=tuple(sorted(env.items())))
+
+
+def capabilities(settings: TransportSettings) -> list[str]:
+    """Transports this process can run, best first (always ends with "gloo")."""
+    out = [name for name in ("m2n", "nccl") if gpu_unavailable_reason(name, settings) is None]
+    return [*out, "gloo"]
+
+
+# -- completion: signals, watcher, streams ---------------------------------------------------
+
+
+class Signal:
+    """One-shot, thread-safe completion flag carrying an optional error."""
+
+    __slots__ = ("_callbacks", "_done", "_lock", "error")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done = False
+        self.error: BaseException | None = None
+        self._callbacks: list[Callable[[Signal], None]] = []
+
+    def done(self) -> bool:
+        return self._done
+
+    def fire(self, error: BaseException | None = None) -> bool:
+        """Complete (first caller wins); returns whether this call completed it."""
+        with self._lock:
+            if self._done:
+                return False
+            self._done, self.error = True, error
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            with contextlib.suppress(Exception):
+                fn(self)
+        return True
+
+    def add_done_callback(self, fn: Callable[[Signal], None]) -> None:
+        with self._lock:
+            if not self._done:
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+
+class _Watcher:
+    """A daemon thread waiting on blocking-sync CUDA events in FIFO order.
+
+    FIFO is right because a transport records its events on one transfer stream (or one
+    unpack stream) in submission order, so they complete in that order anyway. A watcher
+    stuck on an event that never completes (dead peer) is left behind: ``abort`` fires the
+    signals directly, and the thread is a daemon.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[tuple[Any, Signal] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"m2n-cuda-watch-{name}",
+                                        daemon=True)
+        self._thread.start()
+
+    def watch(self, event: Any, signal: Signal) -> None:
+        self._queue.put((event, signal))
+
+    def close(self, timeout: float = 1.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            event, signal = item
+            if signal.done():  # aborted meanwhile: do not wait on work that may never end
+                continue
+            try:
+                event.synchronize()  # blocking-sync event: sleeps; releases the GIL
+            except BaseException as exc:
+                signal.fire(exc)
+            else:
+                signal.fire(None)
+            del event, signal, item
+
+
+class Streams:
+    """The pack / transfer / unpack streams of one transport on one device.
+
+    On a CPU device every method is a no-op and events are ``None`` (fake-runtime tests).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        torch = _torch()
+        self.device = device
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.pack = torch.cuda.Stream(device)
+            self.transfer = torch.cuda.Stream(device)
+            self.unpack = torch.cuda.Stream(device)
+        else:
+            self.pack = self.transfer = self.unpack = None
+
+    def ptr(self, stream: Any) -> int:
+        """The raw ``cudaStream_t`` (what nccl4py and nccl.m2n take); 0 on CPU."""
+        return int(stream.cuda_stream) if stream is not None else 0
+
+    def producer(self) -> Any:
+        """The caller's current stream on our device: where the weights were produced."""
+        return _torch().cuda.current_stream(self.device) if self.cuda else None
+
+    def record(self, stream: Any) -> Any:
+        """A blocking-sync event recorded on ``stream`` (None on CPU)."""
+        if not self.cuda:
+            return None
+        ev = _torch().cuda.Event(blocking=True)
+        ev.record(stream)
+        return ev
+
+    def wait(self, stream: Any, event_or_stream: Any) -> None:
+        """Make ``stream`` wait for an event or for all work queued on another stream."""
+        if not self.cuda or event_or_stream is None:
+            return
+        torch = _torch()
+        if isinstance(event_or_stream, torch.cuda.Event):
+            stream.wait_event(event_or_stream)
+        else:
+            stream.wait_stream(event_or_stream)
+
+    @contextlib.contextmanager
+    def on(self, stream: Any) -> Iterator[None]:
+        """Run torch ops of the block on ``stream`` (and our device)."""
+        if not self.cuda:
+            yield
+            return
+        torch = _torch()
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            yield
+
+
+class CudaCompletion(Completion):
+    """Completion of one bucket's transfer (or unpack): native submission, then a CUDA event.
+
+    Holds ``keep`` (the staging buffers) until ``wait`` returned successfully or the
+    transport was aborted — never earlier, so the caching allocator cannot recycle memory a
+    stream still reads or writes.
+    """
+
+    def __init__(self, transport: GpuTransportBase, keep: object, what: str, *,
+                 call: NativeCall[Any] | None = None, event: Any = None) -> None:
+        self._t = transport
+        self._keep = keep
+        self.what = what
+        self.signal = Signal()
+        self.event: Any = None
+        transport._track(self.signal)
+        if call is not None:
+            call.add_done_callback(self._submitted)
+        else:
+            self._arm(event)
+
+    def _arm(self, event: Any) -> None:
+        self.event = event
+        if event is None:
+            self.signal.fire(None)
+        elif not self._t._poll:
+            self._t._watcher_watch(event, self.signal)
+        # else: wait() polls event.query()
+
+    def _submitted(self, call: NativeCall[Any]) -> None:
+        # Runs on the native thread right after the submission call returned.
+        exc = call.exception()
+        if exc is not None:
+            self.signal.fire(self._t.translate(exc, self.what))
+            return
+        self._arm(call.result())
+
+    def done(self) -> bool:
+        return self.signal.done()
+
+    async def wait(self) -> None:
+        """See ``Completion.wait``.
+
+        Cancellation: stops waiting only; the buffers stay referenced (by this completion
+        and its staging) until the engine aborts the transport and closes it.
+        """
+        deadline = self._t._deadline
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            with anyio.fail_after(timeout):
+                if self._t._poll and not self.signal.done():
+                    await self._poll()
+                else:
+                    await wait_threadsafe(self.signal.add_done_callback)
+        except TimeoutError:
+            raise TimeoutError(
+                f"{self._t.name}: {self.what} did not complete before the round deadline "
+                f"(native thread running {self._t.ctx.native.current_call!r}) at "
+                f"{self._t.ctx.where(round=self._t.round)}") from None
+        if self.signal.error is not None:
+            raise self.signal.error
+        self._keep = None
+        self._t._untrack(self.signal)
+
+    async def _poll(self) -> None:
+        def ready() -> bool:
+            if self.signal.done():
+                return True
+            ev = self.event
+            if ev is not None and ev.query():
+                self.signal.fire(None)
+            return self.signal.done()
+
+        await poll_until(ready, first=20e-6, maximum=1e-3)
+
+
+class GpuTransportBase(Transport):
+    """What ``nccl`` and ``m2n`` share: device and streams, the communicator (unique id via
+    the rendezvous, init on the native thread), completions, bounded fail-stop abort."""
+
+    #: Seconds ``close``/``abort`` give the communicator abort before leaving it behind.
+    ABORT_TIMEOUT = 10.0
+
+    def __init__(self, ctx: Any) -> None:
+        super().__init__(ctx)
+        self.device: torch.device | None = None
+        self.streams: Streams | None = None
+        self.comm: Any = None
+        self._nc: ModuleType | None = None
+        self._watcher: _Watcher | None = None
+        self._poll = os.environ.get(COMPLETION_ENV, "watch").strip().lower() == "poll"
+        self._pending: set[Signal] = set()
+        self._pending_lock = threading.Lock()
+        self._teardown_lock = threading.Lock()
+        self._teardown_thread: threading.Thread | None = None
+        self._torn_down = False
+        self._closed = False
+
+    # -- class level ---------------------------------------------------------------------
+
+    @classmethod
+    def unavailable_reason(cls, settings: TransportSettings) -> str | None:
+        return gpu_unavailable_reason(cls.name, settings)
+
+    @classmethod
+    def identity(cls, settings: TransportSettings) -> dict[str, str]:
+        return _gpu_identity(cls.name, settings)
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def _select_device(self) -> torch.device:
+        dev = resolve_device(self.ctx.settings) if self.ctx.settings.device != "cpu" else (
+            _torch().device("cpu"))
+        return dev
+
+    async def prepare(self) -> None:
+        """runtime_ready: pick the device, create the streams and the completion watcher,
+        bind the native thread to the device. Local only.
+
+        Cancellation: whatever was created is released by ``close``.
+        """
+        self.check_usable()
+        self._nc = nccl_core()
+        dev = self._select_device()
+        self.device = dev
+        self.streams = Streams(dev)
+        if self.streams.cuda:
+            torch = _torch()
+            # torch's current device is per thread: the native thread launches NCCL/M2N
+            # kernels and the loop thread launches pack/unpack copies; both need it.
+            await self.ctx.native.run(torch.cuda.set_device, dev,
+                                      description="cuda.set_device")
+            torch.cuda.set_device(dev)
+            if not self._poll:
+                self._watcher = _Watcher(f"{self.name}-r{self.ctx.rank}")
+
+    async def connect(self, rendezvous: Rendezvous) -> None:
+        """Create the communicator over all ``world_size`` ranks: rank 0 makes the unique id,
+        the rendezvous broadcasts it, every rank runs ``Communicator.init`` on the native
+        thread, bounded by ``settings.connect_timeout``.
+
+        Cancellation: the init keeps running on the native thread; ``close`` aborts the
+        communicator if it was created, and leaves the thread behind otherwise.
+        """
+        self.check_usable()
+        nc = self._nc or nccl_core()
+        uid = None
+        if self.ctx.rank == 0:
+            uid = bytes(nc.get_unique_id().as_bytes)
+        uid = await rendezvous.broadcast(uid, name="nccl-unique-id")
+
+        def init() -> Any:
+            return nc.Communicator.init(nranks=self.ctx.world_size, rank=self.ctx.rank,
+                                        unique_id=nc.UniqueId.from_bytes(uid))
+
+        call = self.ctx.native.submit(init, description="nccl Communicator.init")
+        try:
+            with anyio.fail_after(self.ctx.settings.connect_timeout):
+                self.comm = await call.wait()
+        except TimeoutError:
+            raise TimeoutError(
+                f"{self.name}: NCCL communicator init did not finish within "
+                f"{self.ctx.settings.connect_timeout}s at {self.ctx.where()} (a peer did not "
+                f"join, or NCCL_* settings differ)") from None
+        except Exception as exc:
+            raise self.translate(exc, "communicator init") from exc
+        finally:
+            if self.comm is None and call.done() and call.exception() is None:
+                self.comm = call.result()
+        await self._after_connect(rendezvous)
+
+    async def _after_connect(self, rendezvous: Rendezvous) -> None:
+        """Subclass hook: collective setup right after the communicator exists."""
+
+    # -- completions ---------------------------------------------------------------------
+
+    def _track(self, signal: Signal) -> None:
+        with self._pending_lock:
+            if self._abort_reason is not None:
+                signal.fire(self._abort_error())
+                return
+            self._pending.add(signal)
+
+    def _untrack(self, signal: Signal) -> None:
+        with self._pending_lock:
+            self._pending.discard(signal)
+
+    def _watcher_watch(self, event: Any, signal: Signal) -> None:
+        if self._watcher is None:
+            signal.fire(None if event is None else _sync_now(event))
+        else:
+            self._watcher.watch(event, signal)
+
+    def _abort_error(self) -> TransferError:
+        return TransferError(f"{self.name} transport aborted ({self._abort_reason}) at "
+                             f"{self.ctx.where(round=self._round)}",
+                             rank=self.ctx.rank, round=self._round)
+
+    def translate(self, exc: BaseException, what: str) -> BaseException:
+        """A native exception as ``TransferError`` naming transport, place and cause."""
+        if isinstance(exc, TransferError | TimeoutError | LocalProtocolError):
+            return exc
+        if self._abort_reason is not None:
+            return self._abort_error()
+        detail = getattr(exc, "detail", None)
+        msg = f"{type(exc).__name__}: {detail or exc}"
+        return TransferError(f"{self.name}: {what} failed at "
+                             f"{self.ctx.where(round=self._round)}: {msg}",
+                             rank=self.ctx.rank, round=self._round)
+
+    def submit(self, fn: Callable[[], Any], keep: object, what: str) -> CudaCompletion:
+        """Run ``fn`` (which enqueues GPU work and returns the event recorded after it, or
+        None) on the native thread; the completion fires when that event completed."""
+        self.check_usable()
+        call = self.ctx.native.submit(fn, description=f"{self.name} {what}")
+        return CudaCompletion(self, keep, what, call=call)
+
+    def completion_of(self, event: Any, keep: object, what: str) -> CudaCompletion:
+        """A completion for an event recorded on the loop thread (pack/unpack streams)."""
+        return CudaCompletion(self, keep, what, event=event)
+
+    # -- fail-stop ------------------------------------------------------------------------
+
+    def abort(self, reason: str) -> None:
+        """Fail-stop: wake every waiter with ``TransferError``, then abort the communicator
+        on a separate daemon thread (never the loop, never the possibly-blocked native
+        thread). Returns at once; ``close`` waits for the abort at most ``ABORT_TIMEOUT``."""
+        with self._pending_lock:
+            if self._abort_reason is None:
+                self._abort_reason = reason
+            pending, self._pending = self._pending, set()
+        err = self._abort_error()
+        for sig in pending:
+            sig.fire(err)
+        self._start_teardown(abort=True)
+
+    def _start_teardown(self, *, abort: bool) -> threading.Thread | None:
+        with self._teardown_lock:
+            if self._teardown_thread is not None or self._torn_down:
+                return self._teardown_thread
+            comm, self.comm = self.comm, None
+            extra = self._release_native_resources()
+
+            def run() -> None:
+                if comm is not None:
+                    with contextlib.suppress(Exception):
+                        # abort on both paths: destroy is an intra-node collective and
+                        # would wait for peers that may be gone (REFERENCE §2).
+                        comm.abort()
+                for fn in extra:
+                    with contextlib.suppress(Exception):
+                        fn()
+
+            th = threading.Thread(target=run, name=f"m2n-abort-{self.name}-r{self.ctx.rank}",
+                                  daemon=True)
+            self._teardown_thread = th
+            th.start()
+            return th
+
+    def _release_native_resources(self) -> list[Callable[[], None]]:
+        """Subclass hook: callables run after the communicator abort (e.g. handle destroy)."""
+        return []
+
+    async def close(self) -> None:
+        """Abort the communicator (bounded, off the loop), release handles, stop the watcher.
+
+        Cancellation: run shielded (the engine does); a cancelled close leaves the abort
+        thread running on its own.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        with self._pending_lock:
+            pending, self._pending = self._pending, set()
+        for sig in pending:
+            sig.fire(TransferError(f"{self.name} transport closed at {self.ctx.where()}",
+                                   rank=self.ctx.rank))
+        if self.streams is not None and self.streams.cuda and self._abort_reason is None:
+            # Clean close: let queued GPU work finish before the communicator goes (bounded).
+            ev = self.streams.record(self.streams.transfer)
+            with anyio.move_on_after(self.ABORT_TIMEOUT):
+                await poll_until(ev.query, maximum=5e-3)
+        th = self._start_teardown(abort=self._abort_reason is not None)
+        if th is not None:
+            with anyio.move_on_after(self.ABORT_TIMEOUT):
+                await poll_until(lambda: not th.is_alive(), maximum=20e-3)
+        self._torn_down = True
+        if self._watcher is not None:
+            self._watcher.close(timeout=0.0)
+            self._watcher = None
+
+    @property
+    def teardown_finished(self) -> bool:
+        """Whether the communicator abort (and handle destroy) returned; False while it is
+        still running (it may never return after a peer died inside an M2N kernel)."""
+        th = self._teardown_thread
+        return th is None or not th.is_alive()
+
+
+def _sync_now(event: Any) -> BaseException | None:
+    try:
+        event.synchronize()
+    except BaseException as exc:
+        return exc
+    return None
+

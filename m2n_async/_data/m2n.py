@@ -1,0 +1,465 @@
+"""The ``m2n`` data plane: NVIDIA ``nccl.m2n`` reshards over one ``nccl.core`` communicator.
+
+Theory of operation. M2N is a collective per tensor: every rank of the communicator issues
+the same reshard calls in the same order with identical metadata (a mismatch hangs, it is not
+detected). Here both sides walk the agreed plan's buckets in order, so the calls line up by
+construction: a trainer passes its local shard as the source and ``None`` as the destination,
+a worker the reverse, and both describe both meshes (``Layout.resolved()``: a fully
+replicated tensor is the mesh re-factored ``(size, 1)``).
+
+Per bucket:
+
+* ``stage`` (loop thread, pack stream): the pack stream first waits on the producer stream
+  (the caller's current stream: the optimizer's writes). A source that is already a
+  contiguous CUDA tensor of the wire dtype on our device goes **zero-copy**; anything else is
+  cast/made contiguous on the pack stream (the fp32 master → bf16 case). A worker receives
+  **in place** into target tensors that are contiguous, of the wire dtype and on our device;
+  other sinks (load callbacks, CPU or strided targets) get a staging tensor, copied or handed
+  to the callback in ``unpack``. An event on the pack stream orders the transfer after it.
+* ``transfer`` (native thread, transfer stream): waits on that event, then either one
+  ``nccl.m2n.group()`` of the bucket's reshards (split so that no group carries more than
+  ``GROUP_MAX_BYTES`` of global tensor bytes: a PACK bin over 2 GiB fails unless
+  ``NCCL_RESHARD_PACK_BUFFSIZES`` is raised everywhere) or the same reshards one by one, in
+  the same order. Then a blocking-sync event; the completion fires when it completed.
+* ``unpack`` (worker): copies staged tensors into their targets on the unpack stream (after
+  the transfer event) and calls load callbacks once the bytes are there.
+
+Grouping is decided once per generation, identically on every rank (DEVELOPERS "GPU notes":
+the communicator's GIN properties cannot be queried on libnccl 2.30 with nccl4py 0.6, and on
+a GIN-less host every grouped submission fails synchronously at ``group_end`` on every rank
+while the communicator stays usable). ``M2N_ASYNC_M2N_GROUPING``: ``off`` never groups;
+``on`` groups and fails ``connect`` if the probe fails; ``auto`` (default) probes: right after
+the communicator exists every rank submits one 2-entry group of tiny reshards, then the ranks
+all-gather ok/failed through the rendezvous *before* anyone waits on the GPU. All ok → grouped;
+all failed → ordered single calls (``grouping_reason`` says why); mixed → abort and raise.
+
+Fail-stop: an error after a transfer started leaves the communicator and M2N epoch unusable;
+``abort`` (base class) wakes every waiter, then aborts the communicator and destroys the
+handle on a daemon thread, bounded by ``close``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+
+import anyio
+
+from m2n_async._data._cuda import GpuTransportBase, grouping_mode, m2n_module, torch_dtype
+from m2n_async._data._transport import Completion, Sink, Staging, TransportSettings
+from m2n_async._proto.errors import LocalProtocolError, PlanError, TransferError
+
+if TYPE_CHECKING:
+    import torch
+
+    from m2n_async._data._transport import Rendezvous, TransportContext
+    from m2n_async._proto.plan import Bucket, TransferPlan
+
+__all__ = ["GROUP_MAX_BYTES", "M2NStaging", "M2NTransport"]
+
+#: Largest global tensor bytes in one ``nccl.m2n.group()``: M2N's default PACK slot is 2 GiB
+#: per rank and a fused bin over it fails. Global bytes bound every rank's share.
+GROUP_MAX_BYTES = 2 << 30
+
+
+class _Param(NamedTuple):
+    """Everything one reshard call needs except the buffers; identical on every rank."""
+
+    param: int                 # index in the plan
+    name: str
+    dtype: Any                 # torch dtype (wire)
+    nbytes: int                # global bytes
+    src_mesh: Any              # nccl.m2n.Mesh
+    src_placements: tuple[Any, ...]
+    src_shape: tuple[int, ...]
+    dst_mesh: Any
+    dst_placements: tuple[Any, ...]
+    dst_shape: tuple[int, ...]
+
+
+@dataclass(eq=False)
+class M2NStaging(Staging):
+    """One bucket on this rank: the per-param buffers handed to M2N, in plan order."""
+
+    params: tuple[_Param, ...] = ()
+    #: trainer: source buffers; worker: destination buffers (targets or staging tensors)
+    buffers: list[Any] = field(default_factory=list)
+    #: worker: indices (into ``params``) whose buffer is staging, not the target itself
+    staged: list[int] = field(default_factory=list)
+    ready: Any = None          # event: pack done (trainer) / targets free (worker)
+    transferred: Any = None    # event recorded after the bucket's reshards
+    zero_copy: int = 0
+
+
+def _is_tensor(x: object) -> bool:
+    return hasattr(x, "data_ptr") and hasattr(x, "is_contiguous")
+
+
+class M2NTransport(GpuTransportBase):
+    """``nccl.m2n`` reshards, bucket by bucket (module docstring)."""
+
+    name: ClassVar[str] = "m2n"
+
+    def __init__(self, ctx: TransportContext) -> None:
+        super().__init__(ctx)
+        self._m2n: Any = None
+        self.handle: Any = None
+        self.grouped = False
+        self.grouping_reason = "not decided yet (connect has not run)"
+        self._params: dict[int, tuple[_Param, ...]] = {}
+        self._moved: dict[int, int] = {}
+
+    @classmethod
+    def check_plan(cls, plan: TransferPlan) -> None:
+        plan.validate("m2n")
+
+    @classmethod
+    def identity(cls, settings: TransportSettings) -> dict[str, str]:
+        return super().identity(settings)
+
+    # -- setup -----------------------------------------------------------------------------
+
+    async def prepare(self) -> None:
+        """runtime_ready: device, streams, and the one M2N handle of this engine (created on
+        the native thread; ``max_cta`` from the settings). Local only.
+
+        Cancellation: the handle (if created) is destroyed by ``close``.
+        """
+        await super().prepare()
+        self._m2n = m2n_module()
+        m2n = self._m2n
+        cfg = m2n.Config(max_cta=self.ctx.settings.max_cta)
+        try:
+            self.handle = await self.ctx.native.run(m2n.Handle.create, cfg,
+                                                    description="nccl.m2n Handle.create")
+        except Exception as exc:
+            raise self.translate(exc, "M2N handle creation") from exc
+
+    def _describe(self, i: int) -> _Param:
+        m2n = self._m2n
+        p = self.ctx.plan.params[i]
+        spec = p.spec
+        shape = tuple(spec.shape)
+
+        def side(layout: Any) -> tuple[Any, tuple[Any, ...], tuple[int, ...]]:
+            lay = layout.resolved()
+            pl = lay.placements or (-1, -1)
+            placements = tuple(m2n.Replicate() if x < 0 else m2n.Shard(x) for x in pl)
+            mesh = m2n.Mesh(tuple(lay.mesh.dims), lay.mesh.start_rank)
+            return mesh, placements, tuple(lay.shard_shape(shape))
+
+        sm, sp, ss = side(spec.layout)
+        dm, dp, ds = side(p.dst)
+        return _Param(i, spec.name, torch_dtype(spec.dtype), spec.nbytes, sm, sp, ss, dm, dp, ds)
+
+    def _bucket(self, bucket: Bucket) -> tuple[_Param, ...]:
+        got = self._params.get(bucket.index)
+        if got is None:
+            got = tuple(self._describe(i) for i in range(bucket.start, bucket.stop))
+            self._params[bucket.index] = got
+            rank = self.ctx.rank
+            moved = 0
+            for i in range(bucket.start, bucket.stop):
+                for piece in self.ctx.plan.pieces(i):
+                    if rank in (piece.src_rank, piece.dst_rank):
+                        moved += piece.nbytes
+            self._moved[bucket.index] = moved
+        return got
+
+    async def _after_connect(self, rendezvous: Rendezvous) -> None:
+        mode = grouping_mode()
+        if mode == "off":
+            self.grouped = False
+            self.grouping_reason = "off (M2N_ASYNC_M2N_GROUPING=off): ordered single reshards"
+            return
+        try:
+            with anyio.fail_after(self.ctx.settings.connect_timeout):
+                ok, error, keep = await self.ctx.native.run(
+                    self._probe_group, description="nccl.m2n grouping probe")
+                votes = await rendezvous.all_gather(
+                    b"1" if ok else error.encode()[:500] or b"0", name="m2n-grouping")
+        except TimeoutError:
+            self.abort("M2N grouping probe timed out")
+            raise TimeoutError(
+                f"m2n: the grouping probe did not finish within "
+                f"{self.ctx.settings.connect_timeout}s at {self.ctx.where()}; set "
+                f"M2N_ASYNC_M2N_GROUPING=off on every rank to skip it") from None
+        failed = {r: v.decode(errors="replace") for r, v in enumerate(votes) if v != b"1"}
+        if not failed:
+            # Every rank launched the probe group; wait for it (bounded) so the communicator
+            # is quiet before the first round.
+            completion = self.completion_of(keep["event"], keep, "grouping probe")
+            with anyio.fail_after(self.ctx.settings.connect_timeout):
+                await completion.wait()
+            if keep["check"] is not None and not keep["check"]():
+                self.abort("M2N grouping probe delivered wrong bytes")
+                raise TransferError(f"m2n: the grouping probe delivered wrong bytes at "
+                                    f"{self.ctx.where()}", rank=self.ctx.rank)
+            self.grouped = True
+            self.grouping_reason = f"{mode}: nccl.m2n.group() probe succeeded on every rank"
+            return
+        first = min(failed)
+        if mode == "on":
+            self.abort("M2N grouping required but unsupported")
+            raise LocalProtocolError(
+                f"m2n: M2N_ASYNC_M2N_GROUPING=on but grouped submission failed on ranks "
+                f"{sorted(failed)} (rank {first}: {failed[first]}); set it to 'auto' or "
+                f"'off' at {self.ctx.where()}")
+        if len(failed) < self.ctx.world_size:
+            self.abort("M2N grouping probe failed on some ranks only")
+            raise TransferError(
+                f"m2n: the grouping probe failed on ranks {sorted(failed)} but succeeded on "
+                f"the others, so the communicator may hold half a collective; aborted. "
+                f"Set M2N_ASYNC_M2N_GROUPING=off on every rank (rank {first}: "
+                f"{failed[first]}) at {self.ctx.where()}", rank=self.ctx.rank)
+        self.grouped = False
+        self.grouping_reason = (f"auto: nccl.m2n.group() fails on this host (rank {first}: "
+                                f"{failed[first]}); ordered single reshards")
+
+    def _probe_group(self) -> tuple[bool, str, dict[str, Any]]:
+        """Native thread: one group of two tiny reshards (trainers Shard(0) → workers fully
+        replicated), disjoint buffers. Returns (ok, error, buffers/event to keep)."""
+        torch = _torch()
+        m2n = self._m2n
+        t, n, rank = self.ctx.trainer_ranks, self.ctx.world_size - self.ctx.trainer_ranks, \
+            self.ctx.rank
+        dev = self.device
+        per = 16
+        src_mesh, dst_mesh = m2n.Mesh((t, 1), 0), m2n.Mesh((n, 1), t)
+        srcs: list[Any] = []
+        dsts: list[Any] = []
+        for k in range(2):
+            if rank < t:
+                srcs.append(torch.arange(per, dtype=torch.int32, device=dev) + rank * per
+                            + k * 1000)
+                dsts.append(None)
+            else:
+                srcs.append(None)
+                dsts.append(torch.full((t * per,), -1, dtype=torch.int32, device=dev))
+        assert self.streams is not None
+        stream = self.streams.transfer
+        self.streams.wait(stream, self.streams.producer())
+        keep: dict[str, Any] = {"srcs": srcs, "dsts": dsts, "event": None, "check": None}
+        try:
+            with m2n.group():
+                for k in range(2):
+                    self.handle.reshard(
+                        self.comm,
+                        m2n.DistTensor(srcs[k], (per,), torch.int32, mesh=src_mesh,
+                                       placements=(m2n.Shard(0), m2n.Replicate())),
+                        m2n.DistTensor(dsts[k], (t * per,), torch.int32, mesh=dst_mesh,
+                                       placements=(m2n.Replicate(), m2n.Replicate())),
+                        stream=self.streams.ptr(stream))
+        except Exception as exc:
+            try:
+                m2n.group_abort()  # group state is per thread: leave none behind
+            except Exception:
+                pass
+            detail = getattr(exc, "detail", None) or str(exc)
+            return False, f"{type(exc).__name__}: {detail}"[:400], keep
+        keep["event"] = self.streams.record(stream)
+        if rank >= t:
+            def check() -> bool:
+                want = [torch.arange(t * per, dtype=torch.int32, device=dev) + k * 1000
+                        for k in range(2)]
+                return all(bool(torch.equal(d, w)) for d, w in zip(dsts, want, strict=True))
+
+            keep["check"] = check
+        return True, "", keep
+
+    # -- rounds -----------------------------------------------------------------------------
+
+    def _zero_copy_ok(self, t: Any, p: _Param, shape: tuple[int, ...]) -> bool:
+        return (_is_tensor(t) and t.device == self.device and t.dtype == p.dtype
+                and t.is_contiguous() and tuple(t.shape) == shape)
+
+    async def stage(self, bucket: Bucket, *,
+                    sources: Mapping[str, torch.Tensor] | None = None,
+                    sinks: Mapping[str, Sink] | None = None) -> Staging:
+        """See ``Transport.stage``: zero-copy sources/targets where possible, else cast or
+        staging tensors on the pack stream; records the event the transfer waits on.
+
+        Cancellation: nothing was submitted; the staging is dropped with the round.
+        """
+        self.check_usable()
+        torch = _torch()
+        streams = self.streams
+        assert streams is not None
+        params = self._bucket(bucket)
+        st = M2NStaging(bucket, params=params, nbytes_moved=self._moved[bucket.index])
+        producer = streams.producer()
+        if self.ctx.role == "trainer":
+            if sources is None:
+                raise LocalProtocolError(f"m2n: trainer stage without sources at "
+                                         f"{self.ctx.where(bucket=bucket.index)}")
+            streams.wait(streams.pack, producer)
+            with streams.on(streams.pack):
+                for p in params:
+                    t = _lookup(sources, p.name, self.ctx.where(bucket=bucket.index))
+                    if self._zero_copy_ok(t, p, p.src_shape):
+                        st.buffers.append(t)
+                        st.zero_copy += 1
+                        continue
+                    if tuple(t.shape) != p.src_shape:
+                        raise PlanError(f"parameter {p.name!r}: local source shape "
+                                        f"{tuple(t.shape)} but the plan says {p.src_shape} "
+                                        f"at {self.ctx.where(bucket=bucket.index)}")
+                    buf = t.to(device=self.device, dtype=p.dtype,
+                               non_blocking=True).contiguous()
+                    st.buffers.append(buf)
+                    st.nbytes += buf.numel() * buf.element_size()
+            st.ready = streams.record(streams.pack)
+        else:
+            if sinks is None:
+                raise LocalProtocolError(f"m2n: worker stage without sinks at "
+                                         f"{self.ctx.where(bucket=bucket.index)}")
+            with streams.on(streams.pack):
+                for k, p in enumerate(params):
+                    sink = _lookup(sinks, p.name, self.ctx.where(bucket=bucket.index))
+                    if self._zero_copy_ok(sink, p, p.dst_shape):
+                        st.buffers.append(sink)
+                        st.zero_copy += 1
+                        continue
+                    buf = torch.empty(p.dst_shape, dtype=p.dtype, device=self.device)
+                    st.buffers.append(buf)
+                    st.staged.append(k)
+                    st.nbytes += buf.numel() * buf.element_size()
+            # Targets are written in place: the transfer must follow any queued reader.
+            st.ready = streams.record(producer)
+        return st
+
+    def _runs(self, params: tuple[_Param, ...]) -> list[tuple[int, int]]:
+        """[start, stop) index runs submitted as one group each (identical on every rank:
+        computed from global bytes only)."""
+        if not self.grouped:
+            return [(k, k + 1) for k in range(len(params))]
+        runs: list[tuple[int, int]] = []
+        start, acc = 0, 0
+        for k, p in enumerate(params):
+            if k > start and acc + p.nbytes > GROUP_MAX_BYTES:
+                runs.append((start, k))
+                start, acc = k, 0
+            acc += p.nbytes
+        if params:
+            runs.append((start, len(params)))
+        return runs
+
+    def transfer(self, staging: Staging) -> Completion:
+        """Submit the bucket's reshards on the native thread (grouped or one by one, in plan
+        order) and return a completion that fires when the transfer stream passed them."""
+        assert isinstance(staging, M2NStaging)
+        st = staging
+        trainer = self.ctx.role == "trainer"
+        m2n, handle, streams = self._m2n, self.handle, self.streams
+        assert streams is not None
+        runs = self._runs(st.params)
+        where = self.ctx.where(round=self.round, bucket=st.bucket.index)
+
+        def run() -> Any:
+            self.check_usable()
+            comm = self.comm
+            if comm is None:
+                raise TransferError(f"m2n: no communicator (connect did not run) at {where}",
+                                    rank=self.ctx.rank)
+            stream = streams.transfer
+            streams.wait(stream, st.ready)
+            sptr = streams.ptr(stream)
+            for a, b in runs:
+                descs = []
+                for k in range(a, b):
+                    p = st.params[k]
+                    buf = st.buffers[k]
+                    src = m2n.DistTensor(buf if trainer else None, p.src_shape, p.dtype,
+                                         mesh=p.src_mesh, placements=p.src_placements)
+                    dst = m2n.DistTensor(None if trainer else buf, p.dst_shape, p.dtype,
+                                         mesh=p.dst_mesh, placements=p.dst_placements)
+                    descs.append((p, src, dst))
+                if b - a > 1:
+                    try:
+                        with m2n.group():
+                            for _p, src, dst in descs:
+                                handle.reshard(comm, src, dst, stream=sptr)
+                    except Exception as exc:
+                        raise TransferError(
+                            f"m2n: grouped reshard of params {descs[0][0].name!r}.."
+                            f"{descs[-1][0].name!r} failed at {where}: "
+                            f"{getattr(exc, 'detail', None) or exc}",
+                            rank=self.ctx.rank, round=self.round) from exc
+                else:
+                    p, src, dst = descs[0]
+                    try:
+                        handle.reshard(comm, src, dst, stream=sptr)
+                    except Exception as exc:
+                        raise TransferError(
+                            f"m2n: reshard of param {p.name!r} failed at {where}: "
+                            f"{getattr(exc, 'detail', None) or exc}",
+                            rank=self.ctx.rank, round=self.round) from exc
+            st.transferred = streams.record(stream)
+            return st.transferred
+
+        return self.submit(run, st, f"bucket {st.bucket.index} transfer")
+
+    async def unpack(self, staging: Staging, sinks: Mapping[str, Sink]) -> None:
+        """Worker: copy staged tensors into their targets (unpack stream, after the transfer
+        event) and call load callbacks in plan order once the bytes are in place.
+
+        Cancellation: targets may be partly written; the engine aborts and poisons.
+        """
+        if self.ctx.role == "trainer":
+            return
+        assert isinstance(staging, M2NStaging)
+        st = staging
+        streams = self.streams
+        assert streams is not None
+        callbacks: list[tuple[str, Any, Any]] = []
+        copies = False
+        streams.wait(streams.unpack, st.transferred)
+        with streams.on(streams.unpack):
+            for k in st.staged:
+                p = st.params[k]
+                sink = sinks[p.name]
+                if _is_tensor(sink):
+                    sink.copy_(st.buffers[k], non_blocking=True)  # type: ignore[union-attr]
+                    copies = True
+                else:
+                    callbacks.append((p.name, sink, st.buffers[k]))
+        if copies:
+            await self.completion_of(streams.record(streams.unpack), st,
+                                     f"bucket {st.bucket.index} unpack").wait()
+        if callbacks:
+            device = self.device
+
+            def call_all() -> None:
+                torch = _torch()
+                if device is not None and device.type == "cuda":
+                    torch.cuda.set_device(device)
+                for name, fn, tensor in callbacks:
+                    fn(name, tensor)
+
+            await anyio.to_thread.run_sync(call_all)
+
+    def release(self, staging: Staging) -> None:
+        if isinstance(staging, M2NStaging):
+            staging.buffers = []
+            staging.ready = staging.transferred = None
+
+    def _release_native_resources(self) -> list[Any]:
+        handle, self.handle = self.handle, None
+        if handle is None:
+            return []
+        return [handle.destroy]
+
+
+def _lookup(mapping: Mapping[str, Any], name: str, where: str) -> Any:
+    try:
+        return mapping[name]
+    except KeyError:
+        raise PlanError(f"parameter {name!r} is missing from this rank's tensors at "
+                        f"{where}") from None
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch

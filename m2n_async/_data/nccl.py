@@ -1,0 +1,306 @@
+"""The ``nccl`` data plane: the packing planner's per-peer buffers over ``nccl.core`` send/recv.
+
+Theory of operation. ``_packing.plan_bucket`` turns the agreed plan into, per bucket and per
+peer, one contiguous byte buffer: the concatenation of this rank's pieces for that peer in
+(parameter, piece) order. Sender and receiver derive the same segments from the plan alone,
+so one ``send`` of N bytes always meets one ``recv`` of N bytes, and nothing about the layout
+travels. Everything moves as ``uint8``: any fixed-width dtype (bool, int16, two shard axes,
+rank > 3 — whatever M2N cannot express) is bit-exact by construction, and it works on stock
+NCCL (>= 2.28, PyTorch's default) because only point-to-point calls are used.
+
+Per bucket:
+
+* ``stage`` (loop thread, pack stream, after waiting on the producer stream): a trainer casts a
+  source to the wire dtype if needed (fp32 master → bf16), then for each peer either sends a
+  byte range of the source directly (**zero-copy**: the peer's buffer is one contiguous
+  segment) or packs the segments into one staging arena for the bucket. A worker receives
+  directly into a contiguous byte range of a target tensor when the peer's buffer is one
+  contiguous segment of it (**in place**), else into the arena.
+* ``transfer`` (native thread, transfer stream): one ``nccl.core.group()`` holding every send
+  (trainer) or recv (worker) of the bucket, in ascending peer order; then a blocking-sync
+  event the completion waits on.
+* ``unpack`` (worker, unpack stream after the transfer event): scatters arena segments into the
+  targets' byte views (or into a temporary local shard for load callbacks and targets that
+  cannot be written as bytes), then copies/calls in plan order.
+
+Memory: the arena is ``Staging.nbytes`` (at most the bucket's bytes for this rank); cast
+copies of sources count too. Abort and close are the base class's (bounded communicator abort
+on a daemon thread; DEVELOPERS "GPU notes": an NCCL recv from a dead peer returns after abort).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import anyio
+
+from m2n_async._data._cuda import GpuTransportBase, torch_dtype
+from m2n_async._data._packing import BucketPacking, byte_view, pack_peer, plan_bucket, unpack_peer
+from m2n_async._data._transport import Completion, Sink, Staging
+from m2n_async._proto.errors import LocalProtocolError, PlanError, TransferError
+
+if TYPE_CHECKING:
+    import torch
+
+    from m2n_async._data._transport import TransportContext
+    from m2n_async._proto.plan import Bucket, TransferPlan
+
+__all__ = ["NcclStaging", "NcclTransport"]
+
+
+@dataclass(eq=False)
+class NcclStaging(Staging):
+    """One bucket on this rank: per-peer byte buffers in ascending peer order."""
+
+    packing: BucketPacking | None = None
+    #: (peer, flat uint8 tensor) in wire order: arena slices or zero-copy views
+    wires: list[tuple[int, Any]] = field(default_factory=list)
+    #: worker: peers (indices into ``packing.peers``) whose bytes must be scattered
+    scatter: list[int] = field(default_factory=list)
+    #: worker: param index -> byte view to scatter into (target or temporary local shard)
+    dst_bytes: dict[int, Any] = field(default_factory=dict)
+    #: worker: (param index, temporary local shard) to copy into / hand to the sink
+    temps: list[tuple[int, Any]] = field(default_factory=list)
+    keep: list[Any] = field(default_factory=list)   # cast sources, arena
+    ready: Any = None
+    transferred: Any = None
+    zero_copy: int = 0
+
+
+def _is_tensor(x: object) -> bool:
+    return hasattr(x, "data_ptr") and hasattr(x, "is_contiguous")
+
+
+class NcclTransport(GpuTransportBase):
+    """Packed per-peer buffers over grouped ``nccl.core`` send/recv (module docstring)."""
+
+    name: ClassVar[str] = "nccl"
+
+    def __init__(self, ctx: TransportContext) -> None:
+        super().__init__(ctx)
+        self._packings: dict[int, BucketPacking] = {}
+
+    @classmethod
+    def check_plan(cls, plan: TransferPlan) -> None:
+        plan.validate("nccl")
+
+    def _packing(self, bucket: Bucket) -> BucketPacking:
+        got = self._packings.get(bucket.index)
+        if got is None:
+            got = plan_bucket(self.ctx.plan, bucket, self.ctx.rank)
+            self._packings[bucket.index] = got
+        return got
+
+    def _local(self, i: int, t: Any, shape: tuple[int, ...], where: str) -> tuple[Any, bool]:
+        """``t`` as a contiguous tensor of the wire dtype on our device; second value: True
+        when that needed a copy (cast, device move or contiguity)."""
+        spec = self.ctx.plan.params[i].spec
+        if tuple(t.shape) != shape:
+            raise PlanError(f"parameter {spec.name!r}: local shape {tuple(t.shape)} but the "
+                            f"plan says {shape} at {where}")
+        dtype = torch_dtype(spec.dtype)
+        if t.device == self.device and t.dtype == dtype and t.is_contiguous():
+            return t, False
+        return t.to(device=self.device, dtype=dtype, non_blocking=True).contiguous(), True
+
+    async def stage(self, bucket: Bucket, *,
+                    sources: Mapping[str, torch.Tensor] | None = None,
+                    sinks: Mapping[str, Sink] | None = None) -> Staging:
+        """See ``Transport.stage`` (module docstring: zero-copy, arena, casts).
+
+        Cancellation: nothing was submitted; the staging is dropped with the round.
+        """
+        self.check_usable()
+        torch = _torch()
+        streams = self.streams
+        assert streams is not None
+        pk = self._packing(bucket)
+        where = self.ctx.where(bucket=bucket.index)
+        plan = self.ctx.plan
+        st = NcclStaging(bucket, packing=pk, nbytes_moved=pk.nbytes)
+        producer = streams.producer()
+        if pk.sending:
+            if sources is None:
+                raise LocalProtocolError(f"nccl: trainer stage without sources at {where}")
+            streams.wait(streams.pack, producer)
+            with streams.on(streams.pack):
+                local: dict[int, Any] = {}
+                for i in pk.params:
+                    spec = plan.params[i].spec
+                    t = _lookup(sources, spec.name, where)
+                    shape = tuple(spec.layout.shard_shape(tuple(spec.shape)))
+                    buf, copied = self._local(i, t, shape, where)
+                    if copied:
+                        st.keep.append(buf)
+                        st.nbytes += buf.numel() * buf.element_size()
+                    local[i] = byte_view(buf)
+                packed = [pb for pb in pk.peers if pb.direct is None]
+                arena = None
+                need = sum(pb.nbytes for pb in packed)
+                if need:
+                    arena = torch.empty(need, dtype=torch.uint8, device=self.device)
+                    st.keep.append(arena)
+                    st.nbytes += need
+                off = 0
+                for pb in pk.peers:
+                    d = pb.direct
+                    if d is not None and d.span is not None:
+                        a, b = d.span
+                        st.wires.append((pb.peer, local[d.param].view(-1)[a:b]))
+                        st.zero_copy += 1
+                        continue
+                    assert arena is not None
+                    view = arena[off:off + pb.nbytes]
+                    off += pb.nbytes
+                    pack_peer(view, pb, local.__getitem__)
+                    st.wires.append((pb.peer, view))
+            st.ready = streams.record(streams.pack)
+            return st
+        if sinks is None:
+            raise LocalProtocolError(f"nccl: worker stage without sinks at {where}")
+        with streams.on(streams.pack):
+            for i in pk.params:
+                p = plan.params[i]
+                spec = p.spec
+                shape = tuple(p.dst.shard_shape(tuple(spec.shape)))
+                sink = _lookup(sinks, spec.name, where)
+                dtype = torch_dtype(spec.dtype)
+                if (_is_tensor(sink) and sink.device == self.device and sink.dtype == dtype
+                        and sink.is_contiguous() and tuple(sink.shape) == shape):
+                    st.dst_bytes[i] = byte_view(sink)
+                else:
+                    if _is_tensor(sink) and tuple(sink.shape) != shape:
+                        raise PlanError(f"parameter {spec.name!r}: target shape "
+                                        f"{tuple(sink.shape)} but the plan says {shape} at "
+                                        f"{where}")
+                    tmp = torch.empty(shape, dtype=dtype, device=self.device)
+                    st.temps.append((i, tmp))
+                    st.dst_bytes[i] = byte_view(tmp)
+                    st.nbytes += tmp.numel() * tmp.element_size()
+            packed_bytes = sum(pb.nbytes for pb in pk.peers if pb.direct is None)
+            arena = None
+            if packed_bytes:
+                arena = torch.empty(packed_bytes, dtype=torch.uint8, device=self.device)
+                st.keep.append(arena)
+                st.nbytes += packed_bytes
+            off = 0
+            for k, pb in enumerate(pk.peers):
+                d = pb.direct
+                if d is not None and d.span is not None:
+                    a, b = d.span
+                    st.wires.append((pb.peer, st.dst_bytes[d.param].view(-1)[a:b]))
+                    if not any(i == d.param for i, _ in st.temps):
+                        st.zero_copy += 1
+                    continue
+                assert arena is not None
+                view = arena[off:off + pb.nbytes]
+                off += pb.nbytes
+                st.wires.append((pb.peer, view))
+                st.scatter.append(k)
+        # Targets are written in place: the receive must follow any queued reader of them.
+        st.ready = streams.record(producer)
+        return st
+
+    def transfer(self, staging: Staging) -> Completion:
+        """One ``nccl.core.group()`` of the bucket's sends or receives on the native thread;
+        the completion fires when the transfer stream passed them."""
+        assert isinstance(staging, NcclStaging)
+        st = staging
+        nc, streams = self._nc, self.streams
+        assert nc is not None and streams is not None
+        sending = self.ctx.role == "trainer"
+        where = self.ctx.where(round=self.round, bucket=st.bucket.index)
+
+        def run() -> Any:
+            self.check_usable()
+            comm = self.comm
+            if comm is None:
+                raise TransferError(f"nccl: no communicator (connect did not run) at {where}",
+                                    rank=self.ctx.rank)
+            stream = streams.transfer
+            streams.wait(stream, st.ready)
+            sptr = streams.ptr(stream)
+            peer = -1
+            try:
+                with nc.group():
+                    for peer, buf in st.wires:
+                        if sending:
+                            comm.send(buf, peer, stream=sptr)
+                        else:
+                            comm.recv(buf, peer, stream=sptr)
+            except Exception as exc:
+                raise TransferError(
+                    f"nccl: grouped {'send' if sending else 'recv'} failed at {where} "
+                    f"(last peer rank {peer}): {type(exc).__name__}: {exc}",
+                    rank=self.ctx.rank, round=self.round) from exc
+            st.transferred = streams.record(stream)
+            return st.transferred
+
+        return self.submit(run, st, f"bucket {st.bucket.index} transfer")
+
+    async def unpack(self, staging: Staging, sinks: Mapping[str, Sink]) -> None:
+        """Worker: scatter arena segments (unpack stream, after the transfer event), copy
+        temporary shards into their targets, then call load callbacks in plan order.
+
+        Cancellation: targets may be partly written; the engine aborts and poisons.
+        """
+        if self.ctx.role == "trainer":
+            return
+        assert isinstance(staging, NcclStaging)
+        st = staging
+        pk = st.packing
+        streams = self.streams
+        assert pk is not None and streams is not None
+        plan = self.ctx.plan
+        callbacks: list[tuple[str, Any, Any]] = []
+        streams.wait(streams.unpack, st.transferred)
+        with streams.on(streams.unpack):
+            wires = dict(st.wires)
+            for k in st.scatter:
+                pb = pk.peers[k]
+                unpack_peer(wires[pb.peer], pb, st.dst_bytes)
+            for i, tmp in st.temps:
+                name = plan.params[i].spec.name
+                sink = sinks[name]
+                if _is_tensor(sink):
+                    sink.copy_(tmp, non_blocking=True)  # type: ignore[union-attr]
+                else:
+                    callbacks.append((name, sink, tmp))
+        if st.scatter or st.temps:
+            await self.completion_of(streams.record(streams.unpack), st,
+                                     f"bucket {st.bucket.index} unpack").wait()
+        if callbacks:
+            device = self.device
+
+            def call_all() -> None:
+                torch = _torch()
+                if device is not None and device.type == "cuda":
+                    torch.cuda.set_device(device)
+                for name, fn, tensor in callbacks:
+                    fn(name, tensor)
+
+            await anyio.to_thread.run_sync(call_all)
+
+    def release(self, staging: Staging) -> None:
+        if isinstance(staging, NcclStaging):
+            staging.wires = []
+            staging.keep = []
+            staging.temps = []
+            staging.dst_bytes = {}
+            staging.ready = staging.transferred = None
+
+
+def _lookup(mapping: Mapping[str, Any], name: str, where: str) -> Any:
+    try:
+        return mapping[name]
+    except KeyError:
+        raise PlanError(f"parameter {name!r} is missing from this rank's tensors at "
+                        f"{where}") from None
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch

@@ -1,0 +1,137 @@
+"""``_data/_cuda``: actionable import errors, the libnccl gate, identity, completion signals."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import anyio
+import pytest
+
+from m2n_async._data import _cuda
+from m2n_async._data._transport import TransportSettings, select_transport
+from m2n_async._proto.errors import LocalProtocolError
+
+from ._world import R, make_plan
+
+SETTINGS = TransportSettings(bucket_bytes=1 << 20, max_inflight=2)
+
+
+def test_missing_nccl4py_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "nccl.core", None)  # import raises ImportError
+    _cuda.reset_import_cache()
+    try:
+        with pytest.raises(LocalProtocolError, match=r"pip install 'm2n_async\[gpu\]'"):
+            _cuda.nccl_core()
+        assert _cuda.libnccl_version() == (None, None)
+    finally:
+        _cuda.reset_import_cache()
+
+
+def test_old_libnccl_is_named_before_importing_m2n(fake_world):
+    fake_world.libnccl = "2.28.9"
+    with pytest.raises(LocalProtocolError) as info:
+        _cuda.m2n_module()
+    msg = str(info.value)
+    assert "2.28.9" in msg and "2.30.5" in msg and "nvidia-nccl-cu13==2.30.7" in msg
+    assert "/fake/libnccl.so.2" in msg
+
+
+def test_new_libnccl_imports_m2n(fake_world):
+    assert _cuda.m2n_module() is sys.modules["nccl.m2n"]
+    assert _cuda.libnccl_version() == ("2.30.7", "/fake/libnccl.so.2")
+
+
+def test_cpu_host_cannot_run_gpu_transports(fake_world):
+    if _cuda._torch().cuda.is_available():  # pragma: no cover - GPU hosts
+        pytest.skip("this host has CUDA")
+    for name in ("m2n", "nccl"):
+        reason = _cuda.gpu_unavailable_reason(name, SETTINGS)
+        assert reason is not None and "CUDA is not available" in reason
+    assert _cuda.capabilities(SETTINGS) == ["gloo"]
+    reason = _cuda.gpu_unavailable_reason("nccl", TransportSettings(1, 1, device="cpu"))
+    assert reason is not None and "not a CUDA device" in reason
+
+
+def test_auto_never_picks_a_gpu_transport_without_cuda(fake_world):
+    if _cuda._torch().cuda.is_available():  # pragma: no cover - GPU hosts
+        pytest.skip("this host has CUDA")
+    plan = make_plan([("w", (8, 4), "bfloat16", (R, 0), (R, 1))], (1, 2), (1, 2))
+    try:
+        cls, reason = select_transport("auto", plan, SETTINGS)
+    except LocalProtocolError as exc:  # gloo may not be built yet by its owner
+        assert "m2n" in str(exc) and "CUDA is not available" in str(exc)
+        return
+    assert cls.name == "gloo"
+    assert "m2n: " in reason and "nccl: " in reason and "CUDA is not available" in reason
+    with pytest.raises(LocalProtocolError, match="CUDA is not available"):
+        select_transport("m2n", plan, SETTINGS)
+
+
+def test_identity_matches_the_handshake_filter(fake_world, monkeypatch):
+    monkeypatch.setenv("NCCL_RESHARD_NUM_CTAS", "8")
+    monkeypatch.setenv("NCCL_RESHARD_LOG_LEVEL", "DEBUG")  # diagnostic: may differ
+    monkeypatch.setenv(_cuda.GROUPING_ENV, "off")
+    ident = _cuda.data_plane_identity("m2n", TransportSettings(1, 1, max_cta=4))
+    env = dict(ident.env)
+    assert ident.libnccl_version == "2.30.7" and ident.max_cta == 4
+    assert env["NCCL_RESHARD_NUM_CTAS"] == "8" and env[_cuda.GROUPING_ENV] == "off"
+    assert "NCCL_RESHARD_LOG_LEVEL" not in env
+    assert list(ident.env) == sorted(ident.env)
+    from m2n_async._data.m2n import M2NTransport
+
+    d = M2NTransport.identity(TransportSettings(1, 1, max_cta=4))
+    assert d["libnccl"] == "2.30.7" and d["max_cta"] == "4" and d[_cuda.GROUPING_ENV] == "off"
+    gloo = _cuda.data_plane_identity("gloo", TransportSettings(1, 1))
+    assert gloo.libnccl_version is None
+
+
+def test_grouping_mode_rejects_typos(monkeypatch):
+    monkeypatch.setenv(_cuda.GROUPING_ENV, "yes")
+    with pytest.raises(LocalProtocolError, match="'auto', 'on' or 'off'"):
+        _cuda.grouping_mode()
+
+
+class _SlowEvent:
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.released = threading.Event()
+
+    def synchronize(self) -> None:
+        self.released.wait(self.seconds)
+
+    def query(self) -> bool:
+        return self.released.is_set()
+
+
+def test_watcher_fires_in_order_and_skips_aborted():
+    w = _cuda._Watcher("t")
+    order: list[int] = []
+    sigs = [_cuda.Signal() for _ in range(3)]
+    for k, s in enumerate(sigs):
+        s.add_done_callback(lambda _s, k=k: order.append(k))
+    aborted = _cuda.Signal()
+    aborted.fire(RuntimeError("aborted"))
+    forever = _SlowEvent(3600)
+    w.watch(forever, aborted)          # already done: the watcher must not wait on it
+    for s in sigs:
+        w.watch(_SlowEvent(0.01), s)
+    deadline = time.monotonic() + 5
+    while not all(s.done() for s in sigs) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert order == [0, 1, 2]
+    assert all(s.error is None for s in sigs)
+    w.close(1.0)
+
+
+@pytest.mark.asyncio
+async def test_signal_wakes_the_loop_from_another_thread():
+    from m2n_async._data._native import wait_threadsafe
+
+    s = _cuda.Signal()
+    threading.Timer(0.05, s.fire).start()
+    with anyio.fail_after(5):
+        await wait_threadsafe(s.add_done_callback)
+    assert s.done() and s.error is None
+    assert s.fire() is False  # first caller wins

@@ -1,0 +1,254 @@
+"""The ``nccl`` and ``m2n`` transports end to end on CPU over the FAKE nccl runtime.
+
+What this covers without a GPU: the transports issue identical collective calls on every rank
+(the fake raises where real M2N would hang), bytes land bit-exactly for every layout pair and
+dtype, zero-copy/in-place paths are taken where the layout allows, byte counts equal the plan,
+M2N grouping is decided identically on every rank (including a GIN-less host and a host where
+only some ranks fail), and abort/deadline end every rank promptly. The real runtime is covered
+by ``tests/gpu`` on the H200.
+"""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import pytest
+import torch
+
+from m2n_async._data import _cuda
+from m2n_async._data._transport import Transport
+from m2n_async._proto.errors import LocalProtocolError, TransferError
+
+from . import fake_nccl
+from ._world import R, expected, make_plan, raise_first, run_world, sources, targets
+
+pytestmark = pytest.mark.asyncio
+
+# (src dims, dst dims, [(src placements, dst placements)]): the CPU suite's layout pairs
+LAYOUTS = {
+    "1+1": ((1, 1), (1, 1), [(None, None)]),
+    "2+2": ((1, 2), (1, 2), [((R, 0), (R, 1)), ((R, 1), (R, 1)), (None, (R, 0)),
+                            ((R, 0), None)]),
+    "2+3": ((2, 1), (3, 1), [((0, R), (1, R)), ((0, R), None), (None, (1, R))]),
+    "2x2+2x1": ((2, 2), (2, 1), [((0, R), (0, R)), ((R, 1), (1, R)), (None, None)]),
+}
+
+
+def defs_for(pairs, dtypes):
+    out = []
+    for k, (sp, dp) in enumerate(pairs):
+        for j, dt in enumerate(dtypes):
+            out.append((f"p{k}.{j}.{str(dt).split('.')[-1]}", (12, 6, 4) if j % 2 else (24, 12),
+                        dt, sp, dp))
+    return out
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("name", ["nccl", "m2n"])
+async def test_bit_exact_every_layout(fake_world, name, layout):
+    src, dst, pairs = LAYOUTS[layout]
+    dtypes = [torch.bfloat16, torch.float32, torch.int8, torch.float8_e4m3fn]
+    if name == "nccl":
+        dtypes += [torch.bool, torch.int16]
+    plan = make_plan(defs_for(pairs, dtypes), src, dst)
+    results = await run_world(name, plan, bucket_bytes=1500, rounds=2)
+    raise_first(results)
+    for res in results:
+        role_bytes = (plan.send_bytes(res.rank) if res.rank < plan.trainer_ranks
+                      else plan.recv_bytes(res.rank))
+        if name == "nccl" or res.rank >= plan.trainer_ranks:
+            # bytes moved == plan bytes, every round (a silent zero-byte success fails here)
+            assert res.moved == 2 * role_bytes, (res.rank, res.moved, role_bytes)
+    if name == "m2n":
+        calls = set(fake_world.reshard_calls.values())
+        assert calls == {2 * len(plan.params) + 2}, fake_world.reshard_calls  # + probe
+
+
+@pytest.mark.parametrize("name", ["nccl", "m2n"])
+async def test_zero_copy_and_in_place_when_aligned(fake_world, name):
+    # Shard(0) -> Shard(0) with equal meshes, one param per bucket: every peer buffer is one
+    # contiguous range of the source and of the target.
+    plan = make_plan([("w", (64, 8), torch.bfloat16, (0, R), (0, R)),
+                      ("b", (64,), torch.float32, (0, R), (0, R))], (2, 1), (2, 1))
+    results = await run_world(name, plan, bucket_bytes=1)
+    raise_first(results)
+    for res in results:
+        assert [st.zero_copy for st in res.stagings] == [1, 1], res.rank
+        assert [st.nbytes for st in res.stagings] == [0, 0], res.rank  # no staging memory
+
+
+@pytest.mark.parametrize("name", ["nccl", "m2n"])
+async def test_fp32_master_cast_to_bf16_wire(fake_world, name):
+    plan = make_plan([("w", (32, 16), torch.bfloat16, (R, 0), (R, 1)),
+                      ("v", (16,), torch.bfloat16, None, (R, 0))], (1, 2), (1, 2))
+    results = await run_world(name, plan, src_dtype=torch.float32)
+    raise_first(results)
+    trainer = results[0].stagings[0]
+    assert trainer.nbytes > 0  # cast copies are extra memory and are reported
+
+
+@pytest.mark.parametrize("name", ["nccl", "m2n"])
+async def test_load_callbacks_in_plan_order(fake_world, name):
+    plan = make_plan([(f"p{i}", (8, 4), torch.float32, (R, 0), (R, 1)) for i in range(5)],
+                     (1, 2), (1, 2))
+    calls: dict[int, list[tuple[str, torch.Tensor]]] = {2: [], 3: []}
+
+    def sinks_for(rank, rnd):
+        def cb(name, tensor):
+            calls[rank].append((name, tensor.clone()))
+        return {p.spec.name: cb for p in plan.params}
+
+    results = await run_world(name, plan, bucket_bytes=200, sinks_for=sinks_for)
+    raise_first(results)
+    for rank in (2, 3):
+        assert [n for n, _ in calls[rank]] == [p.spec.name for p in plan.params]
+        want = expected(plan, rank)
+        for n, got in calls[rank]:
+            assert torch.equal(got, want[n])
+
+
+async def test_m2n_groups_when_supported(fake_world):
+    plan = make_plan([(f"p{i}", (16, 8), torch.bfloat16, (R, 0), (R, 1)) for i in range(6)],
+                     (1, 2), (1, 2))
+    results = await run_world("m2n", plan, bucket_bytes=1 << 20)
+    raise_first(results)
+    for res in results:
+        assert res.transport.grouped is True
+        assert "succeeded on every rank" in res.transport.grouping_reason
+    # probe group (2 per rank) + one group of 6 per rank
+    assert sorted(set(fake_world.group_sizes)) == [2, 6]
+
+
+async def test_m2n_falls_back_on_gin_less_host(fake_world):
+    fake_world.fail_groups = True
+    plan = make_plan([(f"p{i}", (16, 8), torch.bfloat16, (R, 0), (R, 1)) for i in range(6)],
+                     (1, 2), (1, 2))
+    results = await run_world("m2n", plan, bucket_bytes=1 << 20)
+    raise_first(results)
+    reasons = {res.transport.grouping_reason for res in results}
+    assert len(reasons) == 1, reasons  # decided identically on every rank
+    assert "fails on this host" in reasons.pop()
+    assert all(res.transport.grouped is False for res in results)
+    assert fake_world.group_sizes == []
+
+
+async def test_m2n_mixed_group_failure_aborts_everywhere(fake_world):
+    fake_world.fail_groups = True
+    fake_world.fail_group_ranks = {1}
+    fake_world.timeout = 1.0  # the fake runs dst copies synchronously: dsts wait for rank 1
+    plan = make_plan([("w", (16, 8), torch.bfloat16, (R, 0), (R, 1))], (1, 2), (1, 2))
+    t0 = time.monotonic()
+    results = await run_world("m2n", plan)
+    assert time.monotonic() - t0 < 15
+    for res in results:
+        assert isinstance(res.error, TransferError), (res.rank, res.error)
+        assert "failed on ranks [1" in str(res.error), res.error
+        assert "M2N_ASYNC_M2N_GROUPING=off" in str(res.error)
+
+
+async def test_m2n_grouping_on_but_unsupported_is_an_error(fake_world, monkeypatch):
+    monkeypatch.setenv(_cuda.GROUPING_ENV, "on")
+    fake_world.fail_groups = True
+    plan = make_plan([("w", (16, 8), torch.bfloat16, (R, 0), (R, 1))], (1, 2), (1, 2))
+    results = await run_world("m2n", plan)
+    for res in results:
+        assert isinstance(res.error, LocalProtocolError), res.error
+        assert "M2N_ASYNC_M2N_GROUPING=on" in str(res.error)
+
+
+async def test_m2n_grouping_off_skips_probe(fake_world, monkeypatch):
+    monkeypatch.setenv(_cuda.GROUPING_ENV, "off")
+    plan = make_plan([(f"p{i}", (16, 8), torch.bfloat16, (R, 0), (R, 1)) for i in range(3)],
+                     (1, 2), (1, 2))
+    results = await run_world("m2n", plan, bucket_bytes=1 << 20)
+    raise_first(results)
+    assert fake_world.group_sizes == []
+    assert all("off" in res.transport.grouping_reason for res in results)
+
+
+@pytest.mark.parametrize("name", ["nccl", "m2n"])
+async def test_abort_wakes_a_rank_waiting_on_a_silent_peer(fake_world, name):
+    # Worker rank 3 never takes part: rank 2 waits for trainer data that rank 1 sends, but
+    # in M2N every dst waits for all sources; for nccl rank 3's recv is simply never posted,
+    # so make trainer 1 the silent one instead.
+    plan = make_plan([("w", (16, 8), torch.float32, (R, 0), (R, 1))], (1, 2), (1, 2))
+    silent = 1
+
+    async def body(rank: int, t: Transport) -> None:
+        if rank == silent:
+            await anyio.sleep(3)
+            return
+        t.begin_round(0, time.monotonic() + 30)
+        b = t.ctx.buckets[0]
+        if rank < plan.trainer_ranks:
+            st = await t.stage(b, sources=sources(plan, rank))
+        else:
+            st = await t.stage(b, sinks=targets(plan, rank))
+        c = t.transfer(st)
+        if rank >= plan.trainer_ranks:
+            async with anyio.create_task_group() as tg:
+                async def watchdog() -> None:
+                    await anyio.sleep(0.3)
+                    t.abort("watchdog: peer rank 1 lost")
+                tg.start_soon(watchdog)
+                t0 = time.monotonic()
+                with pytest.raises(TransferError, match="peer rank 1 lost"):
+                    await c.wait()
+                assert time.monotonic() - t0 < 5
+        else:
+            await c.wait()
+
+    results = await run_world(name, plan, body=body)
+    raise_first(results)
+    assert all(res.transport.aborted for res in results if res.rank >= 2)
+
+
+async def test_round_deadline_raises_timeout(fake_world):
+    plan = make_plan([("w", (16, 8), torch.float32, (R, 0), (R, 1))], (1, 2), (1, 2))
+
+    async def body(rank: int, t: Transport) -> None:
+        if rank != 2:
+            await anyio.sleep(1.5)
+            return
+        t.begin_round(0, time.monotonic() + 0.3)
+        st = await t.stage(t.ctx.buckets[0], sinks=targets(plan, rank))
+        with pytest.raises(TimeoutError, match="round deadline"):
+            await t.transfer(st).wait()
+        t.abort("deadline")
+
+    results = await run_world("nccl", plan, body=body)
+    raise_first(results)
+
+
+async def test_aborted_transport_is_never_reused(fake_world):
+    plan = make_plan([("w", (16, 8), torch.float32, (R, 0), (R, 1))], (1, 2), (1, 2))
+
+    async def body(rank: int, t: Transport) -> None:
+        t.abort("test")
+        with pytest.raises(TransferError, match="aborted"):
+            t.begin_round(0, time.monotonic() + 5)
+
+    results = await run_world("m2n", plan, body=body)
+    raise_first(results)
+    assert all(not c.valid for c in fake_world.comms)
+    assert all(res.transport.teardown_finished for res in results)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestWarning")
+def test_fake_detects_mismatched_collectives(fake_world):
+    # The fake itself must fail where real M2N would hang, or the suite proves nothing.
+    m = fake_nccl
+    w = fake_world
+    a, b = m.Comm(2, 0, b"u"), m.Comm(2, 1, b"u")
+    mesh0, mesh1 = m.Mesh((1, 1), 0), m.Mesh((1, 1), 1)
+    x = torch.ones(4)
+    m._reshard_now(a, m.DistTensor(x, (4,), torch.float32, mesh=mesh0, placements=(m.Replicate(),)),
+                   m.DistTensor(None, (4,), torch.float32, mesh=mesh1,
+                                placements=(m.Replicate(),)))
+    with pytest.raises(m.FakeNcclError, match="would hang"):
+        m._reshard_now(b, m.DistTensor(None, (8,), torch.float32, mesh=mesh0,
+                                       placements=(m.Replicate(),)),
+                       m.DistTensor(torch.ones(8), (8,), torch.float32, mesh=mesh1,
+                                    placements=(m.Replicate(),)))
+    assert w.reshard_calls == {0: 1, 1: 1}
