@@ -50,6 +50,12 @@ from m2n_async._proto.handshake import Phase as PreflightPhase
 from m2n_async._proto.handshake import PreflightPlan
 
 # --- engine (issue 5/6) ---
+# isort: split
+from m2n_async._data._transport import LoadCallback
+from m2n_async._engine._config import EngineConfig, EngineState, SyncResult
+from m2n_async._engine._engine import TrainerEngine, WorkerEngine
+
+# --- end engine (issue 5/6) ---
 # --- ecosystem (issue 8) ---
 # isort: split
 from m2n_async._integrations.planfile import PlanSummary, load_plan_file
@@ -103,6 +109,14 @@ __all__ = [
     "PreflightOutcome",
     "PreflightPhase",
     "PreflightPlan",
+    # engine (issue 5/6)
+    "EngineConfig",
+    "EngineState",
+    "LoadCallback",
+    "SyncResult",
+    "TrainerEngine",
+    "WorkerEngine",
+    # end engine (issue 5/6)
     # ecosystem (issue 8)
     "LoadTarget",
     "ModuleShards",

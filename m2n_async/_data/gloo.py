@@ -70,7 +70,7 @@ __all__ = ["GlooTransport", "StoreAdapter"]
 _FORCE_CLOSE = datetime.timedelta(milliseconds=1)
 
 
-class StoreAdapter(torch.distributed.Store):
+class StoreAdapter(torch.distributed.Store):  # type: ignore[misc,name-defined]
     """A c10d ``Store`` that forwards to an async ``Store`` (ours) from a foreign thread.
 
     Gloo's rendezvous calls ``set``, ``get`` and ``wait`` on the thread that constructs the
@@ -295,7 +295,7 @@ class GlooTransport(Transport):
         rank, size = self.ctx.rank, self.ctx.world_size
 
         def build() -> Any:
-            opts = torch.distributed.ProcessGroupGloo._Options()
+            opts = torch.distributed.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
             opts._timeout = datetime.timedelta(seconds=timeout)
             opts._devices = [torch.distributed.ProcessGroupGloo.create_device(
                 hostname=host or "")]

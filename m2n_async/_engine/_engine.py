@@ -1,0 +1,925 @@
+"""``TrainerEngine`` and ``WorkerEngine``: connect, rounds, lifecycle, watchdog, cancellation.
+
+Theory of operation (DESIGN §3, §6). ``connect`` = store client → join a generation (rank 0
+opens it) → ``ControlGroup`` → ``run_preflight`` (the handshake agrees on plan, transport and
+bucket size; the transport is built and prepared in its ``runtime_ready`` phase) → the
+transport creates its communicator → READY. Nothing of the data plane exists before every
+phase passed on every rank.
+
+A round, event-driven through the store under ``{job}/{generation}/round/{k}/``:
+
+1. Trainer rank 0 writes ``start`` (``RoundStart``: version, deadline). The other trainers and
+   the workers (inside ``receive()``) wait for it, watching every peer's liveness key.
+2. Every rank runs its side of the bucket pipeline under the round deadline, next to a
+   watchdog that waits for the round's ``abort`` key (or a peer's liveness key vanishing).
+   A rank that fails, times out or is cancelled writes ``abort`` (first writer wins) and aborts
+   its transport; every other rank's watchdog then aborts its own, so peers blocked in the
+   data plane return at once instead of sitting out the deadline.
+3. Every rank writes ``done/{rank}`` (``RoundDone``) and gathers all of them. The version
+   commits only if every rank reported ok; otherwise every rank raises the same
+   ``TransferError``, built from the first abort record (rank and reason), and is POISONED.
+
+States are enforced: a call in the wrong state raises ``LocalProtocolError``; after any failure
+(or cancellation mid-round) every call except ``close`` raises ``EnginePoisonedError`` chained
+to the original failure. Recovery is a new ``connect`` (a new generation) on the same store.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
+from typing import TYPE_CHECKING, Any, Literal
+
+import anyio
+import anyio.to_thread
+
+from m2n_async._data._native import NativeThread
+from m2n_async._data._transport import (
+    AUTO_ORDER,
+    Rendezvous,
+    Sink,
+    Transport,
+    TransportContext,
+    TransportSettings,
+    create_transport,
+    transport_class,
+)
+from m2n_async._engine._config import EngineConfig, EngineState, SyncResult
+from m2n_async._engine._generation import join_generation
+from m2n_async._engine._pipeline import PipelineStats, run_pipeline, unwrap_group
+from m2n_async._engine._preflight import PreflightInputs, PreflightOutcome, run_preflight
+from m2n_async._proto.errors import (
+    EnginePoisonedError,
+    LocalProtocolError,
+    M2NError,
+    PeerLostError,
+    PlanError,
+    StoreError,
+    TransferError,
+)
+from m2n_async._proto.handshake import PreflightPlan
+from m2n_async._proto.messages import (
+    PROTO_VERSION,
+    Abort,
+    DataPlaneIdentity,
+    RoundDone,
+    RoundStart,
+    decode_as,
+    encode,
+)
+from m2n_async._proto.params import ParamSpec
+from m2n_async._proto.plan import TransferPlan, validate_local_buffer
+from m2n_async._store import ControlGroup, Store, StoreClient, generation_namespace
+
+if TYPE_CHECKING:
+    import torch
+
+    from m2n_async._proto.plan import Bucket
+
+__all__ = ["TrainerEngine", "WorkerEngine"]
+
+log = logging.getLogger("m2n_async")
+
+Placements = tuple[int, int] | None
+Progress = Callable[[int, int], None]
+#: What ``sync_weights`` accepts: name -> local shard (any Mapping, e.g. ``module_shards``),
+#: a ``torch.nn.Module``, a callable ``f(names) -> Mapping`` called once per bucket, or an
+#: iterable of ``(name, tensor)`` pairs consumed lazily.
+Weights = Any
+
+
+class _RoundKeys:
+    def __init__(self, namespace: str, round_: int) -> None:
+        self.round = round_
+        base = f"{namespace}/round/{round_}"
+        self.start = f"{base}/start"
+        self.abort = f"{base}/abort"
+        self.done_prefix = f"{base}/done/"
+
+    def done(self, rank: int) -> str:
+        return f"{self.done_prefix}{rank}"
+
+
+class _Engine:
+    """Shared machinery of both roles (not public; see the two subclasses)."""
+
+    _role: Literal["trainer", "worker"]
+
+    def __init__(self, *, store: Store, owns_store: bool, rank: int, trainer_ranks: int,
+                 world_size: int, config: EngineConfig) -> None:
+        self._store = store
+        self._owns_store = owns_store
+        self.rank = rank
+        self.trainer_ranks = trainer_ranks
+        self.world_size = world_size
+        self.config = config
+        self._state = EngineState.PREFLIGHT
+        self._poison: BaseException | None = None
+        self._group: ControlGroup | None = None
+        self._native: NativeThread | None = None
+        self._transport: Transport | None = None
+        self._outcome: PreflightOutcome | None = None
+        self._plan: TransferPlan | None = None
+        self._buckets: tuple[Bucket, ...] = ()
+        self._generation = 0
+        self._namespace = ""
+        self._watch: tuple[str, ...] = ()
+        self._round = 0
+        self._version = 0
+        self._job_closed = False
+
+    # -- public read-only facts ------------------------------------------------------------
+
+    @property
+    def state(self) -> EngineState:
+        """The lifecycle state (PREFLIGHT, READY, UPDATING, POISONED, CLOSED)."""
+        return self._state
+
+    @property
+    def version(self) -> int:
+        """The last version committed on every rank (0 before the first round)."""
+        return self._version
+
+    @property
+    def generation(self) -> int:
+        """The store generation this engine joined."""
+        return self._generation
+
+    @property
+    def plan(self) -> TransferPlan:
+        """The plan every rank agreed on."""
+        if self._plan is None:
+            raise LocalProtocolError("the engine has no plan before connect() finished")
+        return self._plan
+
+    @property
+    def transport(self) -> str:
+        """The agreed transport name."""
+        return self._outcome.transport if self._outcome is not None else ""
+
+    @property
+    def transport_reason(self) -> str:
+        """Why that transport was chosen (what ruled out the better ones)."""
+        return self._outcome.reason if self._outcome is not None else ""
+
+    @property
+    def preflight(self) -> PreflightOutcome | None:
+        """The handshake's outcome (plan, digest, transport, per-phase seconds)."""
+        return self._outcome
+
+    def __repr__(self) -> str:
+        return (f"<{type(self).__name__} rank {self.rank}/{self.world_size} generation "
+                f"{self._generation} {self._state.value} version {self._version}>")
+
+    # -- connect ---------------------------------------------------------------------------
+
+    @classmethod
+    async def _open_store(cls, address: str | tuple[str, int] | None, token: str | bytes | None,
+                          store: Store | None) -> tuple[Store, bool]:
+        if (address is None) == (store is None):
+            raise LocalProtocolError("connect() needs exactly one of `address` (a store "
+                                     "server to connect to) or `store` (an open Store)")
+        if store is not None:
+            return store, False
+        assert address is not None
+        return await StoreClient.connect(address, token=token), True
+
+    def _settings(self) -> TransportSettings:
+        c = self.config
+        host = c.host
+        if host is None and isinstance(self._store, StoreClient) and (
+                self._store.address.startswith(("127.", "localhost", "[::1]", "::1"))):
+            host = "127.0.0.1"
+        return TransportSettings(bucket_bytes=c.bucket_bytes, max_inflight=c.max_inflight,
+                                 max_cta=c.max_cta, device=c.device,
+                                 connect_timeout=c.phase_timeout, host=host)
+
+    def _capabilities(self) -> list[str]:
+        settings = self._settings()
+        out = []
+        for name in AUTO_ORDER:
+            try:
+                if transport_class(name).unavailable_reason(settings) is None:
+                    out.append(name)
+            except M2NError as exc:
+                log.debug("transport %s unavailable on rank %d: %s", name, self.rank, exc)
+        return out
+
+    def _identity(self, name: str) -> DataPlaneIdentity:
+        facts = dict(transport_class(name).identity(self._settings()))
+        libnccl = facts.pop("libnccl_version", None)
+        facts.pop("max_cta", None)
+        # Bucket boundaries derive from bucket_bytes: a mismatch would misalign every
+        # bucket's sends and receives, so it is compared like an NCCL variable.
+        facts["m2n_async.bucket_bytes"] = str(self.config.bucket_bytes)
+        return DataPlaneIdentity(libnccl_version=libnccl, max_cta=self.config.max_cta,
+                                 env=tuple(sorted(facts.items())))
+
+    async def _prepare_runtime(self, agreed: PreflightPlan) -> None:
+        """runtime_ready: build and prepare the transport, check local buffers."""
+        assert self._native is not None
+        plan = agreed.plan
+        self._plan = plan
+        self._buckets = plan.buckets(self.config.bucket_bytes)
+        self._check_local(plan)
+        ctx = TransportContext(plan, self.rank, self._generation, self._settings(),
+                               self._native, self._buckets, self.config.job)
+        self._transport = create_transport(agreed.transport, ctx)
+        await self._transport.prepare()
+
+    def _check_local(self, plan: TransferPlan) -> None:  # overridden by the worker
+        """Role-specific checks of local buffers against the agreed plan."""
+
+    def _preflight_inputs(self) -> PreflightInputs:
+        raise NotImplementedError
+
+    async def _connect(self, limit: float | None) -> None:
+        c = self.config
+        try:
+            with anyio.fail_after(limit) if limit is not None else _no_deadline():
+                self._generation = await join_generation(self._store, c.job, self.rank,
+                                                         wait_s=c.phase_timeout)
+                ns = generation_namespace(c.job, self._generation)
+                self._namespace = ns
+                group = ControlGroup(self._store, self.rank, self.world_size, ns)
+                self._group = group
+                self._watch = tuple(group.alive_key(r) for r in range(self.world_size)
+                                    if r != self.rank)
+                self._native = NativeThread(f"{c.job}-g{self._generation}-r{self.rank}")
+                self._outcome = await run_preflight(group, self._preflight_inputs(),
+                                                    phase_timeout=c.phase_timeout)
+                assert self._transport is not None
+                log.info("rank %d generation %d: transport %s (%s)", self.rank,
+                         self._generation, self._outcome.transport, self._outcome.reason)
+                rdv = Rendezvous(self._store, f"{ns}/data/{self._outcome.transport}/",
+                                 rank=self.rank, world_size=self.world_size,
+                                 timeout=c.phase_timeout, watch=self._watch)
+                await self._transport.connect(rdv)
+        except BaseException as exc:
+            self._state = EngineState.POISONED
+            self._poison = exc
+            with anyio.CancelScope(shield=True):
+                await self._release(abort_reason=f"connect failed: {exc!r}")
+            self._state = EngineState.CLOSED
+            raise
+        self._state = EngineState.READY
+
+    # -- lifecycle guards ------------------------------------------------------------------
+
+    def _require(self, *allowed: EngineState, what: str) -> None:
+        if self._state is EngineState.POISONED:
+            raise EnginePoisonedError(
+                f"{what}: rank {self.rank} (generation {self._generation}) is poisoned by an "
+                f"earlier failure ({self._poison!r}); close it and connect again"
+            ) from self._poison
+        if self._state not in allowed:
+            raise LocalProtocolError(
+                f"{what}: rank {self.rank} (generation {self._generation}) is "
+                f"{self._state.value.upper()}, needs "
+                f"{' or '.join(s.value.upper() for s in allowed)}")
+
+    def _poison_with(self, exc: BaseException) -> None:
+        if self._state is not EngineState.CLOSED:
+            self._state = EngineState.POISONED
+        if self._poison is None:
+            self._poison = exc
+
+    # -- the round -------------------------------------------------------------------------
+
+    def _where(self, round_: int) -> str:
+        return f"round {round_} of generation {self._generation}"
+
+    async def _wait_start(self, round_: int) -> RoundStart:
+        raw = await self._store.get(_RoundKeys(self._namespace, round_).start, wait=True,
+                                    watch=self._watch)
+        assert raw is not None
+        start = decode_as(raw, RoundStart)
+        if (start.generation, start.round) != (self._generation, round_):
+            raise TransferError(f"{self._where(round_)}: round start names generation "
+                                f"{start.generation} round {start.round}", round=round_)
+        return start
+
+    async def _post_abort(self, keys: _RoundKeys, round_: int, rank: int, reason: str) -> None:
+        """First writer wins: every rank later reads the same first failure."""
+        record = encode(Abort(PROTO_VERSION, self._generation, round_, rank, reason))
+        with anyio.move_on_after(self.config.abort_grace):
+            try:
+                await self._store.compare_set(keys.abort, None, record)
+            except M2NError as exc:  # the store is gone: peers learn from liveness/deadline
+                log.warning("rank %d could not post the abort of %s: %r", self.rank,
+                            self._where(round_), exc)
+
+    async def _run_round(self, start: RoundStart, work: Callable[[], Awaitable[PipelineStats]],
+                         waited: float) -> SyncResult:
+        """Steps 2 and 3 of the module docstring, with cancellation handling."""
+        assert self._transport is not None
+        transport = self._transport
+        k = start.round
+        keys = _RoundKeys(self._namespace, k)
+        t0 = time.perf_counter()
+        self._state = EngineState.UPDATING
+        transport.begin_round(k, time.monotonic() + start.round_timeout)
+        stats: PipelineStats | None = None
+        failure: tuple[int, str] | None = None
+        local_exc: BaseException | None = None
+        remote: list[tuple[int, str]] = []
+        try:
+            try:
+                with anyio.CancelScope() as round_scope:
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(self._watchdog, keys, transport, round_scope, remote)
+                        with anyio.fail_after(start.round_timeout):
+                            stats = await work()
+                        tg.cancel_scope.cancel()
+            except BaseExceptionGroup as group:
+                local_exc = unwrap_group(group)
+            except Exception as exc:
+                local_exc = exc
+            if isinstance(local_exc, anyio.get_cancelled_exc_class()):
+                raise local_exc
+            if remote and (local_exc is None or round_scope.cancelled_caught):
+                failure, local_exc = remote[0], None
+            elif local_exc is not None:
+                failure = (self.rank, self._describe(local_exc, k, start.round_timeout))
+            if failure is not None:
+                transport.abort(f"{self._where(k)} failed: rank {failure[0]}: {failure[1]}")
+                if local_exc is not None:
+                    await self._post_abort(keys, k, *failure)
+            pipeline_s = time.perf_counter() - t0
+            t_commit = time.perf_counter()
+            dones, gather_failure = await self._gather_outcome(keys, k, stats, failure,
+                                                               pipeline_s, start)
+            if failure is None and gather_failure is not None:
+                failure = gather_failure
+                transport.abort(f"{self._where(k)} failed: rank {failure[0]}: {failure[1]}")
+                await self._post_abort(keys, k, *failure)
+            if failure is None and dones is not None and all(d.ok for d in dones):
+                assert stats is not None
+                transport.end_round()
+                return await self._commit(start, stats, waited, t0, t_commit)
+            err = await self._round_error(keys, k, dones, failure)
+        except anyio.get_cancelled_exc_class():
+            with anyio.CancelScope(shield=True):
+                reason = f"the round was cancelled by its caller on rank {self.rank}"
+                transport.abort(reason)
+                await self._post_abort(keys, k, self.rank, reason)
+                self._poison_with(TransferError(f"{self._where(k)}: {reason}", rank=self.rank,
+                                                round=k))
+            raise
+        transport.end_round()
+        self._poison_with(err)
+        if local_exc is not None and err.__cause__ is None:
+            raise err from local_exc
+        raise err
+
+    async def _watchdog(self, keys: _RoundKeys, transport: Transport,
+                        round_scope: anyio.CancelScope, remote: list[tuple[int, str]]) -> None:
+        """Abort the data plane as soon as any rank posts the round's abort or is lost."""
+        try:
+            raw = await self._store.get(keys.abort, wait=True, watch=self._watch)
+            assert raw is not None
+            ab = decode_as(raw, Abort)
+            remote.append((ab.rank, ab.reason))
+        except PeerLostError as exc:
+            lost = self._lost_rank(exc)
+            remote.append((lost if lost is not None else self.rank,
+                           f"rank {lost if lost is not None else '?'} was lost during the "
+                           f"round (its store session ended: process died or disconnected)"))
+            await self._post_abort(keys, keys.round, *remote[-1])
+        except M2NError as exc:  # store broken or generation superseded
+            remote.append((self.rank, f"rank {self.rank} lost the control plane: {exc}"))
+        transport.abort(f"{remote[-1][1]} (rank {remote[-1][0]})")
+        round_scope.cancel()
+
+    def _lost_rank(self, exc: PeerLostError) -> int | None:
+        if exc.ranks:
+            return exc.ranks[0]
+        key = exc.key or ""
+        for r in range(self.world_size):
+            if self._group is not None and key == self._group.alive_key(r):
+                return r
+        return None
+
+    def _describe(self, exc: BaseException, round_: int, timeout: float) -> str:
+        if isinstance(exc, TimeoutError):
+            return (f"rank {self.rank} ({self._role}) did not finish within the round deadline "
+                    f"of {timeout:g} s: {exc}".rstrip(": "))
+        return f"rank {self.rank} ({self._role}): {type(exc).__name__}: {exc}"
+
+    async def _gather_outcome(self, keys: _RoundKeys, round_: int,
+                              stats: PipelineStats | None, failure: tuple[int, str] | None,
+                              seconds: float, start: RoundStart
+                              ) -> tuple[list[RoundDone] | None, tuple[int, str] | None]:
+        """Publish this rank's RoundDone and gather everybody's (bounded)."""
+        done = RoundDone(PROTO_VERSION, self._generation, round_, self.rank, failure is None,
+                         None if failure is None else f"rank {failure[0]}: {failure[1]}",
+                         stats.nbytes if stats is not None else 0, seconds)
+        grace = self.config.abort_grace
+        bound = grace if failure is not None else max(start.round_timeout - seconds, 0) + grace
+        try:
+            with anyio.fail_after(bound):
+                await self._store.set(keys.done(self.rank), encode(done))
+                got = await self._store.gather(keys.done_prefix, self.world_size,
+                                               watch=self._watch)
+        except PeerLostError as exc:
+            lost = self._lost_rank(exc)
+            return None, (lost if lost is not None else self.rank,
+                          f"rank {lost} was lost before reporting the round's outcome")
+        except TimeoutError:
+            return None, (self.rank, f"rank {self.rank} gave up waiting {bound:g} s for the "
+                                     f"other ranks to report the round's outcome")
+        except M2NError as exc:
+            return None, (self.rank, f"rank {self.rank} lost the control plane: {exc}")
+        dones: list[RoundDone] = []
+        for key, raw in sorted(got.items(), key=lambda kv: int(kv[0].rsplit("/", 1)[1])):
+            try:
+                d = decode_as(raw, RoundDone)
+            except M2NError as exc:
+                return None, (int(key.rsplit("/", 1)[1]), f"sent an invalid outcome: {exc}")
+            if (d.generation, d.round) != (self._generation, round_):
+                return None, (d.rank, f"reported generation {d.generation} round {d.round}")
+            dones.append(d)
+        return dones, None
+
+    async def _round_error(self, keys: _RoundKeys, round_: int, dones: list[RoundDone] | None,
+                           failure: tuple[int, str] | None) -> TransferError:
+        """The same error on every rank: from the first abort record when there is one."""
+        first: tuple[int, str] | None = None
+        with anyio.move_on_after(self.config.abort_grace):
+            try:
+                raw = await self._store.get(keys.abort)
+                if raw is not None:
+                    ab = decode_as(raw, Abort)
+                    first = (ab.rank, ab.reason)
+            except M2NError:
+                pass
+        if first is None and dones:
+            bad = [d for d in dones if not d.ok]
+            if bad:
+                first = (bad[0].rank, bad[0].error or "failed")
+        if first is None:
+            first = failure or (self.rank, "unknown failure")
+        return TransferError(f"{self._where(round_)} failed; first failure on rank {first[0]}: "
+                             f"{first[1]}", rank=first[0], round=round_)
+
+    async def _commit(self, start: RoundStart, stats: PipelineStats, waited: float, t0: float,
+                      t_commit: float) -> SyncResult:
+        k = start.round
+        self._round = k
+        self._version = start.version
+        self._state = EngineState.READY
+        now = time.perf_counter()
+        seconds = now - t0
+        phases = {"wait_start": waited, **stats.busy, "pipeline": stats.wall,
+                  "commit": now - t_commit}
+        lower = eff = None
+        bps = self.config.link_bytes_per_second
+        if bps is not None and self._plan is not None:
+            lower = self._plan.lower_bound_seconds(bps)
+            eff = lower / seconds if seconds > 0 else None
+        await self._cleanup_round(k - 1)
+        return SyncResult(version=self._version, round=k, generation=self._generation,
+                          bytes=stats.nbytes, seconds=seconds, phases=phases,
+                          buckets=stats.buckets, lower_bound_seconds=lower, efficiency=eff,
+                          peak_extra_bytes=stats.peak_extra_bytes, transport=self.transport,
+                          reason=self.transport_reason)
+
+    async def _cleanup_round(self, round_: int) -> None:
+        # Every rank gathered round k's outcome, so all finished round k-1: its keys can go.
+        if round_ < 1:
+            return
+        keys = _RoundKeys(self._namespace, round_)
+        with anyio.move_on_after(self.config.abort_grace):
+            try:
+                await self._store.delete(keys.done(self.rank))
+                if self.rank == 0:
+                    await self._store.delete(keys.start)
+            except M2NError as exc:
+                log.debug("round key cleanup failed on rank %d: %r", self.rank, exc)
+
+    # -- close -----------------------------------------------------------------------------
+
+    async def _release(self, abort_reason: str | None) -> None:
+        """Tear down transport, native thread, group and (owned) store; bounded, shielded."""
+        grace = self.config.abort_grace
+        t = self._transport
+        if t is not None:
+            if abort_reason is not None:
+                t.abort(abort_reason)
+            with anyio.move_on_after(grace):
+                await t.close()
+        if self._native is not None:
+            native = self._native
+            joined = await anyio.to_thread.run_sync(native.close, grace,
+                                                    abandon_on_cancel=True)
+            if not joined:
+                log.warning("rank %d: native thread still busy in %r after %g s; left behind",
+                            self.rank, native.current_call, grace)
+        if self._group is not None:
+            with anyio.move_on_after(grace):
+                try:
+                    await self._group.aclose()
+                except M2NError:
+                    pass
+        if self._owns_store:
+            with anyio.move_on_after(grace):
+                await self._store.aclose()
+
+    async def close(self) -> None:
+        """Release everything; callable from any state, idempotent.
+
+        A READY trainer rank 0 first tells the workers that no more rounds will come (their
+        ``updates()`` ends, ``receive()`` raises ``PeerLostError``). A round in progress on
+        this engine is aborted (peers fail fast).
+
+        Cancellation: the teardown is shielded and bounded by ``abort_grace`` per step; it
+        completes even if the caller is cancelled.
+        """
+        if self._state is EngineState.CLOSED:
+            return
+        with anyio.CancelScope(shield=True):
+            healthy = self._state is EngineState.READY
+            if healthy and self._role == "trainer" and self.rank == 0:
+                k = self._round + 1
+                closing = RoundStart(PROTO_VERSION, self._generation, k, self._version,
+                                     self.config.round_timeout, True)
+                with anyio.move_on_after(self.config.abort_grace):
+                    try:
+                        await self._store.set(_RoundKeys(self._namespace, k).start,
+                                              encode(closing))
+                    except M2NError:
+                        pass
+            reason = None if healthy else f"engine closed in state {self._state.value}"
+            if self._state is EngineState.UPDATING:
+                reason = "engine closed during a round"
+                self._poison_with(TransferError(f"rank {self.rank}: {reason}", rank=self.rank))
+            await self._release(abort_reason=reason)
+            self._state = EngineState.CLOSED
+
+    async def __aenter__(self) -> Any:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class _no_deadline:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+# -- the trainer -----------------------------------------------------------------------------
+
+
+class _Sources:
+    """Resolves one bucket's local shards from whatever ``sync_weights`` was given."""
+
+    def __init__(self, weights: Weights, plan: TransferPlan, rank: int, device: str) -> None:
+        import torch
+
+        self._plan = plan
+        self._rank = rank
+        self._device = device
+        self._limiter = anyio.CapacityLimiter(1)
+        self._iter: Iterator[tuple[str, torch.Tensor]] | None = None
+        self._pending: dict[str, torch.Tensor] = {}
+        self._call: Callable[[Sequence[str]], Mapping[str, torch.Tensor]] | None = None
+        self._map: Mapping[str, torch.Tensor] | None = None
+        if isinstance(weights, torch.nn.Module):
+            from m2n_async._integrations.sources import module_shards
+
+            weights = module_shards(weights, names=[p.spec.name for p in plan.params])
+        if isinstance(weights, Mapping):
+            self._map = weights
+            # A plain dict is looked up on the loop (cheap); any other mapping may compute
+            # on lookup (to_local(), a cast), so it runs off the loop.
+            self.inline = type(weights) is dict
+        elif callable(weights):
+            self._call = weights
+            self.inline = False
+        elif isinstance(weights, Iterable):
+            self._iter = iter(weights)
+            self.inline = False
+        else:
+            raise LocalProtocolError(
+                f"sync_weights: weights must be a Mapping name -> tensor, a torch.nn.Module, "
+                f"a callable(names) -> Mapping, or an iterable of (name, tensor); got "
+                f"{type(weights).__name__}")
+
+    async def __call__(self, bucket: Bucket) -> Mapping[str, torch.Tensor]:
+        names = [self._plan.params[i].spec.name for i in range(bucket.start, bucket.stop)]
+        if self.inline:
+            return self._resolve(bucket, names)
+        return await anyio.to_thread.run_sync(self._resolve, bucket, names,
+                                              limiter=self._limiter)
+
+    def _fetch(self, names: Sequence[str]) -> Mapping[str, torch.Tensor]:
+        if self._map is not None:
+            out = {}
+            for n in names:
+                try:
+                    out[n] = self._map[n]
+                except KeyError:
+                    raise PlanError(f"sync_weights: no local shard for parameter {n!r} "
+                                    f"(rank {self._rank})") from None
+            return out
+        if self._call is not None:
+            got = self._call(list(names))
+            if not isinstance(got, Mapping):
+                raise LocalProtocolError(f"sync_weights: the weights callable returned "
+                                         f"{type(got).__name__}, expected a Mapping")
+            return got
+        assert self._iter is not None
+        want = set(names)
+        while not want <= self._pending.keys():
+            try:
+                name, tensor = next(self._iter)
+            except StopIteration:
+                missing = sorted(want - self._pending.keys())
+                raise PlanError(f"sync_weights: the weights iterator ended without "
+                                f"parameters {missing[:10]} (rank {self._rank})") from None
+            self._pending[name] = tensor
+        return {n: self._pending.pop(n) for n in names}
+
+    def _resolve(self, bucket: Bucket, names: Sequence[str]) -> Mapping[str, torch.Tensor]:
+        got = self._fetch(names)
+        for i, n in zip(range(bucket.start, bucket.stop), names, strict=True):
+            t = got.get(n)
+            if t is None:
+                raise PlanError(f"sync_weights: no local shard for parameter {n!r} "
+                                f"(rank {self._rank})")
+            validate_local_buffer(self._plan.params[i].spec, t, self._rank, "source",
+                                  device=self._device)
+        return got
+
+
+class TrainerEngine(_Engine):
+    """The trainer side: ``sync_weights`` pushes this rank's shards to the workers."""
+
+    _role = "trainer"
+
+    def __init__(self, *, params: Sequence[ParamSpec], **kw: Any) -> None:
+        super().__init__(**kw)
+        self._params = tuple(params)
+
+    @classmethod
+    async def connect(cls, address: str | tuple[str, int] | None = None, *,
+                      token: str | bytes | None = None, rank: int, trainer_ranks: int,
+                      world_size: int, params: Sequence[ParamSpec],
+                      config: EngineConfig | None = None, store: Store | None = None,
+                      timeout: float | None = None,  # noqa: ASYNC109 - DESIGN §3 API
+                      ) -> TrainerEngine:
+        """Join the job as trainer ``rank`` (``0 <= rank < trainer_ranks``) and agree on the
+        plan with every rank; return a READY engine.
+
+        ``params``: the ordered source specs (identical on every trainer). ``address`` and
+        ``token`` reach a ``StoreServer``; or pass an open ``store`` (kept open on close).
+        ``timeout`` bounds the whole connect (each handshake phase is bounded by
+        ``config.phase_timeout`` regardless). Raises ``PreflightError`` (the same on every
+        rank), ``PeerLostError``, ``TimeoutError``, ``StoreError``.
+
+        Cancellation: everything created so far is released (shielded); peers of this
+        generation then fail their handshake (they see this rank lost). Connect again for a
+        new generation.
+        """
+        if not 0 <= rank < trainer_ranks < world_size:
+            raise LocalProtocolError(f"TrainerEngine.connect: need 0 <= rank < trainer_ranks < "
+                                     f"world_size, got rank={rank}, trainer_ranks="
+                                     f"{trainer_ranks}, world_size={world_size}")
+        cfg = config or EngineConfig()
+        st, owns = await cls._open_store(address, token, store)
+        engine = cls(params=params, store=st, owns_store=owns, rank=rank,
+                     trainer_ranks=trainer_ranks, world_size=world_size, config=cfg)
+        await engine._connect(timeout)
+        return engine
+
+    def _preflight_inputs(self) -> PreflightInputs:
+        return PreflightInputs(
+            role="trainer", rank=self.rank, world_size=self.world_size,
+            trainer_ranks=self.trainer_ranks, generation=self._generation,
+            params=self._params, mesh_dims=None, dst_placements=None,
+            transport=self.config.transport, capabilities=self._capabilities,
+            data_plane_identity=self._identity, prepare_runtime=self._prepare_runtime)
+
+    async def sync_weights(self, weights: Weights, *, version: int | None = None,
+                           timeout: float | None = None,  # noqa: ASYNC109 - DESIGN §3 API
+                           progress: Progress | None = None) -> SyncResult:
+        """Run one round: move this rank's shards to every worker; collective over trainers.
+
+        ``weights``: name -> local shard (a dict, ``module_shards(...)`` or any Mapping), a
+        ``torch.nn.Module``, a callable ``f(names) -> Mapping`` called once per bucket, or an
+        iterable of ``(name, tensor)`` pairs — lazy sources are materialized bucket by bucket.
+        Each shard is checked against the plan (dtype, local shape, contiguity, device) when
+        its bucket is staged; keep the tensors unchanged until this returns.
+        ``version`` (rank 0): the version to commit (default: current + 1; must increase).
+        ``timeout`` (rank 0): the round deadline for every rank (default
+        ``config.round_timeout``). ``progress(bytes_done, bytes_total)`` after each bucket.
+
+        Returns the ``SyncResult`` once every rank reported success. Raises the same
+        ``TransferError`` on every rank when any rank failed (naming the first failing rank),
+        after which the engine is POISONED.
+
+        Cancellation: if cancelled before rank 0 published the round, nothing happened and
+        the engine stays READY. Once the round started, this rank posts the round's abort
+        record (peers fail fast with a ``TransferError`` naming this rank), aborts its
+        transport (shielded, bounded), and the engine is POISONED; the version does not
+        advance anywhere. Connect again for a new generation.
+        """
+        self._require(EngineState.READY, what="sync_weights")
+        assert self._plan is not None and self._transport is not None
+        k = self._round + 1
+        keys = _RoundKeys(self._namespace, k)
+        t0 = time.perf_counter()
+        try:
+            if self.rank == 0:
+                v = self._version + 1 if version is None else version
+                if v <= self._version:
+                    raise LocalProtocolError(f"sync_weights: version {v} does not advance the "
+                                             f"committed version {self._version}")
+                rt = self.config.round_timeout if timeout is None else float(timeout)
+                start = RoundStart(PROTO_VERSION, self._generation, k, v, rt, False)
+                await self._store.set(keys.start, encode(start))
+            else:
+                with anyio.fail_after(self.config.round_timeout):
+                    start = await self._wait_start(k)
+        except (PeerLostError, StoreError, TimeoutError, TransferError) as exc:
+            self._poison_with(exc)
+            raise
+        plan, transport, rank = self._plan, self._transport, self.rank
+        device = self._transport.ctx.settings.device or "cpu"
+
+        async def work() -> PipelineStats:
+            sources = _Sources(weights, plan, rank, device)
+            stats = await run_pipeline(transport, self._buckets,
+                                       max_inflight=self.config.max_inflight, sources=sources,
+                                       progress=progress, total_bytes=plan.send_bytes(rank))
+            _check_bytes(stats, plan.send_bytes(rank), "sent", rank)
+            return stats
+
+        return await self._run_round(start, work, time.perf_counter() - t0)
+
+
+def _check_bytes(stats: PipelineStats, want: int, verb: str, rank: int) -> None:
+    if stats.nbytes != want:
+        raise TransferError(f"rank {rank} {verb} {stats.nbytes} bytes but the plan says "
+                            f"{want}", rank=rank)
+
+
+# -- the worker ------------------------------------------------------------------------------
+
+
+class WorkerEngine(_Engine):
+    """The worker side: ``receive``/``updates`` write new weights into the targets."""
+
+    _role = "worker"
+
+    def __init__(self, *, targets: Mapping[str, Any], mesh_dims: tuple[int, int],
+                 **kw: Any) -> None:
+        super().__init__(**kw)
+        self._mesh_dims = mesh_dims
+        self._targets: dict[str, Any] = {}
+        self._placements: dict[str, Placements] = {}
+        self._sinks: dict[str, Sink] = {}
+        for name, target in targets.items():
+            placements, sink, tensor_like = _split_target(name, target)
+            self._placements[name] = placements
+            self._sinks[name] = sink
+            self._targets[name] = tensor_like
+
+    @classmethod
+    async def connect(cls, address: str | tuple[str, int] | None = None, *,
+                      token: str | bytes | None = None, rank: int, trainer_ranks: int,
+                      world_size: int, targets: Mapping[str, Any],
+                      mesh_dims: tuple[int, int] | None = None,
+                      config: EngineConfig | None = None, store: Store | None = None,
+                      timeout: float | None = None,  # noqa: ASYNC109 - DESIGN §3 API
+                      ) -> WorkerEngine:
+        """Join the job as worker ``rank`` (``trainer_ranks <= rank < world_size``).
+
+        ``targets``: per plan parameter name, ``(tensor, placements)`` — this worker's local
+        shard, written in place by every round — or a ``LoadTarget`` (its ``load(name,
+        tensor)`` gets the shard instead). Placements are on the worker mesh ``mesh_dims``
+        (default ``(world_size - trainer_ranks, 1)``): ``(REPLICATE, d)`` shards dim ``d``
+        along the second (TP) axis, ``None`` replicates. Every name of the plan needs a
+        target and vice versa (checked in the handshake). Raises as
+        ``TrainerEngine.connect``.
+
+        Cancellation: as ``TrainerEngine.connect``.
+        """
+        if not 0 <= trainer_ranks <= rank < world_size:
+            raise LocalProtocolError(f"WorkerEngine.connect: need trainer_ranks <= rank < "
+                                     f"world_size, got rank={rank}, trainer_ranks="
+                                     f"{trainer_ranks}, world_size={world_size}")
+        cfg = config or EngineConfig()
+        dims = mesh_dims if mesh_dims is not None else (world_size - trainer_ranks, 1)
+        st, owns = await cls._open_store(address, token, store)
+        engine = cls(targets=targets, mesh_dims=tuple(dims), store=st,  # type: ignore[arg-type]
+                     owns_store=owns, rank=rank, trainer_ranks=trainer_ranks,
+                     world_size=world_size, config=cfg)
+        await engine._connect(timeout)
+        return engine
+
+    def _preflight_inputs(self) -> PreflightInputs:
+        return PreflightInputs(
+            role="worker", rank=self.rank, world_size=self.world_size,
+            trainer_ranks=self.trainer_ranks, generation=self._generation, params=None,
+            mesh_dims=self._mesh_dims, dst_placements=self._placements,
+            transport=self.config.transport, capabilities=self._capabilities,
+            data_plane_identity=self._identity, prepare_runtime=self._prepare_runtime)
+
+    def _check_local(self, plan: TransferPlan) -> None:
+        device = self.config.device or "cpu"
+        for p in plan.params:
+            validate_local_buffer(p, self._targets[p.spec.name], self.rank, "destination",
+                                  device=device)
+
+    async def receive(self, *, timeout: float | None = None,  # noqa: ASYNC109 - DESIGN §3
+                      progress: Progress | None = None) -> SyncResult:
+        """Wait for the next round and write every destination shard into its target.
+
+        ``timeout`` bounds the wait for the round to *start* (``TimeoutError``; the engine
+        stays READY); the round itself is bounded by trainer rank 0's round deadline.
+        ``progress(bytes_done, bytes_total)`` after each bucket. Returns the ``SyncResult``
+        once every rank reported success; the version advances only then. Raises the same
+        ``TransferError`` as every other rank when the round failed (engine POISONED; targets
+        may hold a partial update), ``PeerLostError`` if a peer died while waiting (POISONED)
+        or if trainer rank 0 closed the job (no more rounds; the engine stays usable only for
+        ``close``).
+
+        Cancellation: while waiting for the round to start, nothing happened: the engine
+        stays READY. During the round, this rank posts the round's abort record (peers fail
+        fast naming this rank), aborts its transport, and is POISONED; targets may be
+        partially written and the version does not advance.
+        """
+        self._require(EngineState.READY, what="receive")
+        if self._job_closed:
+            raise PeerLostError(f"generation {self._generation}: trainer rank 0 closed the job; "
+                                f"no more rounds", ranks=(0,))
+        k = self._round + 1
+        t0 = time.perf_counter()
+        try:
+            with anyio.fail_after(timeout) if timeout is not None else _no_deadline():
+                start = await self._wait_start(k)
+        except TimeoutError:
+            raise TimeoutError(f"receive on rank {self.rank}: no round {k} started within "
+                               f"{timeout:g} s (generation {self._generation})") from None
+        except (PeerLostError, StoreError, TransferError) as exc:
+            self._poison_with(exc)
+            raise
+        if start.closing:
+            self._job_closed = True
+            raise PeerLostError(f"generation {self._generation}: trainer rank 0 closed the job; "
+                                f"no more rounds", ranks=(0,))
+        assert self._plan is not None and self._transport is not None
+        plan, transport, rank = self._plan, self._transport, self.rank
+
+        async def work() -> PipelineStats:
+            stats = await run_pipeline(transport, self._buckets,
+                                       max_inflight=self.config.max_inflight, sinks=self._sinks,
+                                       progress=progress, total_bytes=plan.recv_bytes(rank))
+            _check_bytes(stats, plan.recv_bytes(rank), "received", rank)
+            return stats
+
+        return await self._run_round(start, work, time.perf_counter() - t0)
+
+    async def updates(self) -> AsyncIterator[SyncResult]:
+        """``async for result in worker.updates():`` — one ``SyncResult`` per round, until
+        trainer rank 0 closes the job (the iteration then ends). Errors as ``receive``; bound
+        the wait for a round with ``receive(timeout=...)`` instead.
+
+        Cancellation: as ``receive``.
+        """
+        while True:
+            try:
+                yield await self.receive()
+            except PeerLostError:
+                if self._job_closed:
+                    return
+                raise
+
+
+def _split_target(name: str, target: Any) -> tuple[Placements, Sink, Any]:
+    """(placements, unpack sink, tensor-like for validation) of one worker target."""
+    from m2n_async._integrations.targets import LoadTarget
+
+    if isinstance(target, LoadTarget):
+        return target.placements, target.load, target
+    if isinstance(target, tuple) and len(target) == 2:
+        tensor, placements = target
+        if placements is not None:
+            placements = tuple(placements)
+        return placements, tensor, tensor
+    raise LocalProtocolError(f"target for parameter {name!r} must be (tensor, placements) or a "
+                             f"LoadTarget, got {type(target).__name__}")

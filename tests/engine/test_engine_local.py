@@ -1,0 +1,270 @@
+"""Engines end to end with every rank as a task of one event loop over a ``MemoryStore``.
+
+Fast (no process spawn): lifecycle, versions, load callbacks, lazy sources, cancellation.
+The data plane is still real Gloo (one process group per rank, all in this process).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from m2n_async import (
+    EngineConfig,
+    EnginePoisonedError,
+    LoadTarget,
+    LocalProtocolError,
+    TrainerEngine,
+    TransferError,
+    WorkerEngine,
+)
+from m2n_async._proto.plan import TransferPlan
+from m2n_async.testing import MemoryStore
+
+from ._plans import ParamDef, R, empty_targets, expected_shards, make_plan, source_shards
+
+CFG = EngineConfig(transport="gloo", bucket_bytes=512, max_inflight=2, phase_timeout=20,
+                   round_timeout=20, abort_grace=2, host="127.0.0.1")
+
+DEFS: list[ParamDef] = [
+    ("w_row", (12, 6), torch.float32, (R, 0), (R, 1)),
+    ("w_col", (12, 6), torch.bfloat16, (R, 1), (R, 0)),
+    ("rep", (6, 4), torch.float16, None, (R, 0)),
+    ("experts", (4, 6, 6), torch.float32, (R, 0), (R, 2)),
+]
+
+
+def _targets(plan: TransferPlan, rank: int) -> dict[str, Any]:
+    return {p.spec.name: (t, p.dst.placements)
+            for (name, t), p in zip(empty_targets(plan, rank).items(), plan.params,
+                                    strict=True)}
+
+
+async def _connect_all(store: MemoryStore, plan: TransferPlan, cfg: EngineConfig = CFG,
+                       targets: dict[int, dict[str, Any]] | None = None
+                       ) -> tuple[list[TrainerEngine], list[WorkerEngine]]:
+    t, w = plan.trainer_ranks, plan.world_size
+    specs = [p.spec for p in plan.params]
+    dims = plan.params[0].dst.mesh.dims
+    out: dict[int, Any] = {}
+    tg_targets = targets or {r: _targets(plan, r) for r in range(t, w)}
+
+    async def one(r: int) -> None:
+        sess = store.session()
+        if r < t:
+            out[r] = await TrainerEngine.connect(store=sess, rank=r, trainer_ranks=t,
+                                                 world_size=w, params=specs, config=cfg)
+        else:
+            out[r] = await WorkerEngine.connect(store=sess, rank=r, trainer_ranks=t,
+                                                world_size=w, targets=tg_targets[r],
+                                                mesh_dims=dims, config=cfg)
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            for r in range(w):
+                tg.start_soon(one, r)
+    return [out[r] for r in range(t)], [out[r] for r in range(t, w)]
+
+
+async def _round(trainers: Sequence[TrainerEngine], workers: Sequence[WorkerEngine],
+                 send: Callable[[TrainerEngine], Awaitable[Any]]) -> list[Any]:
+    results: dict[int, Any] = {}
+
+    async def tr(e: TrainerEngine) -> None:
+        results[e.rank] = await send(e)
+
+    async def wk(e: WorkerEngine) -> None:
+        results[e.rank] = await e.receive()
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            for e in trainers:
+                tg.start_soon(tr, e)
+            for e in workers:
+                tg.start_soon(wk, e)
+    return [results[r] for r in sorted(results)]
+
+
+async def _close(*engines: Any) -> None:
+    for e in engines:
+        await e.close()
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-exact (NaN payloads included, which == would not)."""
+    return a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
+                                              b.reshape(-1).view(torch.uint8))
+
+
+def _check(plan: TransferPlan, workers: Sequence[WorkerEngine], version: int,
+           skip: Sequence[str] = ()) -> None:
+    for e in workers:
+        for name, want in expected_shards(plan, e.rank, version).items():
+            if name not in skip:
+                assert _same(e._targets[name], want), (e.rank, name)
+
+
+@pytest.mark.asyncio
+async def test_rounds_versions_and_lifecycle() -> None:
+    plan = make_plan(DEFS, (1, 2), (1, 2))
+    store = MemoryStore()
+    trainers, workers = await _connect_all(store, plan)
+    try:
+        assert all(e.state.value == "ready" and e.transport == "gloo"
+                   for e in [*trainers, *workers])
+        for v in (1, 2, 5):
+            res = await _round(trainers, workers, lambda e, v=v: e.sync_weights(
+                source_shards(plan, e.rank, v), version=v if e.rank == 0 else None))
+            _check(plan, workers, v)
+            assert {r.version for r in res} == {v}
+            assert [r.bytes for r in res[:2]] == [plan.send_bytes(0), plan.send_bytes(1)]
+            assert res[2].bytes == plan.recv_bytes(2) > 0
+            assert all(r.peak_extra_bytes <= CFG.max_inflight * 4096 for r in res)
+            assert {"pack", "transfer", "unpack", "pipeline", "commit"} <= set(res[2].phases)
+        with pytest.raises(LocalProtocolError, match="does not advance"):
+            await trainers[0].sync_weights({}, version=5)
+        assert trainers[0].state.value == "ready"  # refused before anything happened
+    finally:
+        await _close(*trainers, *workers)
+    assert all(e.state.value == "closed" for e in [*trainers, *workers])
+    with pytest.raises(LocalProtocolError, match="CLOSED"):
+        await workers[0].receive()
+
+
+@pytest.mark.asyncio
+async def test_load_callbacks_lazy_sources_and_updates() -> None:
+    plan = make_plan(DEFS, (1, 1), (1, 2))
+    store = MemoryStore()
+    got: dict[int, dict[str, torch.Tensor]] = {1: {}, 2: {}}
+    targets = {}
+    for r in (1, 2):
+        tg = _targets(plan, r)
+        p = plan.params[3]  # experts through a callback
+        shape = p.dst.local_shape(p.spec.shape, r)
+        tg["experts"] = LoadTarget(shape, torch.float32, p.dst.placements,
+                                   lambda n, t, r=r: got[r].__setitem__(n, t.clone()))
+        targets[r] = tg
+    trainers, workers = await _connect_all(store, plan, targets=targets)
+    results: list[Any] = []
+
+    async def consume(e: WorkerEngine) -> None:
+        async for res in e.updates():
+            results.append(res.version)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for e in workers:
+                tg.start_soon(consume, e)
+            tr = trainers[0]
+            shards = source_shards(plan, 0, 1)
+            # a callable source, called once per bucket with that bucket's names
+            await tr.sync_weights(lambda names: {n: shards[n] for n in names})
+            for e in workers:
+                assert _same(got[e.rank]["experts"],
+                             expected_shards(plan, e.rank, 1)["experts"])
+            _check(plan, workers, 1, skip=["experts"])
+            # an iterator of (name, tensor) pairs, consumed lazily
+            await tr.sync_weights(iter(source_shards(plan, 0, 2).items()))
+            _check(plan, workers, 2, skip=["experts"])
+            for e in workers:
+                assert _same(got[e.rank]["experts"],
+                             expected_shards(plan, e.rank, 2)["experts"])
+            await tr.close()  # ends the workers' updates() loops
+        assert sorted(results) == [1, 1, 2, 2]
+    finally:
+        await _close(*trainers, *workers)
+
+
+@pytest.mark.asyncio
+async def test_bad_source_fails_every_rank_identically() -> None:
+    plan = make_plan(DEFS, (1, 2), (1, 1))
+    store = MemoryStore()
+    trainers, workers = await _connect_all(store, plan)
+    errors: dict[int, BaseException] = {}
+
+    async def send(e: TrainerEngine) -> None:
+        shards = source_shards(plan, e.rank, 1)
+        if e.rank == 1:
+            shards["rep"] = shards["rep"].float()  # wrong dtype on one trainer
+        await e.sync_weights(shards)
+
+    async def guard(r: int, fn: Callable[[], Awaitable[Any]]) -> None:
+        try:
+            await fn()
+        except Exception as exc:
+            errors[r] = exc
+
+    try:
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                for e in trainers:
+                    tg.start_soon(guard, e.rank, lambda e=e: send(e))
+                for w in workers:
+                    tg.start_soon(guard, w.rank, w.receive)
+        assert sorted(errors) == [0, 1, 2]
+        msgs = {str(e) for e in errors.values()}
+        assert len(msgs) == 1, msgs
+        err = errors[0]
+        assert isinstance(err, TransferError) and err.rank == 1 and err.round == 1
+        assert "'rep'" in str(err) and "float32" in str(err)
+        for e in [*trainers, *workers]:
+            assert e.state.value == "poisoned" and e.version == 0
+            with pytest.raises(EnginePoisonedError) as info:
+                await (e.sync_weights({}) if isinstance(e, TrainerEngine) else e.receive())
+            assert info.value.__cause__ is not None
+    finally:
+        await _close(*trainers, *workers)
+
+
+@pytest.mark.asyncio
+async def test_cancelled_receive_before_and_during_a_round() -> None:
+    plan = make_plan(DEFS[:2], (1, 1), (1, 1))
+    store = MemoryStore()
+    trainers, workers = await _connect_all(store, plan)
+    try:
+        # Waiting for a round that never starts: cancelling is harmless.
+        with anyio.move_on_after(0.2):
+            await workers[0].receive()
+        assert workers[0].state.value == "ready"
+        with pytest.raises(TimeoutError, match="no round 1 started"):
+            await workers[0].receive(timeout=0.1)
+        assert workers[0].state.value == "ready"
+
+        # Cancel the trainer mid-round (its lazy source blocks): the worker fails fast.
+        started = anyio.Event()
+
+        def slow(names: list[str]) -> dict[str, torch.Tensor]:
+            anyio.from_thread.run_sync(started.set)
+            import time
+            time.sleep(1.0)
+            return {n: source_shards(plan, 0, 1)[n] for n in names}
+
+        worker_error: list[BaseException] = []
+
+        async def wk() -> None:
+            try:
+                await workers[0].receive()
+            except Exception as exc:
+                worker_error.append(exc)
+
+        t0 = anyio.current_time()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wk)
+            with anyio.CancelScope() as scope:
+                async def cancel_soon() -> None:
+                    await started.wait()
+                    scope.cancel()
+                tg.start_soon(cancel_soon)
+                await trainers[0].sync_weights(slow)
+        assert scope.cancelled_caught
+        assert anyio.current_time() - t0 < 10  # far below the 20 s round deadline
+        assert trainers[0].state.value == "poisoned"
+        assert isinstance(worker_error[0], TransferError)
+        assert "cancelled by its caller on rank 0" in str(worker_error[0])
+        assert workers[0].version == 0
+    finally:
+        await _close(*trainers, *workers)
