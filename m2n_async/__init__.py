@@ -61,7 +61,12 @@ from m2n_async._engine._engine import TrainerEngine, WorkerEngine
 from m2n_async._integrations.planfile import PlanSummary, load_plan_file
 from m2n_async._integrations.planfile import summarize as summarize_plan
 from m2n_async._integrations.sources import ModuleShards, module_shards, specs_from_module
-from m2n_async._integrations.targets import LoadTarget, WorkerTargets, targets_from_module
+from m2n_async._integrations.targets import (
+    LoadTarget,
+    WorkerTargets,
+    fused_targets,
+    targets_from_module,
+)
 
 # --- end ecosystem (issue 8) ---
 
@@ -122,6 +127,7 @@ __all__ = [
     "ModuleShards",
     "PlanSummary",
     "WorkerTargets",
+    "fused_targets",
     "load_plan_file",
     "module_shards",
     "specs_from_module",

@@ -19,7 +19,8 @@ contiguous slices, or a quantized copy that needs scales. For those a ``LoadTarg
 the received shard's local shape, dtype and placements plus a ``load(name, tensor)``
 callback; the engine hands the callback to the transport as the unpack sink (the data plane's
 ``LoadCallback``), so the shard lives only in transport staging and no long-lived scratch copy
-is kept. Contract: DEVELOPERS.md "Ecosystem".
+is kept. Contract: DEVELOPERS.md "Ecosystem". ``fused_targets`` splits one fused local
+tensor into per-part targets: contiguous slices are written in place, others are loaded.
 """
 
 from __future__ import annotations
@@ -42,7 +43,14 @@ from m2n_async._proto.layout import REPLICATE
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["LoadTarget", "TPStyle", "Target", "WorkerTargets", "targets_from_module"]
+__all__ = [
+    "LoadTarget",
+    "TPStyle",
+    "Target",
+    "WorkerTargets",
+    "fused_targets",
+    "targets_from_module",
+]
 
 Placements = tuple[int, int] | None
 TPStyle = str | int | None | Any
@@ -109,6 +117,40 @@ class WorkerTargets(dict[str, Target]):
         """Plan name → placements on the worker mesh (what the destination phase sends)."""
         return {n: (t.placements if isinstance(t, LoadTarget) else t[1])
                 for n, t in self.items()}
+
+
+def fused_targets(fused: torch.Tensor, parts: Mapping[str, int], *, dim: int,
+                  placements: Placements) -> dict[str, Target]:
+    """Targets for the parts of one fused local tensor (vLLM's ``qkv_proj``, ``gate_up_proj``).
+
+    ``parts`` maps each trainer-side name to its size along ``dim`` *in this worker's local
+    shard*, in the order they are concatenated (e.g. ``{"q.weight": 1024, "k.weight": 256,
+    "v.weight": 256}`` for a TP rank's fused QKV rows). A part that is a contiguous slice —
+    always the case along dim 0 of a contiguous tensor — is a view the engine writes in
+    place; any other part becomes ``LoadTarget.into(view)`` (received, then copied in).
+    ``placements`` is each part's placement on the worker mesh (the fused tensor's).
+
+    Raises ``PlanError`` if the sizes do not add up to ``fused.shape[dim]``.
+    """
+    ndim = fused.dim()
+    d = dim + ndim if dim < 0 else dim
+    if not 0 <= d < ndim:
+        raise PlanError(f"fused_targets: dim {dim} out of range for a tensor of rank {ndim}")
+    total = sum(parts.values())
+    if total != fused.shape[d]:
+        raise PlanError(f"fused_targets: parts {dict(parts)} add up to {total} along dim {d} "
+                        f"but the fused tensor has {fused.shape[d]} (shape "
+                        f"{tuple(fused.shape)}); give local (per TP rank) sizes")
+    out: dict[str, Target] = {}
+    start = 0
+    for name, size in parts.items():
+        if size < 1:
+            raise PlanError(f"fused_targets: part {name!r} has size {size}")
+        view = fused.narrow(d, start, size)
+        start += size
+        out[name] = (view, placements) if view.is_contiguous() else LoadTarget.into(
+            view, placements)
+    return out
 
 
 def _style_name(name: str, style: TPStyle) -> str | int | None:

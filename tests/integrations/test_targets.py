@@ -142,3 +142,23 @@ def test_dtensor_worker_params_on_a_2d_mesh(fake_world) -> None:
             torch.zeros(4, 4), mesh, [Shard(0), Shard(0)]), requires_grad=False))
         with pytest.raises(PlanError, match=r"parameter 'b': .*shard one dim across both axes"):
             targets_from_module(m)
+
+
+def test_fused_targets_write_in_place_or_load() -> None:
+    from m2n_async._integrations.targets import fused_targets
+
+    qkv = torch.zeros(12, 4)
+    parts = fused_targets(qkv, {"q": 8, "k": 2, "v": 2}, dim=0, placements=(REPLICATE, 0))
+    q, k = parts["q"], parts["k"]
+    assert isinstance(q, tuple) and isinstance(k, tuple)  # rows of a contiguous tensor: views
+    q[0].fill_(1.0)
+    k[0].fill_(2.0)
+    assert qkv[:8].eq(1).all() and qkv[8:10].eq(2).all() and qkv[10:].eq(0).all()
+    gate_up = torch.zeros(4, 6)
+    cols = fused_targets(gate_up, {"gate": 3, "up": 3}, dim=-1, placements=(REPLICATE, 1))
+    up = cols["up"]
+    assert isinstance(up, LoadTarget) and up.shape == (4, 3)  # columns: not contiguous
+    up.load("up", torch.ones(4, 3))
+    assert gate_up[:, 3:].eq(1).all() and gate_up[:, :3].eq(0).all()
+    with pytest.raises(PlanError, match=r"add up to 11 along dim 0 but the fused tensor has 12"):
+        fused_targets(qkv, {"q": 8, "k": 2, "v": 1}, dim=0, placements=None)
