@@ -236,8 +236,9 @@ def _gpu_identity(transport: str, settings: TransportSettings) -> dict[str, str]
     from m2n_async._proto.handshake import nccl_environment
 
     version, _ = libnccl_version()
-    out = {"libnccl": version or "none",
-           "max_cta": "default" if settings.max_cta is None else str(settings.max_cta)}
+    out = {"max_cta": "default" if settings.max_cta is None else str(settings.max_cta)}
+    if version is not None:
+        out["libnccl_version"] = version
     if transport == "m2n":
         out[GROUPING_ENV] = grouping_mode()
     out.update(dict(nccl_environment(os.environ)))

@@ -1,0 +1,321 @@
+"""A local multi-process GPU world for ``tests/gpu`` and ``bench/gpu_sync_bench.py``.
+
+Several NCCL ranks share the one GPU as separate ``spawn``ed processes (libnccl >= 2.30 with
+``NCCL_MULTI_RANK_GPU_ENABLE=1``, DEVELOPERS "GPU tests on the H200"). Rank 0 hosts a
+``StoreServer`` on 127.0.0.1 and hands its address to the others through a queue; every rank
+then uses the real store, rendezvous, native thread, transports and bucket pipeline.
+
+A *scenario* is a coroutine ``scenario(ctx) -> dict`` run on every rank (``ctx`` is a
+``RankCtx``); its JSON-able result comes back to the parent. Children end with ``os._exit``
+after reporting: a process whose communicator abort is stuck behind an M2N kernel (dead peer)
+must not hang the test in interpreter shutdown.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import time
+import traceback
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+TOKEN = "m2n-gpu-test"
+R = -1  # REPLICATE
+
+# The CPU suite's layout pairs per topology: (src dims, dst dims, [(src pl, dst pl)]).
+LAYOUTS: dict[str, tuple[tuple[int, int], tuple[int, int], list[tuple[Any, Any]]]] = {
+    "1+1": ((1, 1), (1, 1), [(None, None)]),
+    "2+2": ((1, 2), (1, 2), [((R, 0), (R, 1)), ((R, 1), (R, 1)), (None, (R, 0)),
+                            ((R, 0), None), ((R, 0), (R, 0))]),
+    "2+3": ((2, 1), (3, 1), [((0, R), (1, R)), ((0, R), None), (None, (1, R)),
+                            ((1, R), (0, R))]),
+}
+
+M2N_DTYPES = ("bfloat16", "float32", "int8", "float8_e4m3fn")
+NCCL_EXTRA_DTYPES = ("bool", "int16")
+
+
+def layout_defs(topology: str, transport: str) -> list[tuple[str, tuple[int, ...], str, Any, Any]]:
+    _src, _dst, pairs = LAYOUTS[topology]
+    dtypes = M2N_DTYPES + (NCCL_EXTRA_DTYPES if transport == "nccl" else ())
+    out = []
+    for k, (sp, dp) in enumerate(pairs):
+        for j, dt in enumerate(dtypes):
+            shape = (12, 6, 24) if j % 2 else (96, 48)
+            out.append((f"l{k}.{dt}", shape, dt, sp, dp))
+    return out
+
+
+def make_plan(defs: Sequence[tuple[str, tuple[int, ...], str, Any, Any]],
+              src_dims: tuple[int, int], dst_dims: tuple[int, int]) -> Any:
+    from m2n_async._proto.layout import Layout, Mesh
+    from m2n_async._proto.params import ParamSpec, ParamTransfer
+    from m2n_async._proto.plan import TransferPlan
+
+    t, n = src_dims[0] * src_dims[1], dst_dims[0] * dst_dims[1]
+    smesh, dmesh = Mesh(tuple(src_dims), 0), Mesh(tuple(dst_dims), t)
+    return TransferPlan([ParamTransfer(ParamSpec(name, dt, tuple(shape),
+                                                 Layout(smesh, tuple(sp) if sp else None)),
+                                       Layout(dmesh, tuple(dp) if dp else None))
+                         for name, shape, dt, sp, dp in defs],
+                        trainer_ranks=t, world_size=t + n)
+
+
+def global_tensor(name: str, shape: tuple[int, ...], dtype_name: str, version: int,
+                  device: Any) -> Any:
+    """Random bytes seeded by (name, version), generated on ``device`` (finite floats)."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    seed = (sum(name.encode()) * 7919 + len(name) * 104729 + version * 15485863) % (2**31)
+    g = torch.Generator(device=device).manual_seed(seed)
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g, device=device)
+    if dtype == torch.bool:
+        raw = raw & 1
+    elif dtype.is_floating_point and dtype.itemsize == 1:
+        raw[(raw & 0x7F) >= 0x7C] = 0
+    t = raw.view(dtype).reshape(shape)
+    if dtype.is_floating_point and dtype.itemsize > 1:
+        t = torch.where(t.float().isfinite(), t, torch.zeros((), dtype=dtype, device=device))
+    return t.contiguous()
+
+
+def local_shard(full: Any, layout: Any, rank: int) -> Any:
+    box = layout.box(tuple(full.shape), rank)
+    return full[tuple(slice(lo, hi) for lo, hi in box)].contiguous()
+
+
+def source_shards(plan: Any, rank: int, version: int, device: Any,
+                  dtype: str | None = None) -> dict[str, Any]:
+    import torch
+
+    out = {}
+    for p in plan.params:
+        s = p.spec
+        t = local_shard(global_tensor(s.name, s.shape, s.dtype, version, device), s.layout, rank)
+        out[s.name] = t if dtype is None else t.to(getattr(torch, dtype))
+    return out
+
+
+def expected_shards(plan: Any, rank: int, version: int, device: Any) -> dict[str, Any]:
+    return {p.spec.name: local_shard(global_tensor(p.spec.name, p.spec.shape, p.spec.dtype,
+                                                   version, device), p.dst, rank)
+            for p in plan.params}
+
+
+def zero_targets(plan: Any, rank: int, device: Any) -> dict[str, Any]:
+    import torch
+
+    return {p.spec.name: torch.zeros(p.dst.local_shape(p.spec.shape, rank),
+                                     dtype=getattr(torch, p.spec.dtype), device=device)
+            for p in plan.params}
+
+
+def mismatches(got: Mapping[str, Any], want: Mapping[str, Any]) -> list[str]:
+    import torch
+
+    bad = []
+    for name, w in want.items():
+        g = got[name]
+        if not torch.equal(g.reshape(-1).view(torch.uint8), w.reshape(-1).view(torch.uint8)):
+            bad.append(name)
+    return bad
+
+
+@dataclass
+class RankCtx:
+    rank: int
+    world_size: int
+    trainer_ranks: int
+    store: Any                  # StoreClient
+    address: str
+    case: dict[str, Any]
+    device: Any
+
+    async def barrier(self, name: str, limit: float = 60.0) -> None:
+        import anyio
+
+        with anyio.fail_after(limit):
+            await self.store.set(f"barrier/{name}/{self.rank}", b"1")
+            await self.store.gather(f"barrier/{name}/", self.world_size)
+
+
+async def open_transport(ctx: RankCtx, name: str, plan: Any, *, bucket_bytes: int,
+                         max_inflight: int, tag: str, max_cta: int | None = None) -> Any:
+    """Create, prepare and connect transport ``name`` for ``plan`` (a new communicator)."""
+    from m2n_async._data._native import NativeThread
+    from m2n_async._data._transport import (
+        Rendezvous,
+        TransportContext,
+        TransportSettings,
+        create_transport,
+    )
+
+    settings = TransportSettings(bucket_bytes=bucket_bytes, max_inflight=max_inflight,
+                                 max_cta=max_cta, device=str(ctx.device), connect_timeout=60.0)
+    native = NativeThread(f"{tag}-r{ctx.rank}")
+    tctx = TransportContext(plan=plan, rank=ctx.rank, generation=1, settings=settings,
+                            native=native, buckets=plan.buckets(bucket_bytes))
+    t = create_transport(name, tctx)
+    try:
+        await t.prepare()
+        await t.connect(Rendezvous(ctx.store, f"job/1/{tag}/", rank=ctx.rank,
+                                   world_size=ctx.world_size, timeout=60.0))
+    except BaseException:
+        t.abort("setup failed")
+        await t.close()
+        native.close(2.0)
+        raise
+    return t
+
+
+async def close_transport(t: Any) -> dict[str, Any]:
+    import anyio
+
+    t0 = time.monotonic()
+    with anyio.CancelScope(shield=True):
+        await t.close()
+    joined = t.ctx.native.close(2.0)
+    return {"close_s": round(time.monotonic() - t0, 3), "teardown_finished":
+            bool(getattr(t, "teardown_finished", True)), "native_joined": joined}
+
+
+async def run_round(t: Any, *, round: int, deadline_s: float, sources: Mapping[str, Any] | None,
+                    sinks: Mapping[str, Any] | None) -> Any:
+    """One round through the engine's bucket pipeline (pack ‖ transfer ‖ unpack)."""
+    from m2n_async._engine._pipeline import run_pipeline
+
+    t.begin_round(round, time.monotonic() + deadline_s)
+    try:
+        async def src(_bucket: Any) -> Mapping[str, Any]:
+            assert sources is not None
+            return sources
+
+        return await run_pipeline(t, t.ctx.buckets, max_inflight=t.ctx.settings.max_inflight,
+                                  sources=src if sources is not None else None, sinks=sinks)
+    finally:
+        t.end_round()
+
+
+class LagMonitor:
+    """Measures how late a 1 ms sleep on the event loop wakes up while work runs."""
+
+    def __init__(self) -> None:
+        self.max_lag = 0.0
+        self.samples = 0
+
+    async def run(self, stop: Any) -> None:
+        import anyio
+
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            await anyio.sleep(0.001)
+            self.max_lag = max(self.max_lag, time.perf_counter() - t0 - 0.001)
+            self.samples += 1
+
+
+# -- process plumbing --------------------------------------------------------------------------
+
+Scenario = Callable[[RankCtx], Awaitable[dict[str, Any]]]
+
+
+def _resolve(path: str) -> Scenario:
+    import importlib
+
+    module, _, attr = path.partition(":")
+    fn: Scenario = getattr(importlib.import_module(module), attr)
+    return fn
+
+
+def _rank_entry(rank: int, world_size: int, trainer_ranks: int, scenario: str,
+                case: dict[str, Any], addr_q: Any, out_q: Any) -> None:
+    os.environ.update(case.get("env", {}))
+    result: dict[str, Any]
+    try:
+        import anyio
+        import torch
+
+        torch.cuda.set_device(0)
+        result = anyio.run(_rank_async, rank, world_size, trainer_ranks, scenario, case,
+                           addr_q)
+    except BaseException as exc:
+        result = {"error": f"{type(exc).__name__}: {exc}",
+                  "traceback": traceback.format_exc()[-3000:]}
+    out_q.put((rank, json.loads(json.dumps(result, default=repr))))
+    out_q.close()
+    out_q.join_thread()
+    os._exit(0)
+
+
+async def _rank_async(rank: int, world_size: int, trainer_ranks: int, scenario: str,
+                      case: dict[str, Any], addr_q: Any) -> dict[str, Any]:
+    import anyio
+    import torch
+
+    from m2n_async import StoreClient, StoreServer
+
+    fn = _resolve(scenario)
+    device = torch.device("cuda", 0)
+
+    async def body(address: str) -> dict[str, Any]:
+        store = await StoreClient.connect(address, token=TOKEN)
+        ctx = RankCtx(rank, world_size, trainer_ranks, store, address, case, device)
+        try:
+            return await fn(ctx)
+        finally:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                await store.set(f"done/{rank}", b"1")
+                await store.aclose()
+
+    if rank == 0:
+        async with StoreServer(host="127.0.0.1", port=0, token=TOKEN) as srv:
+            for _ in range(world_size - 1):
+                addr_q.put(srv.address)
+            out = await body(srv.address)
+            # keep serving until every rank is done (a dead rank never is: bounded)
+            client = await StoreClient.connect(srv.address, token=TOKEN)
+            with anyio.move_on_after(float(case.get("linger_s", 60))):
+                await client.wait([f"done/{r}" for r in range(world_size)
+                                   if r not in case.get("victims", ())])
+            await client.aclose()
+            return out
+    address = await anyio.to_thread.run_sync(addr_q.get, True, 120)
+    return await body(address)
+
+
+def run_world(scenario: str, case: dict[str, Any], *, trainer_ranks: int, world_size: int,
+              timeout: float = 300.0) -> dict[str, Any]:
+    """Spawn ``world_size`` ranks running ``scenario`` ("module:function"); returns
+    ``{"results": {rank: dict}, "exitcodes": [...], "seconds": s}``. Ranks that did not
+    report within ``timeout`` are killed and reported missing."""
+    ctx = mp.get_context("spawn")
+    addr_q, out_q = ctx.Queue(), ctx.Queue()
+    env = {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "NCCL_NVLS_ENABLE": "0"}
+    env.update(case.get("env", {}))
+    case = {**case, "env": env}
+    procs = [ctx.Process(target=_rank_entry, args=(r, world_size, trainer_ranks, scenario,
+                                                    case, addr_q, out_q), daemon=True)
+             for r in range(world_size)]
+    t0 = time.monotonic()
+    for p in procs:
+        p.start()
+    results: dict[int, dict[str, Any]] = {}
+    deadline = t0 + timeout
+    while len(results) < world_size and time.monotonic() < deadline:
+        try:
+            rank, res = out_q.get(timeout=0.5)
+            results[rank] = res
+        except Exception:
+            if all(not p.is_alive() for p in procs) and out_q.empty():
+                break
+    for p in procs:
+        p.join(timeout=max(0.0, min(10.0, deadline - time.monotonic())))
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    return {"results": results, "exitcodes": [p.exitcode for p in procs],
+            "seconds": round(time.monotonic() - t0, 2)}

@@ -1,0 +1,112 @@
+"""The GPU data planes on a real GPU: several NCCL ranks per GPU as spawned processes.
+
+Each test spawns one world (``_world.run_world``) and checks what came back: bytes bit-exact
+on every worker for every layout pair of the CPU suite, byte counts equal to the plan, the
+M2N grouping decision identical on every rank, no hang when grouping is forced on a host
+that cannot group, survivors of a killed rank ending within the deadline, event-loop lag.
+``M2N_GPU_REPORT=path`` appends each world's JSON summary there (BENCHMARKS.md figures).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from . import _world
+from .conftest import gpu_skip_reason
+
+_reason = gpu_skip_reason()
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(_reason is not None, reason=_reason or "")]
+
+PKG = __name__.rsplit(".", 1)[0]
+TOPOLOGY = {"1+1": (1, 2), "2+2": (2, 4), "2+3": (2, 5)}
+
+
+def _run(scenario: str, case: dict, trainer_ranks: int, world_size: int,
+         timeout: float = 240.0) -> dict:
+    out = _world.run_world(f"{PKG}._scenarios:{scenario}", case, trainer_ranks=trainer_ranks,
+                           world_size=world_size, timeout=timeout)
+    path = os.environ.get("M2N_GPU_REPORT")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"scenario": scenario, "case": case, **out}) + "\n")
+    return out
+
+
+def _ok(out: dict, world_size: int, victims: tuple[int, ...] = ()) -> dict:
+    res = out["results"]
+    missing = [r for r in range(world_size) if r not in res and r not in victims]
+    assert not missing, f"ranks {missing} never reported (hang?): {out}"
+    errors = {r: v for r, v in res.items() if "error" in v}
+    assert not errors, json.dumps(errors, indent=1)[:4000]
+    return res
+
+
+@pytest.mark.parametrize("topology", sorted(TOPOLOGY))
+def test_layout_pairs_bit_exact_both_transports(topology):
+    t, w = TOPOLOGY[topology]
+    case = {"topology": topology, "transports": ["m2n", "nccl"], "rounds": 2,
+            "bucket_bytes": 1 << 14, "cast": topology == "2+2"}
+    res = _ok(_run("planes", case, t, w), w)
+    reasons = set()
+    for rank, per in res.items():
+        for tag, rec in per.items():
+            assert rec["moved"] == [rec["plan_bytes"]] * 2 or (
+                tag.startswith("m2n") and rank < t), (rank, tag, rec["moved"], rec["plan_bytes"])
+            if rank >= t:
+                assert rec["bad"] == [[], []], (rank, tag, rec["bad"])
+            if tag == "m2n":
+                reasons.add((rec["grouped"], rec["grouping_reason"]))
+            assert rec["teardown_finished"], (rank, tag, rec)
+            # the loop stayed responsive while buckets moved (generous: shared CPU)
+            assert rec["lag_max_ms"] < 250, (rank, tag, rec["lag_max_ms"])
+    assert len(reasons) == 1, reasons  # grouping decided identically on every rank
+
+
+def test_forced_grouping_fails_fast_on_a_gin_less_host():
+    out = _run("grouping_on", {"env": {"M2N_ASYNC_M2N_GROUPING": "on"}}, 1, 2, timeout=120)
+    res = _ok(out, 2)
+    if any(v.get("connected") and v.get("grouped") for v in res.values()):
+        pytest.skip("this host supports grouped M2N submission (GIN present)")
+    for rank, v in res.items():
+        assert v.get("error_type") == "LocalProtocolError", (rank, v)
+        assert "M2N_ASYNC_M2N_GROUPING=on" in v["error"]
+        assert v["seconds"] < 30
+
+
+@pytest.mark.parametrize("transport", ["nccl", "m2n"])
+def test_killed_rank_survivors_end_within_deadline(transport):
+    deadline = 8.0
+    case = {"transport": transport, "victims": [3], "deadline_s": deadline, "linger_s": 40}
+    out = _run("kill", case, 2, 4, timeout=150)
+    res = _ok(out, 4, victims=(3,))
+    assert out["exitcodes"][3] == 9
+    for rank in (0, 1, 2):
+        v = res[rank]
+        # every survivor's round ended by the deadline (+ slack for a loaded host)...
+        assert v["round_end_s"] < deadline + 5, (rank, v)
+        # ...and close is bounded even when the communicator abort never returns
+        assert v["total_s"] < deadline + 5 + 15, (rank, v)
+    if transport == "nccl":
+        # NCCL point-to-point: the abort returns and frees the survivors completely
+        assert all(res[r]["teardown_finished"] for r in (0, 1, 2)), res
+
+
+@pytest.mark.parametrize("transport", ["m2n", "nccl"])
+def test_engine_on_gpu(transport):
+    import m2n_async
+
+    if not hasattr(m2n_async, "TrainerEngine"):
+        pytest.skip("m2n_async.TrainerEngine is not available yet")
+    case = {"transport": transport, "topology": "2+2", "bucket_bytes": 1 << 14}
+    res = _ok(_run("engine", case, 2, 4), 4)
+    for rank, v in res.items():
+        for rnd in (0, 1):
+            r = v[f"round{rnd}"]
+            assert r["transport"] == transport and r["bytes"] == v["plan_bytes"], (rank, r)
+            assert r["version"] == rnd + 1
+        if rank >= 2:
+            assert v["bad0"] == [] and v["bad1"] == [], (rank, v)
