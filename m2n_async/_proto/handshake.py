@@ -626,8 +626,8 @@ class Handshake:
                                   f"there are {len(worker_ranks)} worker ranks "
                                   f"[{t}, {self.world_size})")
             return
-        mesh = Mesh(dims, start_rank=t)
         try:
+            mesh = Mesh(dims, start_rank=t)
             transfers = [ParamTransfer(s, Layout(mesh, p))
                          for s, p in zip(specs, first.placements, strict=True)]
         except PlanError as e:

@@ -564,3 +564,30 @@ def test_data_plane_report_roundtrip_is_exact() -> None:
     env = world.local(0)
     assert isinstance(env, DataPlaneReport)
     assert msgspec.msgpack.decode(Handshake.encode(env), type=DataPlaneReport) == env
+
+
+_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=8)
+    | st.binary(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=4),
+    max_leaves=12)
+
+
+@given(phase=st.sampled_from(GATHERING), bad=st.integers(0, 4), data=st.data())
+@settings(max_examples=200, deadline=None)
+def test_fuzzed_envelope_is_named_never_crashes(phase: Phase, bad: int,
+                                                data: st.DataObject) -> None:
+    """Whatever one rank sends, every rank reaches one verdict; a fault names that rank."""
+    world = World(2, 3)
+    world.run_to(phase)
+    honest = as_dict(world.local(bad))
+    field_name = data.draw(st.sampled_from(sorted(honest)), label="field")
+    value = data.draw(_values, label="value")
+    if honest[field_name] == value:
+        return
+    result = world.step({bad: edit(**{field_name: value})})
+    # Changing a field is either refused, naming the sender, or (e.g. a worker's harmless
+    # capabilities order) accepted everywhere; World.step already checked every rank agrees.
+    if isinstance(result, PreflightError):
+        assert bad in result.failures, result
