@@ -628,7 +628,10 @@ class Handshake:
             return
         try:
             mesh = Mesh(dims, start_rank=t)
-            transfers = [ParamTransfer(s, Layout(mesh, p))
+            # Real plans use a handful of distinct placements: one Layout each, not one per
+            # parameter (validation and hashing of 10^5 layouts is measurable).
+            layouts = {p: Layout(mesh, p) for p in set(first.placements)}
+            transfers = [ParamTransfer(s, layouts[p])
                          for s, p in zip(specs, first.placements, strict=True)]
         except PlanError as e:
             for r in worker_ranks:
