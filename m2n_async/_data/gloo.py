@@ -450,9 +450,11 @@ class GlooTransport(Transport):
             return TimeoutError(f"gloo {op} did not complete before the round deadline at "
                                 f"{where}: {text}")
         if "closed by peer" in text or "Connection reset" in text:
-            return TransferError(f"gloo {op}: peer rank {peer} closed the connection (process "
-                                 f"died or aborted) at {where}: {text}",
-                                 rank=self.ctx.rank, round=self.round)
+            err = TransferError(f"gloo {op}: peer rank {peer} closed the connection (process "
+                                f"died or aborted) at {where}: {text}",
+                                rank=self.ctx.rank, round=self.round)
+            err.peer = peer  # type: ignore[attr-defined]  # lets the engine blame the peer
+            return err
         return TransferError(f"gloo {op} failed at {where}: {text}", rank=self.ctx.rank,
                              round=self.round)
 

@@ -350,6 +350,9 @@ class _Engine:
                 failure, local_exc = remote[0], None
             elif local_exc is not None:
                 failure = (self.rank, self._describe(local_exc, k, start.round_timeout))
+                peer = getattr(local_exc, "peer", None)
+                if isinstance(peer, int):
+                    failure = await self._attribute(keys, peer) or failure
             if failure is not None:
                 transport.abort(f"{self._where(k)} failed: rank {failure[0]}: {failure[1]}")
                 if local_exc is not None:
@@ -399,6 +402,25 @@ class _Engine:
             remote.append((self.rank, f"rank {self.rank} lost the control plane: {exc}"))
         transport.abort(f"{remote[-1][1]} (rank {remote[-1][0]})")
         round_scope.cancel()
+
+    async def _attribute(self, keys: _RoundKeys, peer: int) -> tuple[int, str] | None:
+        """The data plane saw ``peer`` close its connection: the store tells, within a
+        second, whether it died (blame it) or aborted first (use its record), so that every
+        rank reports the root cause rather than its own symptom."""
+        assert self._group is not None
+        with anyio.move_on_after(1.0):
+            try:
+                raw = await self._store.get(keys.abort, wait=True,
+                                            watch=[self._group.alive_key(peer)])
+                assert raw is not None
+                ab = decode_as(raw, Abort)
+                return ab.rank, ab.reason
+            except PeerLostError:
+                return peer, (f"rank {peer} was lost during the round (its store session "
+                              f"ended: process died or disconnected)")
+            except M2NError:
+                return None
+        return None
 
     def _lost_rank(self, exc: PeerLostError) -> int | None:
         if exc.ranks:

@@ -92,3 +92,79 @@ async def transport_rounds(*, address: str, job: str, rank: int, defs: Sequence[
             torch.distributed.destroy_process_group()
         await store.aclose()
     return out
+
+
+async def engine_rank(*, address: str, job: str, rank: int, defs: Sequence[ParamDef],
+                      src_dims: tuple[int, int], dst_dims: tuple[int, int],
+                      config: dict[str, Any], versions: Sequence[int],
+                      load: Sequence[str] = (), victim: int | None = None,
+                      _events: Any = None, **_: Any) -> dict[str, Any]:
+    """One rank of a TrainerEngine/WorkerEngine job over the TCP store.
+
+    ``victim``: that rank blocks inside the first round (in its lazy source or load callback)
+    after telling the test, which then kills it with SIGKILL. Survivors report what they
+    raised and when (``time.time()``, comparable across processes on one host).
+    """
+    from m2n_async import EngineConfig, LoadTarget, TrainerEngine, WorkerEngine
+
+    plan = make_plan(defs, src_dims, dst_dims)
+    t, world = plan.trainer_ranks, plan.world_size
+    cfg = EngineConfig(**config)
+    out: dict[str, Any] = {"versions": [], "bad": [], "error": None, "loaded": []}
+
+    def block_here() -> None:
+        _events.put(("ready_to_die", rank, time.time()))
+        time.sleep(600)
+
+    engine: Any = None
+    try:
+        if rank < t:
+            engine = await TrainerEngine.connect(address, token=TOKEN, rank=rank,
+                                                 trainer_ranks=t, world_size=world,
+                                                 params=[p.spec for p in plan.params],
+                                                 config=cfg, timeout=60)
+            out["generation"] = engine.generation
+            for v in versions:
+                shards = source_shards(plan, rank, v)
+
+                def lazy(names: list[str], shards: Any = shards) -> dict[str, torch.Tensor]:
+                    if victim == rank:
+                        block_here()
+                    return {n: shards[n] for n in names}
+                res = await engine.sync_weights(lazy, version=v if rank == 0 else None)
+                out["versions"].append(res.version)
+                out["bytes"] = res.bytes
+        else:
+            targets: dict[str, Any] = {}
+            sinks = empty_targets(plan, rank)
+            for p in plan.params:
+                name = p.spec.name
+                if name in load:
+                    def fn(n: str, x: torch.Tensor) -> None:
+                        if victim == rank:
+                            block_here()
+                        sinks[n].copy_(x)
+                        out["loaded"].append(n)
+                    targets[name] = LoadTarget(sinks[name].shape, sinks[name].dtype,
+                                               p.dst.placements, fn)
+                else:
+                    targets[name] = (sinks[name], p.dst.placements)
+            engine = await WorkerEngine.connect(address, token=TOKEN, rank=rank,
+                                                trainer_ranks=t, world_size=world,
+                                                targets=targets, mesh_dims=dst_dims,
+                                                config=cfg, timeout=60)
+            out["generation"] = engine.generation
+            for v in versions:
+                res = await engine.receive()
+                out["versions"].append(res.version)
+                out["bad"] += [f"v{v}:{n}" for n in _mismatches(plan, rank, sinks, v)]
+                out["bytes"] = res.bytes
+    except Exception as exc:
+        out["error"] = (type(exc).__name__, str(exc), getattr(exc, "rank", None),
+                        time.time())
+    finally:
+        if engine is not None:
+            out["version"] = engine.version
+            await engine.close()
+            out["state"] = engine.state.value
+    return out

@@ -128,10 +128,22 @@ class RankPool:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise AssertionError(f"no {name!r} event within {timeout} s")
-            ev, index, payload = self.events.get(timeout=left)
+                raise AssertionError(f"no {name!r} event within {timeout} s; results so far: "
+                                     f"{self._peek_results()}")
+            try:
+                ev, index, payload = self.events.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                continue
             if ev == name:
                 return index, payload
+
+    def _peek_results(self) -> list[Any]:
+        out = []
+        while True:
+            try:
+                out.append(self.results.get_nowait())
+            except queue.Empty:
+                return out
 
     @staticmethod
     def _drain(q: Any) -> None:
