@@ -154,12 +154,11 @@ class StoreServer:
         return None
 
     async def serve_forever(self) -> None:
-        """Serve until cancelled (for the ``m2n-async store`` command).
+        """Serve until cancelled.
 
         Cancellation: the only way it returns; the server is then closed.
         """
         async with self:
-            print(f"m2n-async store listening on {self.address}", flush=True)
             await anyio.sleep_forever()
 
     # --- per connection ------------------------------------------------------------------
