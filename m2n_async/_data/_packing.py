@@ -13,9 +13,14 @@ by the item size (``tensor.view(torch.uint8)``), so packing never needs the buff
 aligned to the dtype, works for every fixed-width dtype (bool, int16 and fp8 included) and is
 bit-exact by construction (a copy of bytes, never a cast).
 
-Zero-copy: a peer buffer made of ONE segment that is a contiguous byte range of the local shard
-is moved directly from (trainer) or into (worker, tensor target) that range; no staging. Each
-side decides this alone — the wire bytes are the same either way.
+Messages: a peer buffer moves as one or more *messages* (one send matching one receive). A
+piece of at least ``DIRECT_MIN_BYTES`` is a message of its own; runs of smaller pieces are
+packed together into one message (per-message overhead dominates tiny tensors). The split
+depends only on piece sizes, so both sides make the same one. A message of one piece that is a
+contiguous byte range of this side's local shard moves zero-copy — straight from the trainer's
+shard or straight into the worker's target — and needs no staging; each side decides that
+alone (the wire bytes are the same either way), so a row-sharded source feeding a
+column-sharded destination packs on the trainer and lands in place on the worker.
 
 This module is the planner (pure Python over the plan, cached per rank and bucket) plus the
 CPU/torch executors that copy segments; the GPU ``nccl`` transport reuses both (its copies
@@ -36,15 +41,20 @@ if TYPE_CHECKING:
     from m2n_async._proto.plan import Bucket, TransferPlan
 
 __all__ = [
+    "DIRECT_MIN_BYTES",
     "BucketPacking",
+    "Message",
     "PeerBuffer",
     "Segment",
     "byte_view",
     "copy_in",
     "copy_out",
     "pack_peer",
+    "pack_segments",
     "plan_bucket",
+    "split_messages",
     "unpack_peer",
+    "unpack_segments",
 ]
 
 
@@ -60,19 +70,61 @@ class Segment(NamedTuple):
     whole: bool                      # the segment is the entire local shard
 
 
+#: Pieces at least this large travel as their own message (zero-copy where contiguous).
+#: Part of the wire contract: the Gloo transport reports it in its data-plane identity.
+DIRECT_MIN_BYTES = 256 * 1024
+
+
+class Message(NamedTuple):
+    """One send/receive: consecutive segments of a peer buffer (offsets are in the buffer)."""
+
+    offset: int
+    nbytes: int
+    segments: tuple[Segment, ...]
+
+    @property
+    def direct(self) -> Segment | None:
+        """The single contiguous segment if this side can move the message zero-copy."""
+        if len(self.segments) == 1 and self.segments[0].span is not None:
+            return self.segments[0]
+        return None
+
+
 class PeerBuffer(NamedTuple):
     """Everything this rank moves to/from one peer within one bucket, in wire order."""
 
     peer: int
     nbytes: int
     segments: tuple[Segment, ...]
+    messages: tuple[Message, ...]
 
     @property
     def direct(self) -> Segment | None:
-        """The single contiguous segment if the buffer can move zero-copy, else None."""
+        """The single contiguous segment if the whole buffer can move zero-copy, else None."""
         if len(self.segments) == 1 and self.segments[0].span is not None:
             return self.segments[0]
         return None
+
+
+def split_messages(segments: tuple[Segment, ...], direct_min: int) -> tuple[Message, ...]:
+    """Group a peer buffer's segments into messages (module docstring); sizes only."""
+    out: list[Message] = []
+    run: list[Segment] = []
+
+    def flush() -> None:
+        if run:
+            start = run[0].offset
+            out.append(Message(start, run[-1].offset + run[-1].nbytes - start, tuple(run)))
+            run.clear()
+
+    for seg in segments:
+        if seg.nbytes >= direct_min:
+            flush()
+            out.append(Message(seg.offset, seg.nbytes, (seg,)))
+        else:
+            run.append(seg)
+    flush()
+    return tuple(out)
 
 
 class BucketPacking(NamedTuple):
@@ -124,8 +176,11 @@ def _segment(param: int, offset: int, nbytes: int, box: Box, local: tuple[int, .
     return Segment(param, offset, nbytes, slices, shape, span, whole)
 
 
-def plan_bucket(plan: TransferPlan, bucket: Bucket, rank: int) -> BucketPacking:
-    """Compute ``rank``'s peer buffers for ``bucket`` (pure; cache the result per bucket)."""
+def plan_bucket(plan: TransferPlan, bucket: Bucket, rank: int, *,
+                direct_min: int = DIRECT_MIN_BYTES) -> BucketPacking:
+    """Compute ``rank``'s peer buffers for ``bucket`` (pure; cache the result per bucket).
+
+    ``direct_min`` must be the same on every rank (it decides message boundaries)."""
     sending = rank < plan.trainer_ranks
     per_peer: dict[int, list[Segment]] = {}
     offsets: dict[int, int] = {}
@@ -163,7 +218,8 @@ def plan_bucket(plan: TransferPlan, bucket: Bucket, rank: int) -> BucketPacking:
             if received[i] != want:
                 raise PlanError(f"parameter {plan.params[i].spec.name!r}: the plan delivers "
                                 f"{received[i]} bytes to rank {rank}, its shard has {want}")
-    peers = tuple(PeerBuffer(peer, offsets[peer], tuple(per_peer[peer]))
+    peers = tuple(PeerBuffer(peer, offsets[peer], tuple(per_peer[peer]),
+                             split_messages(tuple(per_peer[peer]), direct_min))
                   for peer in sorted(per_peer))
     return BucketPacking(bucket, rank, sending, peers, sum(offsets.values()), tuple(params))
 
@@ -178,41 +234,59 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
-def copy_in(buf: torch.Tensor, seg: Segment, src_bytes: torch.Tensor) -> None:
-    """Copy ``seg``'s region of a local shard (byte view) into the flat ``buf``."""
-    buf[seg.offset:seg.offset + seg.nbytes].view(seg.shape).copy_(src_bytes[seg.slices])
+def copy_in(buf: torch.Tensor, seg: Segment, src_bytes: torch.Tensor, base: int = 0) -> None:
+    """Copy ``seg``'s region of a local shard (byte view) into the flat ``buf``, which holds
+    the bytes from buffer offset ``base`` on."""
+    a = seg.offset - base
+    buf[a:a + seg.nbytes].view(seg.shape).copy_(src_bytes[seg.slices])
 
 
-def copy_out(buf: torch.Tensor, seg: Segment, dst_bytes: torch.Tensor) -> None:
-    """Copy ``seg`` from the flat ``buf`` into its region of a local shard (byte view)."""
-    dst_bytes[seg.slices].copy_(buf[seg.offset:seg.offset + seg.nbytes].view(seg.shape))
+def copy_out(buf: torch.Tensor, seg: Segment, dst_bytes: torch.Tensor, base: int = 0) -> None:
+    """Copy ``seg`` from the flat ``buf`` (starting at buffer offset ``base``) into its region
+    of a local shard (byte view)."""
+    a = seg.offset - base
+    dst_bytes[seg.slices].copy_(buf[a:a + seg.nbytes].view(seg.shape))
 
 
-def pack_peer(buf: torch.Tensor, peer: PeerBuffer,
-              src_bytes: Callable[[int], torch.Tensor]) -> None:
-    """Fill ``buf`` (flat uint8, ``peer.nbytes`` long) with ``peer``'s segments.
+def pack_segments(buf: torch.Tensor, segs: tuple[Segment, ...],
+                  src_bytes: Callable[[int], torch.Tensor], base: int = 0) -> None:
+    """Fill ``buf`` (flat uint8 holding offsets ``base`` on) with ``segs``.
 
     ``src_bytes(i)`` returns the byte view of param ``i``'s local shard. When every segment is
     a contiguous range, one ``torch.cat(out=...)`` does the whole buffer: per-segment Python
     overhead dominates packing of many small tensors.
     """
-    segs = peer.segments
     if len(segs) > 1 and all(s.span is not None for s in segs):
         parts = []
         for s in segs:
             a, b = s.span  # type: ignore[misc]
             parts.append(src_bytes(s.param).view(-1)[a:b])
-        torch.cat(parts, out=buf)
+        first = segs[0].offset - base
+        last = segs[-1].offset + segs[-1].nbytes - base
+        torch.cat(parts, out=buf[first:last])
         return
     for s in segs:
-        copy_in(buf, s, src_bytes(s.param))
+        copy_in(buf, s, src_bytes(s.param), base)
+
+
+def pack_peer(buf: torch.Tensor, peer: PeerBuffer,
+              src_bytes: Callable[[int], torch.Tensor]) -> None:
+    """Fill ``buf`` (flat uint8, ``peer.nbytes`` long) with all of ``peer``'s segments."""
+    pack_segments(buf, peer.segments, src_bytes)
+
+
+def unpack_segments(buf: torch.Tensor, segs: tuple[Segment, ...],
+                    dst_bytes: Mapping[int, torch.Tensor], base: int = 0) -> None:
+    """Scatter ``segs`` from ``buf`` (holding offsets ``base`` on) into the byte views
+    ``dst_bytes[param]`` (params absent from the mapping are skipped: the caller handles
+    them)."""
+    for s in segs:
+        dst = dst_bytes.get(s.param)
+        if dst is not None:
+            copy_out(buf, s, dst, base)
 
 
 def unpack_peer(buf: torch.Tensor, peer: PeerBuffer,
                 dst_bytes: Mapping[int, torch.Tensor]) -> None:
-    """Scatter ``peer``'s segments from ``buf`` into the byte views ``dst_bytes[param]``
-    (params absent from the mapping are skipped: the caller handles them)."""
-    for s in peer.segments:
-        dst = dst_bytes.get(s.param)
-        if dst is not None:
-            copy_out(buf, s, dst)
+    """Scatter all of ``peer``'s segments from ``buf`` (``peer.nbytes`` long)."""
+    unpack_segments(buf, peer.segments, dst_bytes)

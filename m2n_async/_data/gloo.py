@@ -8,13 +8,16 @@ generation's prefix: no second TCPStore binding the wildcard address, no pickle,
 stale generation unreadable. The group binds ``TransportSettings.host`` (127.0.0.1 for a
 loopback store).
 
-Per bucket, each rank moves one contiguous uint8 buffer per peer (``_packing``): the trainer
-packs on a pack thread, the native thread issues every send/recv of the bucket (tag = bucket
-index) and waits for them with the round deadline as timeout, and the worker scatters on an
-unpack thread into its targets or hands shards to load callbacks. Buffers come from a pool of
-at most ``max_inflight`` equal arenas (sized once from this rank's largest bucket), so pages
-are touched once, not every round. Single-segment contiguous peer buffers move zero-copy from
-the trainer's shard or straight into the worker's target.
+Per bucket, each rank moves its bytes for each peer as a few messages (``_packing``): large
+pieces alone, runs of small ones packed together. The trainer packs on a pack thread, the
+native thread issues every send/recv of the bucket (tag = bucket index; Gloo matches messages
+of one pair and tag in order) and waits for them with the round deadline as timeout, and the
+worker scatters on an unpack thread into its targets or hands shards to load callbacks. A
+message that is one contiguous range of the local shard moves zero-copy: sent straight from
+the trainer's shard, received straight into the worker's target. Staging comes from a pool of
+at most ``max_inflight`` equal arenas (sized once from this rank's largest bucket; the
+trainer's are allocated and touched in ``prepare``), so pages are faulted in once, not every
+round.
 
 Abort. Gloo has no way to cancel a pending point-to-point op, and ``ProcessGroup.abort`` /
 ``shutdown`` do not wake a blocked ``wait``. What does: a second ``wait`` on the same op with a
@@ -38,16 +41,20 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.from_thread
 import anyio.lowlevel
+import anyio.to_thread
 import torch
 
 from m2n_async._data._native import NativeThread, threadsafe_notifier
 from m2n_async._data._packing import (
+    DIRECT_MIN_BYTES,
     BucketPacking,
-    PeerBuffer,
+    Message,
+    Segment,
     byte_view,
     copy_out,
-    pack_peer,
+    pack_segments,
     plan_bucket,
+    unpack_segments,
 )
 from m2n_async._data._transport import (
     Completion,
@@ -201,6 +208,13 @@ class _Arenas:
         with self._lock:
             self._free.append(buf)
 
+    def warm(self, n: int) -> None:
+        """Allocate and touch ``n`` arenas up front."""
+        bufs = [self.acquire(self.size) for _ in range(n)]
+        for b in bufs:
+            b.zero_()
+            self.release(b)
+
     def clear(self) -> None:
         with self._lock:
             self._free.clear()
@@ -208,12 +222,15 @@ class _Arenas:
 
 @dataclass(eq=False)
 class GlooStaging(Staging):
-    """One bucket's buffers: ``(peer, buffer)`` in peer order, plus what unpack needs."""
+    """One bucket's messages in wire order: ``(peer, message, buffer, direct)``."""
 
     packing: BucketPacking | None = None
-    buffers: list[tuple[PeerBuffer, torch.Tensor, bool]] = field(default_factory=list)
+    messages: list[tuple[int, Message, torch.Tensor, bool]] = field(default_factory=list)
     arena: torch.Tensor | None = None
-    keep: list[torch.Tensor] = field(default_factory=list)  # zero-copy sources/targets
+
+
+def _staging_need(bp: BucketPacking, direct: Callable[[Message], bool]) -> int:
+    return sum(m.nbytes for p in bp.peers for m in p.messages if not direct(m))
 
 
 class GlooTransport(Transport):
@@ -234,6 +251,11 @@ class GlooTransport(Transport):
     @classmethod
     def check_plan(cls, plan: TransferPlan) -> None:
         plan.validate("gloo")
+
+    @classmethod
+    def identity(cls, settings: TransportSettings) -> dict[str, str]:
+        # Message boundaries derive from it: every rank must split buffers the same way.
+        return {"m2n_async.gloo.direct_min_bytes": str(DIRECT_MIN_BYTES)}
 
     def __init__(self, ctx: TransportContext) -> None:
         super().__init__(ctx)
@@ -264,22 +286,35 @@ class GlooTransport(Transport):
                                                             self.ctx.rank)
         return bp
 
+    def _plan_all(self) -> int:
+        """Plan every bucket; the largest staging any bucket can need on this rank."""
+        largest = 0
+        for bucket in self.ctx.buckets:
+            # Upper bound: a worker target given as a load callback cannot take a message
+            # in place, so size for "nothing direct" on workers.
+            bp = self.packing(bucket)
+            if self.ctx.role == "trainer":
+                need = _staging_need(bp, lambda m: m.direct is not None)
+            else:
+                need = _staging_need(bp, lambda m: False)
+            largest = max(largest, need)
+        return largest
+
     async def prepare(self) -> None:
-        """Plan every bucket of this rank, size the arenas, start the pack/unpack threads.
+        """Plan every bucket (off the loop: 10^5 parameters take a while), size the arenas,
+        start the pack/unpack threads.
 
         Cancellation: the threads are stopped by ``close``.
         """
-        largest = 0
-        for bucket in self.ctx.buckets:
-            bp = self.packing(bucket)
-            largest = max(largest, sum(p.nbytes for p in bp.peers))
-        self._arenas = _Arenas(max(largest, 1))
-        role = self.ctx.role
-        if role == "trainer":
+        largest = await anyio.to_thread.run_sync(self._plan_all, abandon_on_cancel=True)
+        self._arenas = arenas = _Arenas(max(largest, 1))
+        if self.ctx.role == "trainer":
             self._pack_thread = NativeThread(f"gloo-pack-r{self.ctx.rank}")
+            if largest:  # fault the pages in now rather than during the first round
+                n = min(self.ctx.settings.max_inflight, len(self.ctx.buckets))
+                await self._pack_thread.run(arenas.warm, n, description="warm arenas")
         else:
             self._unpack_thread = NativeThread(f"gloo-unpack-r{self.ctx.rank}")
-        await anyio.lowlevel.checkpoint()
 
     async def connect(self, rendezvous: Rendezvous) -> None:
         """Create the Gloo group on the native thread; rendezvous through our store.
@@ -346,57 +381,66 @@ class GlooTransport(Transport):
             return v
         return get
 
+    def _acquire(self, staged: GlooStaging, need: int) -> torch.Tensor | None:
+        if not need or self._arenas is None:
+            return None
+        arena = self._arenas.acquire(need)
+        staged.arena = arena
+        staged.nbytes = arena.numel()
+        return arena
+
     def _pack(self, bp: BucketPacking, sources: Mapping[str, torch.Tensor]) -> GlooStaging:
         t0 = time.perf_counter()
         get = self._byte_source(sources)
         staged = GlooStaging(bp.bucket, packing=bp, nbytes_moved=bp.nbytes)
-        need = sum(p.nbytes for p in bp.peers if p.direct is None)
-        arena = self._arenas.acquire(need) if need and self._arenas is not None else None
-        staged.arena = arena
-        staged.nbytes = 0 if arena is None else arena.numel()
+        arena = self._acquire(staged, _staging_need(bp, lambda m: m.direct is not None))
         off = 0
         for peer in bp.peers:
-            seg = peer.direct
-            if seg is not None:
-                a, b = seg.span  # type: ignore[misc]
-                buf = get(seg.param).view(-1)[a:b]
-                staged.keep.append(buf)
-                staged.buffers.append((peer, buf, True))
-                continue
-            assert arena is not None
-            buf = arena[off:off + peer.nbytes]
-            off += peer.nbytes
-            pack_peer(buf, peer, get)
-            staged.buffers.append((peer, buf, False))
+            for msg in peer.messages:
+                seg = msg.direct
+                if seg is not None:  # zero-copy: send straight from the shard
+                    a, b = seg.span  # type: ignore[misc]
+                    staged.messages.append((peer.peer, msg, get(seg.param).view(-1)[a:b], True))
+                    continue
+                assert arena is not None
+                buf = arena[off:off + msg.nbytes]
+                off += msg.nbytes
+                pack_segments(buf, msg.segments, get, msg.offset)
+                staged.messages.append((peer.peer, msg, buf, False))
         staged.seconds["pack"] = time.perf_counter() - t0
         return staged
 
     def _alloc_recv(self, bp: BucketPacking, sinks: Mapping[str, Sink]) -> GlooStaging:
+        names = self._names
+
+        def into_target(m: Message) -> torch.Tensor | None:
+            seg = m.direct
+            if seg is None:
+                return None
+            target = sinks.get(names[seg.param])
+            if not isinstance(target, torch.Tensor):
+                return None  # a load callback gets its shard from staging
+            a, b = seg.span  # type: ignore[misc]
+            return byte_view(target).view(-1)[a:b]
+
         staged = GlooStaging(bp.bucket, packing=bp, nbytes_moved=bp.nbytes)
-        direct: list[tuple[PeerBuffer, torch.Tensor]] = []
-        need = 0
+        direct: dict[int, torch.Tensor] = {}
         for peer in bp.peers:
-            seg = peer.direct
-            target = sinks.get(self._names[seg.param]) if seg is not None else None
-            if seg is not None and isinstance(target, torch.Tensor):
-                a, b = seg.span  # type: ignore[misc]
-                direct.append((peer, byte_view(target).view(-1)[a:b]))
-            else:
-                need += peer.nbytes
-        arena = self._arenas.acquire(need) if need and self._arenas is not None else None
-        staged.arena = arena
-        staged.nbytes = 0 if arena is None else arena.numel()
+            for msg in peer.messages:
+                view = into_target(msg)
+                if view is not None:
+                    direct[id(msg)] = view
+        arena = self._acquire(staged, _staging_need(bp, lambda m: id(m) in direct))
         off = 0
-        direct_map = {id(p): buf for p, buf in direct}
         for peer in bp.peers:
-            buf = direct_map.get(id(peer))
-            if buf is not None:
-                staged.keep.append(buf)
-                staged.buffers.append((peer, buf, True))
-                continue
-            assert arena is not None
-            staged.buffers.append((peer, arena[off:off + peer.nbytes], False))
-            off += peer.nbytes
+            for msg in peer.messages:
+                view = direct.get(id(msg))
+                if view is not None:
+                    staged.messages.append((peer.peer, msg, view, True))
+                    continue
+                assert arena is not None
+                staged.messages.append((peer.peer, msg, arena[off:off + msg.nbytes], False))
+                off += msg.nbytes
         return staged
 
     def transfer(self, staging: Staging) -> Completion:
@@ -412,16 +456,15 @@ class GlooTransport(Transport):
         """Native thread: issue every op of the bucket, then wait for each (round deadline)."""
         t0 = time.perf_counter()
         sending = self.ctx.role == "trainer"
-        tag = staged.bucket.index
+        tag = staged.bucket.index % (1 << 31)  # Gloo tags are 32-bit; FIFO per pair anyway
         pg = self._pg
         issued: list[tuple[Any, int]] = []
         with self._lock:
             self.check_usable()
             try:
-                for peer, buf, _ in staged.buffers:
-                    op = pg.send if sending else pg.recv
-                    work = op([buf], peer.peer, tag)
-                    issued.append((work, peer.peer))
+                op = pg.send if sending else pg.recv
+                for peer, _, buf, _ in staged.messages:
+                    issued.append((op([buf], peer, tag), peer))
             except Exception as exc:
                 raise self._translate(exc, staged, None) from exc
             finally:
@@ -488,12 +531,9 @@ class GlooTransport(Transport):
                 views[i] = byte_view(sink)
             else:
                 callbacks[i] = sink
-        for peer, buf, direct in staged.buffers:
+        for _, msg, buf, direct in staged.messages:
             if not direct:
-                for seg in peer.segments:
-                    dst = views.get(seg.param)
-                    if dst is not None:
-                        copy_out(buf, seg, dst)
+                unpack_segments(buf, msg.segments, views, msg.offset)
         if callbacks:
             self._run_callbacks(staged, callbacks)
         staged.seconds["unpack"] = time.perf_counter() - t0
@@ -501,11 +541,11 @@ class GlooTransport(Transport):
     def _run_callbacks(self, staged: GlooStaging,
                        callbacks: Mapping[int, Callable[[str, torch.Tensor], None]]) -> None:
         plan = self.ctx.plan
-        by_param: dict[int, list[tuple[torch.Tensor, Any]]] = {i: [] for i in callbacks}
-        for peer, buf, _ in staged.buffers:
-            for seg in peer.segments:
+        by_param: dict[int, list[tuple[torch.Tensor, Segment, int]]] = {i: [] for i in callbacks}
+        for _, msg, buf, _ in staged.messages:
+            for seg in msg.segments:
                 if seg.param in by_param:
-                    by_param[seg.param].append((buf, seg))
+                    by_param[seg.param].append((buf, seg, msg.offset))
         for i, fn in callbacks.items():  # dict order = plan order (bp.params)
             p = plan.params[i]
             dtype = self._dtypes[i]
@@ -513,15 +553,15 @@ class GlooTransport(Transport):
             parts = by_param[i]
             tensor: torch.Tensor | None = None
             if len(parts) == 1 and parts[0][1].whole:
-                buf, seg = parts[0]
-                raw = buf[seg.offset:seg.offset + seg.nbytes]
+                buf, seg, base = parts[0]
+                raw = buf[seg.offset - base:seg.offset - base + seg.nbytes]
                 if raw.data_ptr() % p.spec.itemsize == 0:  # zero-copy view of the staging
                     tensor = raw.view(dtype).view(shape)
             if tensor is None:
                 tensor = torch.empty(shape, dtype=dtype)
                 dst = byte_view(tensor)
-                for buf, seg in parts:
-                    copy_out(buf, seg, dst)
+                for buf, seg, base in parts:
+                    copy_out(buf, seg, dst, base)
             try:
                 fn(p.spec.name, tensor)
             except Exception as exc:
@@ -534,8 +574,7 @@ class GlooTransport(Transport):
             if staging.arena is not None and self._arenas is not None and not self.aborted:
                 self._arenas.release(staging.arena)
             staging.arena = None
-            staging.buffers.clear()
-            staging.keep.clear()
+            staging.messages.clear()
 
     # -- abort / close -------------------------------------------------------------------
 
