@@ -19,8 +19,9 @@ import torch.distributed as dist
 def _fake_world(rank: int, world_size: int) -> Iterator[None]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if dist.is_initialized():  # a previous test failed mid-way; start clean
-        dist.destroy_process_group()
+    if dist.is_initialized():
+        # Someone else's default group: never tear it down under them.
+        pytest.skip("a torch.distributed default group already exists in this process")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
