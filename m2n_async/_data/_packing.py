@@ -45,13 +45,17 @@ __all__ = [
     "BucketPacking",
     "Message",
     "PeerBuffer",
+    "ScatterPlan",
     "Segment",
     "byte_view",
     "copy_in",
     "copy_out",
+    "flat_bytes",
     "pack_peer",
     "pack_segments",
     "plan_bucket",
+    "scatter",
+    "scatter_plan",
     "split_messages",
     "unpack_peer",
     "unpack_segments",
@@ -234,6 +238,11 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (contiguous) as one flat uint8 view (no copy)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
 def copy_in(buf: torch.Tensor, seg: Segment, src_bytes: torch.Tensor, base: int = 0) -> None:
     """Copy ``seg``'s region of a local shard (byte view) into the flat ``buf``, which holds
     the bytes from buffer offset ``base`` on."""
@@ -249,18 +258,24 @@ def copy_out(buf: torch.Tensor, seg: Segment, dst_bytes: torch.Tensor, base: int
 
 
 def pack_segments(buf: torch.Tensor, segs: tuple[Segment, ...],
-                  src_bytes: Callable[[int], torch.Tensor], base: int = 0) -> None:
+                  src_bytes: Callable[[int], torch.Tensor], base: int = 0,
+                  src_flat: Callable[[int], torch.Tensor] | None = None) -> None:
     """Fill ``buf`` (flat uint8 holding offsets ``base`` on) with ``segs``.
 
-    ``src_bytes(i)`` returns the byte view of param ``i``'s local shard. When every segment is
-    a contiguous range, one ``torch.cat(out=...)`` does the whole buffer: per-segment Python
-    overhead dominates packing of many small tensors.
+    ``src_bytes(i)`` returns the byte view of param ``i``'s local shard (``byte_view``),
+    ``src_flat(i)`` its flat byte view (``flat_bytes``). When every segment is a contiguous
+    range, one ``torch.cat(out=...)`` does the whole buffer: per-segment Python overhead
+    dominates packing of many small tensors.
     """
     if len(segs) > 1 and all(s.span is not None for s in segs):
+        flat = src_flat or (lambda i: src_bytes(i).view(-1))
         parts = []
         for s in segs:
-            a, b = s.span  # type: ignore[misc]
-            parts.append(src_bytes(s.param).view(-1)[a:b])
+            if s.whole:
+                parts.append(flat(s.param))
+            else:
+                a, b = s.span  # type: ignore[misc]
+                parts.append(flat(s.param)[a:b])
         first = segs[0].offset - base
         last = segs[-1].offset + segs[-1].nbytes - base
         torch.cat(parts, out=buf[first:last])
@@ -284,6 +299,36 @@ def unpack_segments(buf: torch.Tensor, segs: tuple[Segment, ...],
         dst = dst_bytes.get(s.param)
         if dst is not None:
             copy_out(buf, s, dst, base)
+
+
+class ScatterPlan(NamedTuple):
+    """A message whose segments are all contiguous in their destinations, ready to scatter
+    with one ``torch._foreach_copy_`` (destination views built once, reused every round)."""
+
+    sizes: tuple[int, ...]
+    targets: tuple[torch.Tensor, ...]
+
+
+def scatter_plan(segs: tuple[Segment, ...],
+                 dst_flat: Mapping[int, torch.Tensor]) -> ScatterPlan | None:
+    """The ``ScatterPlan`` of a message into flat destination views, or None when a segment
+    is not contiguous or its param has no view (a load callback)."""
+    sizes: list[int] = []
+    targets: list[torch.Tensor] = []
+    for s in segs:
+        flat = dst_flat.get(s.param)
+        if flat is None or s.span is None:
+            return None
+        a, b = s.span
+        sizes.append(s.nbytes)
+        targets.append(flat if s.whole else flat[a:b])
+    return ScatterPlan(tuple(sizes), tuple(targets))
+
+
+def scatter(buf: torch.Tensor, plan: ScatterPlan) -> None:
+    """Copy the message in ``buf`` to its destinations in one call."""
+    parts = torch.split(buf, list(plan.sizes))
+    torch._foreach_copy_(list(plan.targets), list(parts))
 
 
 def unpack_peer(buf: torch.Tensor, peer: PeerBuffer,

@@ -49,11 +49,15 @@ from m2n_async._data._packing import (
     DIRECT_MIN_BYTES,
     BucketPacking,
     Message,
+    ScatterPlan,
     Segment,
     byte_view,
     copy_out,
+    flat_bytes,
     pack_segments,
     plan_bucket,
+    scatter,
+    scatter_plan,
     unpack_segments,
 )
 from m2n_async._data._transport import (
@@ -267,6 +271,7 @@ class GlooTransport(Transport):
         self._arenas: _Arenas | None = None
         self._pack_thread: NativeThread | None = None
         self._unpack_thread: NativeThread | None = None
+        self._scatter_cache: dict[tuple[int, int], dict[int, ScatterPlan]] = {}
         self._names = [p.spec.name for p in ctx.plan.params]
         self._dtypes = [getattr(torch, p.spec.dtype) for p in ctx.plan.params]
         self._closed = False
@@ -365,21 +370,32 @@ class GlooTransport(Transport):
                                     description=f"pack bucket {bucket.index}")
         return self._alloc_recv(bp, sinks or {})
 
-    def _byte_source(self, sources: Mapping[str, torch.Tensor]) -> Callable[[int], torch.Tensor]:
-        cache: dict[int, torch.Tensor] = {}
+    def _byte_source(self, sources: Mapping[str, torch.Tensor]
+                     ) -> tuple[Callable[[int], torch.Tensor], Callable[[int], torch.Tensor]]:
+        """(byte view, flat byte view) getters of the local shards, cached for one bucket."""
+        shaped: dict[int, torch.Tensor] = {}
+        flat: dict[int, torch.Tensor] = {}
         names = self._names
 
+        def tensor(i: int) -> torch.Tensor:
+            try:
+                return sources[names[i]]
+            except KeyError:
+                raise PlanError(f"parameter {names[i]!r}: no local shard was provided "
+                                f"(rank {self.ctx.rank})") from None
+
         def get(i: int) -> torch.Tensor:
-            v = cache.get(i)
+            v = shaped.get(i)
             if v is None:
-                try:
-                    t = sources[names[i]]
-                except KeyError:
-                    raise PlanError(f"parameter {names[i]!r}: no local shard was provided "
-                                    f"(rank {self.ctx.rank})") from None
-                v = cache[i] = byte_view(t)
+                v = shaped[i] = byte_view(tensor(i))
             return v
-        return get
+
+        def get_flat(i: int) -> torch.Tensor:
+            v = flat.get(i)
+            if v is None:
+                v = flat[i] = flat_bytes(tensor(i))
+            return v
+        return get, get_flat
 
     def _acquire(self, staged: GlooStaging, need: int) -> torch.Tensor | None:
         if not need or self._arenas is None:
@@ -391,7 +407,7 @@ class GlooTransport(Transport):
 
     def _pack(self, bp: BucketPacking, sources: Mapping[str, torch.Tensor]) -> GlooStaging:
         t0 = time.perf_counter()
-        get = self._byte_source(sources)
+        get, get_flat = self._byte_source(sources)
         staged = GlooStaging(bp.bucket, packing=bp, nbytes_moved=bp.nbytes)
         arena = self._acquire(staged, _staging_need(bp, lambda m: m.direct is not None))
         off = 0
@@ -400,12 +416,14 @@ class GlooTransport(Transport):
                 seg = msg.direct
                 if seg is not None:  # zero-copy: send straight from the shard
                     a, b = seg.span  # type: ignore[misc]
-                    staged.messages.append((peer.peer, msg, get(seg.param).view(-1)[a:b], True))
+                    flat = get_flat(seg.param)
+                    staged.messages.append((peer.peer, msg, flat if seg.whole else flat[a:b],
+                                            True))
                     continue
                 assert arena is not None
                 buf = arena[off:off + msg.nbytes]
                 off += msg.nbytes
-                pack_segments(buf, msg.segments, get, msg.offset)
+                pack_segments(buf, msg.segments, get, msg.offset, get_flat)
                 staged.messages.append((peer.peer, msg, buf, False))
         staged.seconds["pack"] = time.perf_counter() - t0
         return staged
@@ -531,12 +549,43 @@ class GlooTransport(Transport):
                 views[i] = byte_view(sink)
             else:
                 callbacks[i] = sink
+        scatters = self._scatter_plans(bp, sinks)
         for _, msg, buf, direct in staged.messages:
-            if not direct:
+            if direct:
+                continue
+            sp = scatters.get(id(msg))
+            if sp is not None:
+                scatter(buf, sp)
+            else:
                 unpack_segments(buf, msg.segments, views, msg.offset)
         if callbacks:
             self._run_callbacks(staged, callbacks)
         staged.seconds["unpack"] = time.perf_counter() - t0
+
+    def _scatter_plans(self, bp: BucketPacking, sinks: Mapping[str, Sink]
+                       ) -> dict[int, ScatterPlan]:
+        """Per message id, its one-call scatter into tensor targets (for messages of many
+        contiguous segments). Targets are fixed for a worker's lifetime, so the views are
+        built once per bucket and sinks mapping, not every round."""
+        key = (bp.bucket.index, id(sinks))
+        cached = self._scatter_cache.get(key)
+        if cached is not None:
+            return cached
+        names = self._names
+        flat: dict[int, torch.Tensor] = {}
+        for i in bp.params:
+            sink = sinks.get(names[i])
+            if isinstance(sink, torch.Tensor):
+                flat[i] = flat_bytes(sink)
+        plans: dict[int, ScatterPlan] = {}
+        for peer in bp.peers:
+            for msg in peer.messages:
+                if len(msg.segments) > 1:
+                    sp = scatter_plan(msg.segments, flat)
+                    if sp is not None:
+                        plans[id(msg)] = sp
+        self._scatter_cache[key] = plans
+        return plans
 
     def _run_callbacks(self, staged: GlooStaging,
                        callbacks: Mapping[int, Callable[[str, torch.Tensor], None]]) -> None:

@@ -608,7 +608,8 @@ class _no_deadline:
 class _Sources:
     """Resolves one bucket's local shards from whatever ``sync_weights`` was given."""
 
-    def __init__(self, weights: Weights, plan: TransferPlan, rank: int, device: str) -> None:
+    def __init__(self, weights: Weights, plan: TransferPlan, rank: int, device: str,
+                 expect: list[tuple[Any, torch.Size]]) -> None:
         import torch
 
         self._plan = plan
@@ -619,6 +620,7 @@ class _Sources:
         self._pending: dict[str, torch.Tensor] = {}
         self._call: Callable[[Sequence[str]], Mapping[str, torch.Tensor]] | None = None
         self._map: Mapping[str, torch.Tensor] | None = None
+        self._expect = expect
         if isinstance(weights, torch.nn.Module):
             from m2n_async._integrations.sources import module_shards
 
@@ -677,14 +679,28 @@ class _Sources:
 
     def _resolve(self, bucket: Bucket, names: Sequence[str]) -> Mapping[str, torch.Tensor]:
         got = self._fetch(names)
+        expect = self._expect
         for i, n in zip(range(bucket.start, bucket.stop), names, strict=True):
             t = got.get(n)
             if t is None:
                 raise PlanError(f"sync_weights: no local shard for parameter {n!r} "
                                 f"(rank {self._rank})")
-            validate_local_buffer(self._plan.params[i].spec, t, self._rank, "source",
-                                  device=self._device)
+            dtype, shape = expect[i]
+            # Fast path (a few attribute reads); the full check only explains a mismatch.
+            if not (t.dtype is dtype and t.shape == shape and t.device.type == self._device
+                    and t.is_contiguous()):
+                validate_local_buffer(self._plan.params[i].spec, t, self._rank, "source",
+                                      device=self._device)
         return got
+
+
+def _source_expectations(plan: TransferPlan, rank: int) -> list[tuple[Any, torch.Size]]:
+    """Per param, the (torch dtype, local shape) this rank's shard must have."""
+    import torch
+
+    return [(getattr(torch, p.spec.dtype), torch.Size(p.spec.layout.local_shape(p.spec.shape,
+                                                                               rank)))
+            for p in plan.params]
 
 
 class TrainerEngine(_Engine):
@@ -695,6 +711,7 @@ class TrainerEngine(_Engine):
     def __init__(self, *, params: Sequence[ParamSpec], **kw: Any) -> None:
         super().__init__(**kw)
         self._params = tuple(params)
+        self._expect: list[tuple[Any, torch.Size]] = []
 
     @classmethod
     async def connect(cls, address: str | tuple[str, int] | None = None, *,
@@ -726,6 +743,9 @@ class TrainerEngine(_Engine):
                      trainer_ranks=trainer_ranks, world_size=world_size, config=cfg)
         await engine._connect(timeout)
         return engine
+
+    def _check_local(self, plan: TransferPlan) -> None:
+        self._expect = _source_expectations(plan, self.rank)
 
     def _preflight_inputs(self) -> PreflightInputs:
         return PreflightInputs(
@@ -783,7 +803,7 @@ class TrainerEngine(_Engine):
         device = self._transport.ctx.settings.device or "cpu"
 
         async def work() -> PipelineStats:
-            sources = _Sources(weights, plan, rank, device)
+            sources = _Sources(weights, plan, rank, device, self._expect)
             stats = await run_pipeline(transport, self._buckets,
                                        max_inflight=self.config.max_inflight, sources=sources,
                                        progress=progress, total_bytes=plan.send_bytes(rank))
