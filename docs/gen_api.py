@@ -164,9 +164,26 @@ def _doc(obj: Any) -> str:
     return doc if doc else "*(no docstring)*"
 
 
+def _own_and_private_bases(cls: type) -> list[tuple[str, Any]]:
+    """Members defined on ``cls`` or on a private base of ours (``_Engine``), which users
+    reach only through the public subclass; public bases document themselves."""
+    seen: set[str] = set()
+    out: list[tuple[str, Any]] = []
+    for base in cls.__mro__:
+        private_ours = (base.__name__.startswith("_")
+                        and base.__module__.startswith("m2n_async"))
+        if base is not cls and not private_ours:
+            continue
+        for name, raw in vars(base).items():
+            if name not in seen:
+                seen.add(name)
+                out.append((name, raw))
+    return out
+
+
 def _members(cls: type) -> list[str]:
     lines: list[str] = []
-    for name, raw in vars(cls).items():
+    for name, raw in _own_and_private_bases(cls):
         if name.startswith("_"):
             continue
         if isinstance(raw, property):
@@ -181,8 +198,9 @@ def _members(cls: type) -> list[str]:
         elif inspect.isfunction(raw):
             sig = _signature(raw, method=True)
             prefix = "async " if inspect.iscoroutinefunction(raw) else ""
+            kind = " *(async iterator)*" if inspect.isasyncgenfunction(raw) else ""
             doc = _first_paragraph(raw.__doc__, full=True)
-            lines.append(f"- **`{prefix}{name}{sig}`** — {doc}")
+            lines.append(f"- **`{prefix}{name}{sig}`**{kind} — {doc}")
     return lines
 
 
