@@ -105,7 +105,8 @@ def _comment_above(lines: list[str], index: int) -> str | None:
     block: list[str] = []
     i = index - 1
     while i >= 0 and lines[i].lstrip().startswith("#"):
-        block.append(lines[i].lstrip().lstrip("#").strip())
+        # "#:" is Sphinx's marker for a documenting comment; plain "#" works too.
+        block.append(lines[i].lstrip().lstrip("#").lstrip(":").strip())
         i -= 1
     return " ".join(reversed(block)) or None
 
@@ -154,9 +155,10 @@ def _value_repr(value: Any) -> str:
     if isinstance(value, frozenset | set):
         inner = ", ".join(repr(v) for v in sorted(value, key=repr))
         return f"frozenset({{{inner}}})" if isinstance(value, frozenset) else f"{{{inner}}}"
-    if isinstance(value, dict) and len(value) > 12:
-        return f"{{... {len(value)} entries}}"
-    return _clean(repr(value))
+    text = _clean(repr(value))
+    if len(text) > 160 and hasattr(value, "__len__"):
+        return f"{type(value).__name__}(...)  # {len(value)} entries"
+    return text
 
 
 def _doc(obj: Any) -> str:
