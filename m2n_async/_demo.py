@@ -1,0 +1,737 @@
+"""``m2n-async demo``: trainer and worker meshes as local processes, verified bit-exact.
+
+Theory of operation. The parent process runs an embedded ``StoreServer`` on 127.0.0.1 with a
+fresh random token and spawns ``T`` trainer and ``N`` worker processes (``spawn``: torch and
+threads of the parent must not leak into children). Every process builds the same synthetic,
+transformer-shaped model description (``demo_model``) and the same ``TransferPlan``: trainers
+on mesh ``(1, T)`` (FSDP-style row/column shards, expert parallel on dim 0 of the 3-D expert
+tensors, some replicated tensors), workers on mesh ``(1, N)`` (tensor parallel: column- and
+row-parallel matrices, experts sharded along an inner dim, replicated norms), plus a block of
+many tiny tensors — so the plan mixes zero-copy runs, strided reshards, replica balancing and
+per-parameter overhead.
+
+Weights are a pure function of ``(name, global element index, round)`` (``shard_content``):
+``base(name, index)`` — integer hashes of the element's global row and column, so any rank
+computes any box of any tensor without the global tensor — XOR a per-``(name, round)`` byte
+mask. Each round
+the trainers XOR their shards in place from the previous round's mask to the new one (like an
+optimizer step that rewrites every byte) and call ``sync_weights``; the workers ``receive``
+into zeroed targets and compare every byte with ``base ^ mask(round)`` recomputed from the
+formula for their own boxes. Consecutive masks differ in every element, so a stale byte (a
+piece that did not move) fails the check, and the hash makes misplaced pieces fail it too.
+
+Between rounds the trainers wait (through the store, bounded) until every worker has verified
+the previous round, so a round's time measures the transfer, not the verification. Children
+report to the parent as msgspec-encoded events on a multiprocessing queue (typed; no pickle of
+our own objects); the parent draws the progress bar on stderr, prints per-round time and GB/s,
+and exits non-zero naming the rank on any mismatch, error, dead child or deadline. Children
+are always reaped: on failure the survivors get ``abort_grace`` to report, then are killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing as mp
+import os
+import queue
+import secrets
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.to_thread
+import msgspec
+
+from m2n_async._proto.layout import REPLICATE, Layout, Mesh
+from m2n_async._proto.params import ParamSpec, ParamTransfer, dtype_itemsize
+from m2n_async._proto.plan import TransferPlan
+
+if TYPE_CHECKING:
+    import torch
+
+    from m2n_async._proto.layout import Box
+
+__all__ = [
+    "DemoParam",
+    "add_demo_command",
+    "demo_model",
+    "demo_plan",
+    "run_demo",
+    "run_demo_command",
+    "shard_content",
+]
+
+Placements = tuple[int, int] | None
+R = REPLICATE
+_MB = 1_000_000
+# After the first failure, how long the other ranks get to report theirs (the engine's own
+# abort path takes up to a few abort_grace steps of 5 s) before every child is killed.
+_FAIL_GRACE = 12.0
+
+
+# -- the model -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DemoParam:
+    """One tensor of the synthetic model: placements on the trainer mesh ``(1, T)`` (``src``)
+    and on the worker mesh ``(1, N)`` (``dst``); ``None`` means fully replicated."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    src: Placements
+    dst: Placements
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtype_itemsize(self.dtype)
+
+
+def _lcm(a: int, b: int) -> int:
+    return a * b // math.gcd(a, b)
+
+
+def demo_model(size_mb: float, trainers: int, workers: int, *, small_per_layer: int = 96
+               ) -> list[DemoParam]:
+    """A transformer-shaped parameter list of about ``size_mb`` MB (10^6 bytes).
+
+    Per layer: a replicated norm, a row-sharded fused QKV (column-parallel on workers), an
+    output projection resharded row → column, a column-sharded gate/up (→ rows), a down
+    projection (columns → columns), a replicated router, two expert tensors of shape
+    ``(E, ., .)`` expert-parallel on dim 0 on the trainers and tensor-parallel on dim 1 or 2 on
+    the workers, and ``small_per_layer`` tiny tensors alternating replicated → sharded and
+    sharded → replicated. Plus a vocab-sharded embedding, a replicated-source LM head and a
+    final norm. Every sharded dim divides by ``T`` and ``N``; the hidden size and the layer
+    count are chosen so that the total lands near ``size_mb`` (at least one layer, hidden at
+    least ``16 x lcm(T, N)``, so very small sizes round up).
+    """
+    if trainers < 1 or workers < 1:
+        raise ValueError(f"need at least one trainer and one worker, got {trainers}+{workers}")
+    if not size_mb > 0:
+        raise ValueError(f"size_mb must be > 0, got {size_mb}")
+    u = _lcm(trainers, workers)
+    experts = trainers * max(1, math.ceil(8 / trainers))
+    step = 16 * u  # hidden multiple: d/2 (expert width) and d still divide by T and N
+    # Bytes per hidden^2: 20 (dense, bf16) + 3 * experts (expert tensors, bf16) per layer;
+    # 64 for the embedding + head (vocab = 16 * hidden, bf16). Aim for ~6 layers.
+    per_layer = 20 + 3 * experts
+    target = size_mb * _MB
+    d = max(step, int(math.sqrt(target / (6 * per_layer + 64))) // step * step)
+    layers = max(1, round((target - 64 * d * d) / (per_layer * d * d)))
+    vocab, ffn, expert_ffn = 16 * d, 2 * d, d // 2
+    small = 4 * u
+    out: list[DemoParam] = [DemoParam("embed.weight", (vocab, d), "bfloat16", (R, 0), (R, 0))]
+    for i in range(layers):
+        p = f"layers.{i}"
+        out += [
+            DemoParam(f"{p}.input_norm.weight", (d,), "float32", None, None),
+            DemoParam(f"{p}.attn.qkv.weight", (3 * d, d), "bfloat16", (R, 0), (R, 0)),
+            DemoParam(f"{p}.attn.o.weight", (d, d), "bfloat16", (R, 0), (R, 1)),
+            DemoParam(f"{p}.mlp_norm.weight", (d,), "float32", None, None),
+            DemoParam(f"{p}.mlp.gate_up.weight", (2 * ffn, d), "bfloat16", (R, 1), (R, 0)),
+            DemoParam(f"{p}.mlp.down.weight", (d, ffn), "bfloat16", (R, 1), (R, 1)),
+            DemoParam(f"{p}.router.weight", (experts, d), "float32", None, None),
+            DemoParam(f"{p}.experts.gate_up", (experts, 2 * expert_ffn, d), "bfloat16",
+                      (R, 0), (R, 1)),
+            DemoParam(f"{p}.experts.down", (experts, d, expert_ffn), "bfloat16",
+                      (R, 0), (R, 2)),
+        ]
+        for j in range(small_per_layer):
+            src, dst = ((None, (R, 0)) if j % 2 == 0 else ((R, 0), None))
+            dtype = ("float16", "float32", "int8")[j % 3]
+            out.append(DemoParam(f"{p}.small.{j}", (small,), dtype, src, dst))
+    out += [
+        DemoParam("final_norm.weight", (d,), "float32", None, None),
+        DemoParam("lm_head.weight", (vocab, d), "bfloat16", None, (R, 0)),
+    ]
+    return out
+
+
+def demo_plan(params: Sequence[DemoParam], trainers: int, workers: int) -> TransferPlan:
+    """The plan of ``params`` from trainer mesh ``(1, T)`` at rank 0 to worker mesh ``(1, N)``."""
+    smesh, dmesh = Mesh((1, trainers), 0), Mesh((1, workers), trainers)
+    return TransferPlan(
+        [ParamTransfer(ParamSpec(p.name, p.dtype, p.shape, Layout(smesh, p.src)),
+                       Layout(dmesh, p.dst)) for p in params],
+        trainer_ranks=trainers, world_size=trainers + workers)
+
+
+# -- the weights: a pure function of (name, global index, round) -----------------------------
+
+
+def _name_seed(name: str) -> int:
+    """FNV-1a of the name, 40 bits (so the hash arithmetic below never overflows int64)."""
+    h = 1469598103934665603
+    for ch in name.encode():
+        h = ((h ^ ch) * 1099511628211) % (1 << 64)
+    return h >> 24
+
+
+def _global_index(shape: tuple[int, ...], box: Box) -> torch.Tensor:
+    """int64 global flat (row-major) index of every element of ``box``, shaped like the box."""
+    import torch
+
+    stride = 1
+    idx: torch.Tensor | None = None
+    for dim in reversed(range(len(shape))):
+        lo, hi = box[dim]
+        view = [1] * len(shape)
+        view[dim] = hi - lo
+        part = (torch.arange(lo, hi, dtype=torch.int64) * stride).view(view)
+        idx = part if idx is None else part + idx
+        stride *= shape[dim]
+    assert idx is not None
+    return idx
+
+
+_WORD: dict[int, Any] = {}
+
+
+def _words() -> None:
+    import torch
+
+    _WORD.update({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64})
+
+
+def _hash_bytes(idx: torch.Tensor, seed: int, k: int) -> torch.Tensor:
+    """``k`` pseudo-random bytes per int64 index (shape ``idx.shape + (k,)``, uint8).
+
+    An integer hash whose every intermediate stays below 2^63 (indices < 2^28, seed < 2^40),
+    so it is exact and identical on every machine.
+    """
+    import torch
+
+    x = idx * 0x9E3779B1 + seed
+    x = x ^ (x >> 29)
+    x = (x & 0xFFFFFFFF) * 0x2C1B3C6D
+    x = x ^ (x >> 31)
+    return torch.stack([((x >> (8 * j)) & 0xFF).to(torch.uint8) for j in range(k)], dim=-1)
+
+
+def base_content(name: str, shape: tuple[int, ...], dtype: str, box: Box) -> torch.Tensor:
+    """The round-independent bytes of ``box`` of parameter ``name`` (a fresh tensor).
+
+    Element ``(row, col)`` — ``row`` the global flat index over all dims but the last, ``col``
+    the last-dim index — is ``H(row) XOR C(col)``, each a hash seeded by the name. Hashing
+    rows and columns separately costs one broadcast XOR per byte instead of a hash per
+    element (the demo recomputes hundreds of MB per process), and still gives every element
+    of a tensor a different-looking value: a piece landing in the wrong row, column or tensor
+    fails the check.
+    """
+    import torch
+
+    k = dtype_itemsize(dtype)
+    if not _WORD:
+        _words()
+    seed = _name_seed(name)
+    rows = (_global_index(shape[:-1], box[:-1]) if len(shape) > 1
+            else torch.zeros((), dtype=torch.int64))
+    cols = torch.arange(box[-1][0], box[-1][1], dtype=torch.int64)
+    # XOR in a k-byte integer view: one vectorized op per element (a uint8 broadcast over a
+    # trailing dim of k runs ~7x slower).
+    word = _WORD[k]
+    h_rows = _hash_bytes(rows, seed, k).view(word)                       # (*lead, 1)
+    h_cols = _hash_bytes(cols + (1 << 27), seed ^ 0x5BD1E995, k).view(word).view(-1)
+    raw = torch.bitwise_xor(h_rows, h_cols)                              # (*lead, cols)
+    return raw.view(getattr(torch, dtype)).reshape([hi - lo for lo, hi in box])
+
+
+def round_mask(name: str, dtype: str, round_: int) -> torch.Tensor:
+    """``itemsize`` bytes XORed into every element of ``name`` in round ``round_`` (0: none).
+
+    Byte 0 is ``1 + (37 * round + seed) % 255``: it differs between consecutive rounds (37 is
+    not a multiple of 255), so every element changes every round.
+    """
+    import torch
+
+    k = dtype_itemsize(dtype)
+    if round_ == 0:
+        return torch.zeros(k, dtype=torch.uint8)
+    seed = _name_seed(name)
+    first = 1 + (37 * round_ + seed) % 255
+    rest = [((seed >> (3 * j)) + 101 * round_) & 0xFF for j in range(1, k)]
+    return torch.tensor([first, *rest], dtype=torch.uint8)
+
+
+def _bytes_2d(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (contiguous) as a ``(numel, itemsize)`` uint8 view."""
+    import torch
+
+    return t.view(-1).view(torch.uint8).view(t.numel(), t.element_size())
+
+
+def shard_content(p: DemoParam, box: Box, round_: int) -> torch.Tensor:
+    """The exact bytes of ``box`` of ``p`` in round ``round_`` (what every rank recomputes)."""
+    t = base_content(p.name, p.shape, p.dtype, box)
+    if round_:
+        _bytes_2d(t).bitwise_xor_(round_mask(p.name, p.dtype, round_))
+    return t
+
+
+# -- events: children -> parent (msgspec on a queue) -----------------------------------------
+
+
+class Ready(msgspec.Struct, tag=True, frozen=True):
+    rank: int
+    generation: int
+    transport: str
+    reason: str
+    local_bytes: int
+
+
+class Progress(msgspec.Struct, tag=True, frozen=True):
+    rank: int
+    round: int
+    done: int
+    total: int
+
+
+class RoundReport(msgspec.Struct, tag=True, frozen=True):
+    rank: int
+    round: int
+    version: int
+    bytes: int
+    seconds: float
+    mismatched: tuple[str, ...] = ()  # workers: parameters whose bytes differ
+    checked: int = 0                  # workers: tensors compared
+
+
+class Failure(msgspec.Struct, tag=True, frozen=True):
+    rank: int
+    message: str
+
+
+class Finished(msgspec.Struct, tag=True, frozen=True):
+    rank: int
+
+
+Event = Ready | Progress | RoundReport | Failure | Finished
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Event)
+
+
+@dataclass(frozen=True)
+class DemoArgs:
+    """Everything a child needs (plain values: they cross the spawn boundary)."""
+
+    trainers: int
+    workers: int
+    rounds: int
+    size_mb: float
+    transport: str
+    address: str
+    token: str
+    job: str
+    round_timeout: float
+    phase_timeout: float
+    bucket_mb: float
+
+    @property
+    def world(self) -> int:
+        return self.trainers + self.workers
+
+
+def _child(args: DemoArgs, rank: int, events: Any) -> None:
+    """Process entry of one rank: run it, report any failure, exit non-zero on failure."""
+    import torch
+
+    torch.set_num_threads(1)  # 2 cores shared by T + N processes: no intra-op pools
+    send: Callable[[Event], None] = lambda ev: events.put(_encoder.encode(ev))  # noqa: E731
+    try:
+        anyio.run(_rank_main, args, rank, send)
+    except BaseException as exc:
+        tail = f"{type(exc).__name__}: {exc}"
+        if not isinstance(exc, Exception):
+            tail = f"{tail} (interrupted)"
+        send(Failure(rank, tail))
+        if os.environ.get("M2N_DEMO_TRACEBACK"):
+            traceback.print_exc()
+        sys.exit(1)
+    send(Finished(rank))
+
+
+async def _rank_main(args: DemoArgs, rank: int, send: Callable[[Event], None]) -> None:
+    from m2n_async._engine._config import EngineConfig
+    from m2n_async._store import StoreClient
+
+    params = demo_model(args.size_mb, args.trainers, args.workers)
+    plan = demo_plan(params, args.trainers, args.workers)
+    config = EngineConfig(transport=args.transport, bucket_bytes=int(args.bucket_mb * (1 << 20)),
+                          phase_timeout=args.phase_timeout, round_timeout=args.round_timeout,
+                          job=args.job)
+    store = await StoreClient.connect(args.address, token=args.token)
+    verified = [f"{args.job}-demo/verified/{{}}/{w}" for w in range(args.trainers, args.world)]
+    try:
+        if rank < args.trainers:
+            await _trainer(args, rank, params, plan, config, store, verified, send)
+        else:
+            await _worker(args, rank, params, plan, config, store, verified, send)
+    finally:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+            await store.aclose()
+
+
+def _fault(rank: int, round_: int) -> str | None:
+    """The fault ``M2N_DEMO_FAULT=kind:rank:round`` injects here, if any.
+
+    A test hook, so that the demo's own checks are shown to fail: ``exit`` ends the process
+    abruptly (``os._exit``) as round ``round`` begins on that rank; ``corrupt`` (a worker)
+    flips one received byte before verifying.
+    """
+    spec = os.environ.get("M2N_DEMO_FAULT", "")
+    if not spec:
+        return None
+    try:
+        kind, r, k = spec.split(":")
+        hit = (int(r), int(k)) == (rank, round_)
+    except ValueError:
+        raise ValueError(f"M2N_DEMO_FAULT must be 'exit|corrupt:RANK:ROUND', got {spec!r}"
+                         ) from None
+    if hit and kind == "exit":
+        os._exit(9)
+    return kind if hit else None
+
+
+def _progress(send: Callable[[Event], None], rank: int, round_: int
+              ) -> Callable[[int, int], None]:
+    return lambda done, total: send(Progress(rank, round_, done, total))
+
+
+async def _trainer(args: DemoArgs, rank: int, params: Sequence[DemoParam], plan: TransferPlan,
+                   config: Any, store: Any, verified: list[str],
+                   send: Callable[[Event], None]) -> None:
+    from m2n_async._engine._engine import TrainerEngine
+
+    # This rank's shards at round 0; each round rewrites them in place (mask r-1 -> r).
+    shards = {p.name: shard_content(p, t.spec.layout.box(p.shape, rank), 0)
+              for p, t in zip(params, plan.params, strict=True)}
+    engine = await TrainerEngine.connect(store=store, rank=rank, trainer_ranks=args.trainers,
+                                         world_size=args.world, params=plan.source_specs(),
+                                         config=config, timeout=args.phase_timeout * 6)
+    try:
+        send(Ready(rank, engine.generation, engine.transport, engine.transport_reason,
+                   plan.send_bytes(rank)))
+        for r in range(1, args.rounds + 1):
+            if r > 1:  # every worker verified round r-1: round r times the transfer only
+                with anyio.fail_after(args.round_timeout):
+                    await store.wait([k.format(r - 1) for k in verified])
+            _fault(rank, r)
+            for p in params:
+                _bytes_2d(shards[p.name]).bitwise_xor_(
+                    round_mask(p.name, p.dtype, r - 1) ^ round_mask(p.name, p.dtype, r))
+            res = await engine.sync_weights(shards, version=r if rank == 0 else None,
+                                            progress=_progress(send, rank, r))
+            send(RoundReport(rank, r, res.version, res.bytes, res.seconds))
+    finally:
+        await engine.close()
+
+
+async def _worker(args: DemoArgs, rank: int, params: Sequence[DemoParam], plan: TransferPlan,
+                  config: Any, store: Any, verified: list[str],
+                  send: Callable[[Event], None]) -> None:
+    import torch
+
+    from m2n_async._engine._engine import WorkerEngine
+
+    boxes = [t.dst.box(p.shape, rank) for p, t in zip(params, plan.params, strict=True)]
+    # Zeroed targets: bytes that never arrive cannot pass the check by accident.
+    targets = {p.name: torch.zeros([hi - lo for lo, hi in box], dtype=getattr(torch, p.dtype))
+               for p, box in zip(params, boxes, strict=True)}
+    # The round-independent part of the expected bytes, recomputed from the formula.
+    base = {p.name: _bytes_2d(base_content(p.name, p.shape, p.dtype, box))
+            for p, box in zip(params, boxes, strict=True)}
+    scratch = torch.empty(max(t.numel() * t.element_size() for t in targets.values()),
+                          dtype=torch.uint8)
+    engine = await WorkerEngine.connect(
+        store=store, rank=rank, trainer_ranks=args.trainers, world_size=args.world,
+        mesh_dims=(1, args.workers), config=config, timeout=args.phase_timeout * 6,
+        targets={p.name: (targets[p.name], t.dst.placements)
+                 for p, t in zip(params, plan.params, strict=True)})
+    try:
+        send(Ready(rank, engine.generation, engine.transport, engine.transport_reason,
+                   plan.recv_bytes(rank)))
+        for r in range(1, args.rounds + 1):
+            fault = _fault(rank, r)
+            res = await engine.receive(timeout=args.round_timeout,
+                                       progress=_progress(send, rank, r))
+            if fault == "corrupt":
+                _bytes_2d(targets[params[-1].name])[-1, 0] ^= 1
+            bad = mismatches(params, targets, base, r, scratch)
+            send(RoundReport(rank, r, res.version, res.bytes, res.seconds, tuple(bad),
+                             len(params)))
+            await store.set(verified[rank - args.trainers].format(r), b"1")
+    finally:
+        await engine.close()
+
+
+def mismatches(params: Sequence[DemoParam], targets: dict[str, torch.Tensor],
+               base: dict[str, torch.Tensor], round_: int, scratch: torch.Tensor) -> list[str]:
+    """Names whose target bytes differ from ``base ^ mask(round_)`` (``base``: the
+    ``_bytes_2d`` of ``base_content`` for the same boxes; ``scratch``: uint8, large enough
+    for the largest target)."""
+    import torch
+
+    bad = []
+    for p in params:
+        want = base[p.name]
+        exp = scratch[:want.numel()].view(want.shape)
+        torch.bitwise_xor(want, round_mask(p.name, p.dtype, round_), out=exp)
+        if not torch.equal(_bytes_2d(targets[p.name]), exp):
+            bad.append(p.name)
+    return bad
+
+
+# -- the parent ------------------------------------------------------------------------------
+
+
+class _Bar:
+    """A one-line progress bar on stderr (redrawn with ``\\r`` on a terminal only); ``line``
+    clears it and prints a line on ``out`` (stdout), so the two streams never interleave."""
+
+    def __init__(self, stream: Any, out: Any) -> None:
+        self.stream = stream
+        self.out = out
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self.shown = False
+        self._last = 0.0
+
+    def draw(self, label: str, frac: float) -> None:
+        now = time.monotonic()
+        if not self.tty or (now - self._last < 0.05 and frac < 1):
+            return
+        self._last = now
+        width = 30
+        fill = round(width * min(max(frac, 0.0), 1.0))
+        self.stream.write(f"\r{label} [{'#' * fill}{'.' * (width - fill)}] {frac:6.1%}")
+        self.stream.flush()
+        self.shown = True
+
+    def line(self, text: str) -> None:
+        if self.shown:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self.shown = False
+        self.out.write(text + "\n")
+        self.out.flush()
+
+
+class DemoFailed(Exception):
+    """The demo failed: the message names the rank(s) and what went wrong."""
+
+
+def run_demo(*, trainers: int = 2, workers: int = 2, rounds: int = 3, size_mb: float = 350.0,
+             transport: str = "gloo", timeout: float | None = None, round_timeout: float = 120.0,
+             bucket_mb: float = 64.0, out: Any = None, err: Any = None) -> int:
+    """Run the demo (see the module docstring); return 0 when every round verified.
+
+    ``out`` receives the summary lines, ``err`` the progress bar and errors (default stdout /
+    stderr). ``timeout`` bounds the whole run (default: three handshake phases plus
+    ``round_timeout`` per round); every child is reaped before this returns.
+    """
+    out = out or sys.stdout
+    err = err or sys.stderr
+    if trainers < 1 or workers < 1 or rounds < 1 or not size_mb > 0 or not bucket_mb > 0:
+        print(f"m2n-async demo: need --trainers, --workers, --rounds >= 1 and --size-mb, "
+              f"--bucket-mb > 0 (got {trainers}, {workers}, {rounds}, {size_mb}, {bucket_mb})",
+              file=err)
+        return 2
+    if timeout is None:
+        timeout = 3 * min(60.0, round_timeout) + rounds * round_timeout
+    try:
+        failure = anyio.run(_parent, trainers, workers, rounds, size_mb, transport, timeout,
+                            round_timeout, bucket_mb, out, err)
+    except KeyboardInterrupt:
+        print("m2n-async demo: interrupted (children killed)", file=err)
+        return 130
+    if failure is not None:
+        out.flush()
+        print(f"m2n-async demo FAILED: {failure}", file=err)
+        return 1
+    return 0
+
+
+async def _parent(trainers: int, workers: int, rounds: int, size_mb: float, transport: str,
+                  limit_s: float, round_timeout: float, bucket_mb: float, out: Any,
+                  err: Any) -> str | None:
+    """Run the job; return None on success, else the failure (named ranks)."""
+    from m2n_async._store import StoreServer
+
+    params = demo_model(size_mb, trainers, workers)
+    plan = demo_plan(params, trainers, workers)
+    total = sum(plan.recv_bytes(r) for r in range(trainers, trainers + workers))
+    shapes = sum(1 for p in params if ".small." not in p.name)
+    print(f"m2n-async demo: {trainers} trainer + {workers} worker processes, {transport} "
+          f"transport, {rounds} round{'s' if rounds > 1 else ''}", file=out)
+    print(f"model: {len(params)} tensors ({shapes} large + {len(params) - shapes} small), "
+          f"{sum(p.nbytes for p in params) / _MB:.1f} MB; {total / _MB:.1f} MB received by "
+          f"the workers per round", file=out)
+    print(f"starting {trainers + workers} processes (each imports torch and computes its "
+          f"shards) ...", file=out)
+    out.flush()
+    token = secrets.token_hex(16)
+    async with StoreServer(host="127.0.0.1", port=0, token=token) as server:
+        args = DemoArgs(trainers, workers, rounds, size_mb, transport, server.address, token,
+                        f"demo-{secrets.token_hex(4)}", round_timeout,
+                        phase_timeout=min(60.0, round_timeout), bucket_mb=bucket_mb)
+        ctx = mp.get_context("spawn")
+        events = ctx.Queue()
+        procs = [ctx.Process(target=_child, args=(args, r, events), daemon=True,
+                             name=f"m2n-demo-rank{r}") for r in range(args.world)]
+        try:
+            for p in procs:
+                p.start()
+            await _monitor(args, procs, events, total, limit_s, _Bar(err, out))
+        except DemoFailed as exc:
+            return str(exc)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(_reap, procs)
+    return None
+
+
+def _reap(procs: Sequence[Any]) -> None:
+    """Join every child; kill whatever is still running after a short grace."""
+    deadline = time.monotonic() + 5.0
+    for p in procs:
+        if p.pid is not None:
+            p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.pid is not None and p.is_alive():
+            p.kill()
+            p.join(5)
+
+
+async def _monitor(args: DemoArgs, procs: Sequence[Any], events: Any, total: int,
+                   limit_s: float, bar: _Bar) -> None:
+    started = time.monotonic()
+    deadline = started + limit_s
+    ready: dict[int, Ready] = {}
+    finished: set[int] = set()
+    failures: dict[int, str] = {}
+    reports: dict[int, dict[int, RoundReport]] = {}
+    progress: dict[int, dict[int, int]] = {}
+    current = 1
+    fail_by: float | None = None  # after the first failure: time left for the others to report
+
+    def get() -> bytes | None:
+        try:
+            raw: bytes = events.get(timeout=0.1)
+        except queue.Empty:
+            return None
+        return raw
+
+    while len(finished) + len(failures) < args.world:
+        now = time.monotonic()
+        if fail_by is not None and now > fail_by:
+            break
+        if now > deadline:
+            missing = sorted(set(range(args.world)) - finished - failures.keys())
+            raise DemoFailed(f"the demo did not finish within {deadline - started:.0f} s; "
+                             f"rank(s) {missing} still running (killed)")
+        raw = await anyio.to_thread.run_sync(get)
+        if raw is None:
+            # Only when the queue is idle: a child that reported and exited may still have
+            # events in flight.
+            for r, p in enumerate(procs):
+                if (r not in finished and r not in failures and p.exitcode is not None):
+                    failures[r] = (f"process exited with code {p.exitcode} without reporting "
+                                   f"an error (killed or crashed)")
+                    fail_by = fail_by or time.monotonic() + _FAIL_GRACE
+            continue
+        ev = _decoder.decode(raw)
+        if isinstance(ev, Failure):
+            failures[ev.rank] = ev.message
+            fail_by = fail_by or time.monotonic() + _FAIL_GRACE
+            continue
+        if isinstance(ev, Finished):
+            finished.add(ev.rank)
+        elif isinstance(ev, Ready):
+            ready[ev.rank] = ev
+            if len(ready) == args.world:
+                t = ready[0]
+                bar.line(f"connected in {time.monotonic() - started:.1f} s: generation "
+                         f"{t.generation}, transport {t.transport} ({t.reason})")
+        elif isinstance(ev, Progress) and ev.rank >= args.trainers and ev.round == current:
+            progress.setdefault(ev.round, {})[ev.rank] = ev.done
+            done = sum(progress[ev.round].values())
+            bar.draw(f"round {ev.round}/{args.rounds}", done / total if total else 1.0)
+        elif isinstance(ev, RoundReport):
+            reports.setdefault(ev.round, {})[ev.rank] = ev
+            if ev.mismatched:
+                failures[ev.rank] = (f"round {ev.round}: {len(ev.mismatched)} of {ev.checked} "
+                                     f"tensors differ from the recomputation, e.g. "
+                                     f"{list(ev.mismatched[:5])}")
+                fail_by = fail_by or time.monotonic() + _FAIL_GRACE
+            while len(reports.get(current, {})) == args.world:
+                _print_round(args, reports[current], total, bar)
+                current += 1
+    if failures:
+        # Every rank of a failed round raises the same error: say it once, naming them all.
+        by_message: dict[str, list[int]] = {}
+        for r, m in sorted(failures.items()):
+            by_message.setdefault(m, []).append(r)
+        lines = [f"{_ranks(rs, args.trainers)}: {m}" for m, rs in by_message.items()]
+        raise DemoFailed("\n  " + "\n  ".join(lines))
+    if current <= args.rounds:
+        raise DemoFailed(f"only {current - 1} of {args.rounds} rounds were reported")
+    bar.line(f"OK: {args.rounds} rounds, every tensor on all {args.workers} workers bit-exact "
+             f"({time.monotonic() - started:.1f} s in all)")
+
+
+def _ranks(ranks: Sequence[int], trainers: int) -> str:
+    roles = {"trainer" if r < trainers else "worker" for r in ranks}
+    if len(ranks) == 1:
+        return f"rank {ranks[0]} ({roles.pop()})"
+    role = f"{roles.pop()}s" if len(roles) == 1 else "trainers and workers"
+    return f"ranks {', '.join(map(str, ranks))} ({role})"
+
+
+def _print_round(args: DemoArgs, reps: dict[int, RoundReport], total: int, bar: _Bar) -> None:
+    k = next(iter(reps.values())).round
+    workers = [reps[r] for r in range(args.trainers, args.world)]
+    got = sum(w.bytes for w in workers)
+    if got != total:
+        raise DemoFailed(f"round {k}: workers received {got} bytes, the plan says {total}")
+    seconds = max(r.seconds for r in reps.values())
+    versions = {r.version for r in reps.values()}
+    bar.line(f"round {k}/{args.rounds}: version {min(versions)}, {got / _MB:7.1f} MB in "
+             f"{seconds:6.2f} s = {got / seconds / 1e9:5.2f} GB/s; "
+             f"{' + '.join(str(w.checked - len(w.mismatched)) for w in workers)} tensors "
+             f"verified bit-exact")
+
+
+# -- the command -----------------------------------------------------------------------------
+
+
+def add_demo_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``demo`` on the ``m2n-async`` subparsers."""
+    p = sub.add_parser(
+        "demo", help="sync weights between local trainer and worker processes, bit-exact",
+        description="Spawn trainer and worker processes on this machine (CPU, Gloo by "
+                    "default), build a synthetic transformer-shaped model with mixed layouts, "
+                    "run several rounds with changing weights and verify every worker's "
+                    "tensors bit-exact. Exit status: 0 verified, 1 mismatch or failure.")
+    p.add_argument("--trainers", type=int, default=2, help="trainer processes (default 2)")
+    p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
+    p.add_argument("--size-mb", type=float, default=350.0,
+                   help="model size in MB (10^6 bytes; default 350)")
+    p.add_argument("--transport", choices=("gloo", "auto", "nccl", "m2n"), default="gloo",
+                   help="data plane (default gloo; auto picks the best available)")
+    p.add_argument("--bucket-mb", type=float, default=64.0,
+                   help="bucket size in MiB (default 64)")
+    p.add_argument("--round-timeout", type=float, default=120.0,
+                   help="seconds a round may take before it is aborted (default 120)")
+
+
+def run_demo_command(args: argparse.Namespace) -> int:
+    """Run ``m2n-async demo``; returns the exit status."""
+    return run_demo(trainers=args.trainers, workers=args.workers, rounds=args.rounds,
+                    size_mb=args.size_mb, transport=args.transport, bucket_mb=args.bucket_mb,
+                    round_timeout=args.round_timeout)
