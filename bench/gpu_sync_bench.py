@@ -91,12 +91,24 @@ async def bench_rank(ctx: _world.RankCtx) -> dict[str, Any]:
                              mesh=p.dst_mesh, placements=p.dst_placements)
         descs.append((src, dst))
 
-    def raw_calls(sync_each: bool) -> None:
-        sptr = stream.cuda_stream
+    def raw_calls(sync_each: bool, s: Any = stream) -> None:
+        sptr = s.cuda_stream
         for src, dst in descs:
             t.handle.reshard(t.comm, src, dst, stream=sptr)
             if sync_each:
-                stream.synchronize()
+                s.synchronize()
+        s.synchronize()
+
+    def raw_build() -> None:
+        # like ``raw`` but building the descriptors per call, as the transport does
+        sptr = stream.cuda_stream
+        for i in range(len(plan.params)):
+            p = t._describe(i)
+            src = m2n.DistTensor(sources[p.name] if trainer else None, p.src_shape, p.dtype,
+                                 mesh=p.src_mesh, placements=p.src_placements)
+            dst = m2n.DistTensor(None if trainer else targets[p.name], p.dst_shape, p.dtype,
+                                 mesh=p.dst_mesh, placements=p.dst_placements)
+            t.handle.reshard(t.comm, src, dst, stream=sptr)
         stream.synchronize()
 
     async def raw() -> None:
@@ -116,6 +128,46 @@ async def bench_rank(ctx: _world.RankCtx) -> dict[str, Any]:
             torch.cuda.synchronize()
 
     await timed("raw", raw)
+    if case.get("diagnose"):
+        async def raw_tstream() -> None:
+            await t.ctx.native.run(raw_calls, False, t.streams.transfer)
+
+        async def raw_built() -> None:
+            await t.ctx.native.run(raw_build)
+
+        def raw_after_default() -> None:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream())
+            stream.wait_event(ev)
+            raw_calls(False)
+
+        async def raw_default_dep() -> None:
+            await t.ctx.native.run(raw_after_default)
+
+        await timed("raw_after_default_stream_event", raw_default_dep)
+        await timed("raw_transfer_stream", raw_tstream)
+        await timed("raw_build_descs", raw_built)
+        # one traced pipeline round: per bucket, enqueue time on the native thread and
+        # time until its completion fired
+        trace: list[dict[str, float]] = []
+        orig = t.transfer
+
+        def traced(st: Any) -> Any:
+            t_sub = time.perf_counter()
+            c = orig(st)
+            rec = {"bucket": st.bucket.index, "params": st.bucket.stop - st.bucket.start,
+                   "submit": t_sub}
+            trace.append(rec)
+            c.signal.add_done_callback(lambda _s: rec.__setitem__("done", time.perf_counter()))
+            return c
+
+        t.transfer = traced  # type: ignore[method-assign]
+        await ctx.barrier("trace")
+        t_start = time.perf_counter()
+        await pipeline(t, sources)
+        t.transfer = orig  # type: ignore[method-assign]
+        out["trace"] = [{k: (round(v - t_start, 4) if k in ("submit", "done") else v)
+                         for k, v in r.items()} for r in trace]
     await timed("per_param", per_param)
     await timed("m2n", lambda: pipeline(t, sources))
     await timed("m2n_cast", lambda: pipeline(t, sources32))
@@ -133,6 +185,24 @@ async def bench_rank(ctx: _world.RankCtx) -> dict[str, Any]:
         out["bad_m2n"] = _world.mismatches(targets, _world.expected_shards(plan, ctx.rank, 0,
                                                                            dev))
     out.update({f"m2n_{k}": v for k, v in (await _world.close_transport(t)).items()})
+
+    if case.get("diagnose"):
+        for tag, env, bb, mi in (
+                ("m2n_blocking_events", {"M2N_ASYNC_CUDA_EVENT": "blocking",
+                                         "M2N_ASYNC_CUDA_COMPLETION": "watch"}, None, None),
+                ("m2n_one_bucket", {}, 1 << 40, 1)):
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            tv = await _world.open_transport(
+                ctx, "m2n", plan, bucket_bytes=bb or case["bucket_bytes"],
+                max_inflight=mi or case["max_inflight"], tag=f"bench-{tag}")
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            await timed(tag, lambda tv=tv: pipeline(tv, sources))
+            await _world.close_transport(tv)
 
     tn = await _world.open_transport(ctx, "nccl", plan, bucket_bytes=case["bucket_bytes"],
                                      max_inflight=case["max_inflight"], tag="bench-nccl")
@@ -153,7 +223,9 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
     if errors:
         return {"errors": errors, "tracebacks": {r: v.get("traceback") for r, v in res.items()
                                                  if "error" in v}}
-    names = ["raw", "per_param", "m2n", "nccl", "m2n_cast", "pack_only"]
+    names = [n for n in ("raw", "raw_after_default_stream_event", "raw_transfer_stream",
+                         "raw_build_descs", "per_param", "m2n", "m2n_blocking_events",
+                         "m2n_one_bucket", "nccl", "m2n_cast", "pack_only") if n in res[0]]
     summary: dict[str, Any] = {}
     nbytes = sum(v["bytes"] for r, v in res.items() if r >= 2)
     for name in names:
@@ -170,6 +242,8 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
             round(s["m2n_cast"] / max(s["pack_only"], s["raw"]), 3),
     }
     summary["bytes_received_by_workers"] = nbytes
+    if "trace" in res[0]:
+        summary["trace"] = {r: v["trace"] for r, v in res.items()}
     summary["grouping"] = res[0].get("grouping")
     summary["bit_exact"] = all(not v.get("bad_m2n") and not v.get("bad_nccl")
                                for r, v in res.items() if r >= 2)
@@ -185,10 +259,13 @@ def main() -> int:
     ap.add_argument("--bucket-bytes", type=int, default=64 << 20)
     ap.add_argument("--max-inflight", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=400.0)
+    ap.add_argument("--diagnose", action="store_true",
+                    help="also time raw-call variants, the m2n transport with blocking-sync "
+                         "events and with one bucket, and trace one pipeline round")
     ap.add_argument("--out", default=None, help="append the JSON summary to this file")
     args = ap.parse_args()
     case = {"model": args.model, "iters": args.iters, "bucket_bytes": args.bucket_bytes,
-            "max_inflight": args.max_inflight}
+            "max_inflight": args.max_inflight, "diagnose": args.diagnose}
     t0 = time.time()
     run = _world.run_world("gpu_sync_bench:bench_rank", case, trainer_ranks=2, world_size=4,
                            timeout=args.timeout)

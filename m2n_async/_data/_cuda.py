@@ -15,13 +15,17 @@ with an older libnccl the import dies on an undefined symbol, which says nothing
 *Completion.* The event loop never blocks on CUDA. Work is ordered on three streams per
 transport (pack, transfer, unpack); the transfer stream waits on the pack stream through an
 event, the pack stream waits on the producer (the caller's current stream). The end of a
-bucket's transfer is a CUDA event created with ``blocking=True`` (so a waiting thread sleeps
-instead of spinning a core); one watcher thread per transport waits on those events in order
-and fires a thread-safe ``Signal`` the loop awaits through ``wait_threadsafe``. ``abort``
-fires every pending signal with the abort error, so a waiter returns even when the GPU work
-never will (a dead peer in the middle of an M2N kernel, REFERENCE §3 / DEVELOPERS "GPU
-notes"). ``M2N_ASYNC_CUDA_COMPLETION=poll`` switches to ``Event.query()`` polling with backoff
-instead of the watcher thread.
+bucket's transfer is a CUDA event; the loop learns of it by polling ``Event.query()`` with
+exponential backoff (20 µs doubling to 1 ms), and a thread-safe ``Signal`` carries errors and
+aborts: ``abort`` fires every pending signal, so a waiter returns even when the GPU work never
+will (a dead peer in the middle of an M2N kernel, DEVELOPERS "GPU notes").
+
+Why polling and plain events by default: on the H200, recording a *blocking-sync* event
+(``cudaEventBlockingSync``) after a bucket of M2N reshards made that bucket complete ~3x later
+(1024 small reshards: 1.88 s instead of 0.65 s, same with a watcher thread or polling), while
+plain events cost nothing measurable (BENCHMARKS "GPU sync"). The alternative — blocking-sync
+events waited on by one watcher thread per transport, so no core polls at all — stays
+available: ``M2N_ASYNC_CUDA_EVENT=blocking M2N_ASYNC_CUDA_COMPLETION=watch``.
 
 *Native calls.* Everything that enters NCCL runs on the engine's ``NativeThread`` (thread
 affinity of M2N groups, plan order). Communicator abort/destroy and M2N handle destroy run on a
@@ -90,8 +94,11 @@ M2N_LIBNCCL_HINT = (
 #: Our own switch for M2N grouping: "auto" (probe once after the communicator exists and
 #: agree on every rank), "on" (group; a failure is an error) or "off" (ordered single calls).
 GROUPING_ENV = "M2N_ASYNC_M2N_GROUPING"
-#: "watch" (blocking-sync events waited by a watcher thread, default) or "poll".
+#: "poll" (``Event.query()`` with backoff on the loop, default) or "watch" (a watcher thread
+#: waits on the events; pair it with blocking-sync events or it spins a core).
 COMPLETION_ENV = "M2N_ASYNC_CUDA_COMPLETION"
+#: "plain" (default) or "blocking" (``cudaEventBlockingSync``; slows M2N, see module doc).
+EVENT_ENV = "M2N_ASYNC_CUDA_EVENT"
 
 
 # -- lazy imports -----------------------------------------------------------------------------
@@ -357,6 +364,7 @@ class Streams:
         torch = _torch()
         self.device = device
         self.cuda = device.type == "cuda"
+        self.blocking_events = os.environ.get(EVENT_ENV, "plain").strip().lower() == "blocking"
         if self.cuda:
             self.pack = torch.cuda.Stream(device)
             self.transfer = torch.cuda.Stream(device)
@@ -373,10 +381,11 @@ class Streams:
         return _torch().cuda.current_stream(self.device) if self.cuda else None
 
     def record(self, stream: Any) -> Any:
-        """A blocking-sync event recorded on ``stream`` (None on CPU)."""
+        """An event recorded on ``stream`` (None on CPU): plain unless
+        ``M2N_ASYNC_CUDA_EVENT=blocking``."""
         if not self.cuda:
             return None
-        ev = _torch().cuda.Event(blocking=True)
+        ev = _torch().cuda.Event(blocking=self.blocking_events)
         ev.record(stream)
         return ev
 
@@ -491,7 +500,7 @@ class GpuTransportBase(Transport):
         self.comm: Any = None
         self._nc: ModuleType | None = None
         self._watcher: _Watcher | None = None
-        self._poll = os.environ.get(COMPLETION_ENV, "watch").strip().lower() == "poll"
+        self._poll = os.environ.get(COMPLETION_ENV, "poll").strip().lower() != "watch"
         self._pending: set[Signal] = set()
         self._pending_lock = threading.Lock()
         self._teardown_lock = threading.Lock()

@@ -345,16 +345,30 @@ class M2NTransport(GpuTransportBase):
             runs.append((start, len(params)))
         return runs
 
+    def _descriptors(self, st: M2NStaging) -> list[tuple[Any, Any]]:
+        """(src, dst) ``DistTensor`` pairs of the bucket, built on the loop thread so that the
+        native thread does nothing but the native calls, in plan order."""
+        m2n = self._m2n
+        trainer = self.ctx.role == "trainer"
+        out = []
+        for p, buf in zip(st.params, st.buffers, strict=True):
+            out.append((m2n.DistTensor(buf if trainer else None, p.src_shape, p.dtype,
+                                       mesh=p.src_mesh, placements=p.src_placements),
+                        m2n.DistTensor(None if trainer else buf, p.dst_shape, p.dtype,
+                                       mesh=p.dst_mesh, placements=p.dst_placements)))
+        return out
+
     def transfer(self, staging: Staging) -> Completion:
         """Submit the bucket's reshards on the native thread (grouped or one by one, in plan
         order) and return a completion that fires when the transfer stream passed them."""
         assert isinstance(staging, M2NStaging)
         st = staging
-        trainer = self.ctx.role == "trainer"
         m2n, handle, streams = self._m2n, self.handle, self.streams
         assert streams is not None
         runs = self._runs(st.params)
         where = self.ctx.where(round=self.round, bucket=st.bucket.index)
+        descs = self._descriptors(st)
+        names = [p.name for p in st.params]
 
         def run() -> Any:
             self.check_usable()
@@ -365,36 +379,23 @@ class M2NTransport(GpuTransportBase):
             stream = streams.transfer
             streams.wait(stream, st.ready)
             sptr = streams.ptr(stream)
-            for a, b in runs:
-                descs = []
-                for k in range(a, b):
-                    p = st.params[k]
-                    buf = st.buffers[k]
-                    src = m2n.DistTensor(buf if trainer else None, p.src_shape, p.dtype,
-                                         mesh=p.src_mesh, placements=p.src_placements)
-                    dst = m2n.DistTensor(None if trainer else buf, p.dst_shape, p.dtype,
-                                         mesh=p.dst_mesh, placements=p.dst_placements)
-                    descs.append((p, src, dst))
-                if b - a > 1:
-                    try:
+            k = 0
+            try:
+                for a, b in runs:
+                    if b - a > 1:
+                        k = a
                         with m2n.group():
-                            for _p, src, dst in descs:
+                            for src, dst in descs[a:b]:
                                 handle.reshard(comm, src, dst, stream=sptr)
-                    except Exception as exc:
-                        raise TransferError(
-                            f"m2n: grouped reshard of params {descs[0][0].name!r}.."
-                            f"{descs[-1][0].name!r} failed at {where}: "
-                            f"{getattr(exc, 'detail', None) or exc}",
-                            rank=self.ctx.rank, round=self.round) from exc
-                else:
-                    p, src, dst = descs[0]
-                    try:
-                        handle.reshard(comm, src, dst, stream=sptr)
-                    except Exception as exc:
-                        raise TransferError(
-                            f"m2n: reshard of param {p.name!r} failed at {where}: "
-                            f"{getattr(exc, 'detail', None) or exc}",
-                            rank=self.ctx.rank, round=self.round) from exc
+                    else:
+                        for k in range(a, b):
+                            src, dst = descs[k]
+                            handle.reshard(comm, src, dst, stream=sptr)
+            except Exception as exc:
+                raise TransferError(
+                    f"m2n: reshard of param {names[k]!r} failed at {where}: "
+                    f"{getattr(exc, 'detail', None) or exc}",
+                    rank=self.ctx.rank, round=self.round) from exc
             st.transferred = streams.record(stream)
             return st.transferred
 

@@ -9,6 +9,7 @@ from typing import Any
 from ._world import (
     LAYOUTS,
     LagMonitor,
+    R,
     RankCtx,
     close_transport,
     expected_shards,
@@ -45,7 +46,8 @@ async def planes(ctx: RankCtx) -> dict[str, Any]:
             if name == "m2n":
                 rec["grouped"] = t.grouped
                 rec["grouping_reason"] = t.grouping_reason
-            targets = zero_targets(plan, ctx.rank, ctx.device)
+            targets = (zero_targets(plan, ctx.rank, ctx.device)
+                       if ctx.rank >= ctx.trainer_ranks else None)
             lag = LagMonitor()
             try:
                 for rnd in range(case.get("rounds", 2)):
@@ -86,7 +88,7 @@ async def grouping_on(ctx: RankCtx) -> dict[str, Any]:
         t = await open_transport(ctx, "m2n", plan, bucket_bytes=1 << 20, max_inflight=2,
                                  tag="on")
     except Exception as exc:
-        return {"error_type": type(exc).__name__, "error": str(exc)[:400],
+        return {"error_type": type(exc).__name__, "message": str(exc)[:400],
                 "seconds": round(time.monotonic() - t0, 3)}
     res = {"connected": True, "grouped": t.grouped, "reason": t.grouping_reason}
     res.update(await close_transport(t))
@@ -101,7 +103,9 @@ async def kill(ctx: RankCtx) -> dict[str, Any]:
     case = ctx.case
     name = case["transport"]
     src_dims, dst_dims, _ = LAYOUTS["2+2"]
-    plan = make_plan(layout_defs("2+2", name)[:8], src_dims, dst_dims)
+    # a 16 MiB parameter: sends to the dead rank cannot complete eagerly into NCCL's buffers
+    defs = [*layout_defs("2+2", name)[:4], ("big", (4096, 1024), "float32", (R, 0), (R, 1))]
+    plan = make_plan(defs, src_dims, dst_dims)
     t = await open_transport(ctx, name, plan, bucket_bytes=1 << 14, max_inflight=2,
                              tag=f"kill-{name}")
     trainer = ctx.rank < ctx.trainer_ranks
