@@ -66,9 +66,9 @@ async def bench_rank(ctx: _world.RankCtx) -> dict[str, Any]:
     out: dict[str, Any] = {"bytes": plan.send_bytes(ctx.rank) if trainer
                            else plan.recv_bytes(ctx.rank)}
 
-    async def timed(name: str, fn: Any) -> None:
+    async def timed(name: str, fn: Any, n: int | None = None) -> None:
         times = []
-        for it in range(iters + 1):
+        for it in range((iters if n is None else n) + 1):
             await ctx.barrier(f"{name}-{it}")
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -184,6 +184,9 @@ async def bench_rank(ctx: _world.RankCtx) -> dict[str, Any]:
     if not trainer:
         out["bad_m2n"] = _world.mismatches(targets, _world.expected_shards(plan, ctx.rank, 0,
                                                                            dev))
+    if case.get("timeline"):
+        await ctx.barrier("timeline-m2n")
+        out["timeline_m2n"] = await traced_round(t, sources, pipeline)
     out.update({f"m2n_{k}": v for k, v in (await _world.close_transport(t)).items()})
 
     if case.get("diagnose"):
@@ -213,8 +216,174 @@ async def bench_rank(ctx: _world.RankCtx) -> dict[str, Any]:
     if not trainer:
         out["bad_nccl"] = _world.mismatches(targets, _world.expected_shards(plan, ctx.rank, 0,
                                                                             dev))
+    if case.get("timeline"):
+        await ctx.barrier("timeline-nccl")
+        out["timeline_nccl"] = await traced_round(tn, sources, pipeline)
     await _world.close_transport(tn)
+
+    if case.get("broadcast"):
+        try:
+            out.update(await broadcast_baseline(ctx, plan, sources, targets, timed))
+        except Exception as exc:
+            out["broadcast_error"] = f"{type(exc).__name__}: {exc}"[:500]
+
+    for k, (bb, mi, cta) in enumerate(case.get("sweep", [])):
+        try:
+            ts = await _world.open_transport(ctx, "m2n", plan, bucket_bytes=bb, max_inflight=mi,
+                                             max_cta=cta, tag=f"sweep-{k}")
+            await timed(f"sweep_{k}", lambda ts=ts: pipeline(ts, sources), n=1)
+            out[f"sweep_{k}_config"] = {"bucket_bytes": bb, "max_inflight": mi, "max_cta": cta,
+                                        "buckets": len(ts.ctx.buckets)}
+            await _world.close_transport(ts)
+        except Exception as exc:
+            out[f"sweep_{k}_error"] = f"{type(exc).__name__}: {exc}"[:300]
     return out
+
+
+async def traced_round(tr: Any, srcs: Any, pipeline: Any) -> list[dict[str, float]]:
+    """One pipeline round with per-bucket stage / transfer / unpack times (loop clock)."""
+    t0 = time.perf_counter()
+    recs: dict[int, dict[str, float]] = {}
+
+    def now() -> float:
+        return round(time.perf_counter() - t0, 6)
+
+    orig_stage, orig_transfer, orig_unpack = tr.stage, tr.transfer, tr.unpack
+
+    async def stage(bucket: Any, **kw: Any) -> Any:
+        r = recs.setdefault(bucket.index, {"bucket": bucket.index})
+        r["pack0"] = now()
+        st = await orig_stage(bucket, **kw)
+        r["pack1"] = now()
+        return st
+
+    def transfer(st: Any) -> Any:
+        r = recs[st.bucket.index]
+        r["transfer0"] = now()
+        c = orig_transfer(st)
+        c.signal.add_done_callback(lambda _s: r.__setitem__("transfer1", now()))
+        return c
+
+    async def unpack(st: Any, sinks: Any) -> None:
+        r = recs[st.bucket.index]
+        r["unpack0"] = now()
+        await orig_unpack(st, sinks)
+        r["unpack1"] = now()
+
+    tr.stage, tr.transfer, tr.unpack = stage, transfer, unpack
+    try:
+        await pipeline(tr, srcs)
+    finally:
+        del tr.stage, tr.transfer, tr.unpack  # back to the class methods
+    return [recs[k] for k in sorted(recs)]
+
+
+async def broadcast_baseline(ctx: _world.RankCtx, plan: Any, sources: Any, targets: Any,
+                             timed: Any) -> dict[str, Any]:
+    """vLLM's packed-broadcast backend, for this model: trainer 1 sends its shards to rank 0,
+    rank 0 assembles the full tensors and broadcasts them in ``BCAST_BUCKET`` buckets over all
+    ranks, double-buffered on two streams; workers copy their shard out of each bucket."""
+    import torch
+
+    tb = await _world.open_transport(ctx, "nccl", plan, bucket_bytes=1 << 20, max_inflight=1,
+                                     tag="bench-bcast")
+    comm, native = tb.comm, tb.ctx.native
+    rank, dev = ctx.rank, ctx.device
+    names = [p.spec.name for p in plan.params]
+    shape = tuple(plan.params[0].spec.shape)           # every param has the same shape here
+    numel = shape[0] * shape[1]
+    per_bucket = max(1, BCAST_BUCKET // (numel * 2))
+    streams = [torch.cuda.Stream(dev), torch.cuda.Stream(dev)]
+    bufs = [torch.empty(per_bucket * numel, dtype=torch.bfloat16, device=dev) for _ in range(2)]
+    half = shape[0] // 2
+    cols = None if targets is None else (rank - 2) * (shape[1] // 2)
+
+    def one_round() -> None:
+        s0 = streams[0]
+        full: list[Any] = []
+        if rank == 1:
+            with torch.cuda.stream(s0):  # pack and send on one stream: no missing dependency
+                mine = torch.cat([sources[n].reshape(-1) for n in names])
+                comm.send(mine, 0, stream=s0.cuda_stream)
+        if rank == 0:
+            other = torch.empty(len(names) * half * shape[1], dtype=torch.bfloat16, device=dev)
+            comm.recv(other, 1, stream=s0.cuda_stream)
+            with torch.cuda.stream(s0):
+                theirs = other.view(len(names), half, shape[1])
+                full = [torch.cat([sources[n], theirs[i]], dim=0) for i, n in enumerate(names)]
+        streams[1].wait_stream(s0)
+        for k, a in enumerate(range(0, len(names), per_bucket)):
+            b = min(a + per_bucket, len(names))
+            s, buf = streams[k % 2], bufs[k % 2][:(b - a) * numel]
+            if rank == 0:
+                with torch.cuda.stream(s):
+                    torch.cat([f.reshape(-1) for f in full[a:b]], out=buf)
+            comm.broadcast(buf, buf, 0, stream=s.cuda_stream)
+            if targets is not None:
+                with torch.cuda.stream(s):
+                    view = buf.view(b - a, shape[0], shape[1])
+                    for i in range(a, b):
+                        targets[names[i]].copy_(view[i - a][:, cols:cols + shape[1] // 2])
+        for s in streams:
+            s.synchronize()
+
+    async def bcast() -> None:
+        await native.run(one_round)
+
+    out: dict[str, Any] = {}
+    if targets is not None:
+        for v in targets.values():
+            v.zero_()
+    await timed("broadcast", bcast)
+    if targets is not None:
+        out["bad_broadcast"] = _world.mismatches(targets, _world.expected_shards(
+            plan, ctx.rank, 0, dev))
+    out["broadcast_bucket_params"] = per_bucket
+    await _world.close_transport(tb)
+    return out
+
+
+BCAST_BUCKET = 64 << 20  # vLLM uses 1 GiB; this model is 256 MiB, so smaller to double-buffer
+
+
+def write_timeline_png(path: str, lanes: dict[str, list[dict[str, float]]]) -> None:
+    """A dependency-free PNG: one row per (rank, stage), one box per bucket (pack blue,
+    transfer orange, unpack green), time left to right."""
+    import struct
+    import zlib
+
+    width, row_h, pad = 1200, 14, 2
+    colors = {"pack": (52, 101, 164), "transfer": (245, 121, 0), "unpack": (78, 154, 6)}
+    rows = [(label, stage) for label in lanes for stage in ("pack", "transfer", "unpack")]
+    height = len(rows) * row_h + 2 * pad
+    end = max((r.get(f"{st}1", 0.0) for recs in lanes.values() for r in recs
+               for st in colors), default=1.0) or 1.0
+    px = [[(255, 255, 255)] * width for _ in range(height)]
+    for y_i, (label, stage) in enumerate(rows):
+        y0 = pad + y_i * row_h
+        for x in range(width):  # lane separator
+            px[y0 + row_h - 1][x] = (225, 225, 225)
+        for k, r in enumerate(lanes[label]):
+            a, b = r.get(f"{stage}0"), r.get(f"{stage}1")
+            if a is None or b is None:
+                continue
+            x0 = int(a / end * (width - 1))
+            x1 = max(x0 + 1, int(b / end * (width - 1)))
+            c = colors[stage] if k % 2 == 0 else tuple(min(255, v + 60) for v in colors[stage])
+            for y in range(y0 + 2, y0 + row_h - 3):
+                for x in range(x0, min(x1, width)):
+                    px[y][x] = c
+    raw = b"".join(b"\x00" + bytes(v for p in row for v in p) for row in px)
+
+    def chunk(tag: bytes, data: bytes) -> bytes:
+        return (struct.pack(">I", len(data)) + tag + data
+                + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF))
+
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0,
+                                                              0, 0))
+           + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+    with open(path, "wb") as f:
+        f.write(png)
 
 
 def summarize(run: dict[str, Any]) -> dict[str, Any]:
@@ -225,7 +394,10 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
                                                  if "error" in v}}
     names = [n for n in ("raw", "raw_after_default_stream_event", "raw_transfer_stream",
                          "raw_build_descs", "per_param", "m2n", "m2n_blocking_events",
-                         "m2n_one_bucket", "nccl", "m2n_cast", "pack_only") if n in res[0]]
+                         "m2n_one_bucket", "nccl", "m2n_cast", "pack_only", "broadcast")
+             if n in res[0]]
+    names += sorted((n for n in res[0] if n.startswith("sweep_") and n[6:].isdigit()),
+                    key=lambda n: int(n[6:]))
     summary: dict[str, Any] = {}
     nbytes = sum(v["bytes"] for r, v in res.items() if r >= 2)
     for name in names:
@@ -246,7 +418,23 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
         summary["trace"] = {r: v["trace"] for r, v in res.items()}
     summary["grouping"] = res[0].get("grouping")
     summary["bit_exact"] = all(not v.get("bad_m2n") and not v.get("bad_nccl")
-                               for r, v in res.items() if r >= 2)
+                               and not v.get("bad_broadcast") for r, v in res.items() if r >= 2)
+    if "broadcast" in summary:
+        summary["ratios"]["broadcast_vs_m2n (broadcast/m2n)"] = round(
+            s.get("broadcast", 0) / s["m2n"], 3)
+    for key in ("broadcast_error",):
+        errs = {r: v[key] for r, v in res.items() if key in v}
+        if errs:
+            summary[key] = errs
+    sweep = {}
+    for n in names:
+        if n.startswith("sweep_"):
+            sweep[n] = {**res[0][f"{n}_config"], "median_s": summary.pop(n)["median_s"]}
+    if sweep:
+        summary["sweep_m2n"] = sweep
+    errs = {n: v for n, v in res[0].items() if n.startswith("sweep_") and n.endswith("_error")}
+    if errs:
+        summary["sweep_errors"] = errs
     summary["m2n_teardown_finished"] = all(v.get("m2n_teardown_finished", True)
                                            for v in res.values())
     return summary
@@ -262,15 +450,33 @@ def main() -> int:
     ap.add_argument("--diagnose", action="store_true",
                     help="also time raw-call variants, the m2n transport with blocking-sync "
                          "events and with one bucket, and trace one pipeline round")
+    ap.add_argument("--timeline", default=None, metavar="DIR",
+                    help="trace one m2n and one nccl round; write timeline_*.png there")
+    ap.add_argument("--broadcast", action="store_true",
+                    help="also time the packed-broadcast baseline (vLLM-style)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="m2n over bucket_bytes x max_inflight x max_cta (1 iteration each)")
     ap.add_argument("--out", default=None, help="append the JSON summary to this file")
     args = ap.parse_args()
     case = {"model": args.model, "iters": args.iters, "bucket_bytes": args.bucket_bytes,
-            "max_inflight": args.max_inflight, "diagnose": args.diagnose}
+            "max_inflight": args.max_inflight, "diagnose": args.diagnose,
+            "timeline": bool(args.timeline), "broadcast": args.broadcast,
+            "sweep": [[bb << 20, mi, cta] for bb in (16, 64, 256) for mi in (1, 3)
+                      for cta in (None,)] + [[64 << 20, 3, 4]] if args.sweep else []}
     t0 = time.time()
     run = _world.run_world("gpu_sync_bench:bench_rank", case, trainer_ranks=2, world_size=4,
                            timeout=args.timeout)
     summary = {"case": case, "wall_s": round(time.time() - t0, 1),
                "exitcodes": run["exitcodes"], **summarize(run)}
+    if args.timeline and "errors" not in summary:
+        os.makedirs(args.timeline, exist_ok=True)
+        for label in ("m2n", "nccl"):
+            lanes = {f"rank {r}": v[f"timeline_{label}"] for r, v in
+                     sorted(run["results"].items()) if f"timeline_{label}" in v}
+            if lanes:
+                path = os.path.join(args.timeline, f"timeline_{label}.png")
+                write_timeline_png(path, lanes)
+                summary[f"timeline_{label}"] = {"png": path, "lanes": lanes}
     text = json.dumps(summary, indent=1)
     print(text)
     if args.out:
