@@ -61,7 +61,9 @@ class RankPool:
     def __init__(self, size: int) -> None:
         self._ctx = mp.get_context("spawn")
         self.results = self._ctx.Queue()
-        self.events = self._ctx.Queue()  # scenarios -> test: ("name", index, payload)
+        # scenarios -> test: ("name", index, payload). One queue per process: a process
+        # killed while its feeder thread holds a queue's lock would wedge a shared queue.
+        self._events: list[Any] = [None] * size
         self._procs: list[Any] = [None] * size
         self._jobs: list[Any] = [None] * size
         self._job_id = 0
@@ -70,7 +72,9 @@ class RankPool:
 
     def _start(self, i: int) -> None:
         self._jobs[i] = self._ctx.Queue()
-        p = self._ctx.Process(target=_child, args=(i, self._jobs[i], self.results, self.events),
+        self._events[i] = self._ctx.Queue()
+        p = self._ctx.Process(target=_child,
+                              args=(i, self._jobs[i], self.results, self._events[i]),
                               daemon=True)
         p.start()
         self._procs[i] = p
@@ -89,7 +93,8 @@ class RankPool:
 
     def submit(self, jobs: Sequence[tuple[str, dict[str, Any]]]) -> int:
         self.ensure_alive()
-        self._drain(self.events)
+        for q in self._events:
+            self._drain(q)
         self._job_id += 1
         for i, (name, kwargs) in enumerate(jobs):
             self._jobs[i].put((self._job_id, name, kwargs))
@@ -130,12 +135,13 @@ class RankPool:
             if left <= 0:
                 raise AssertionError(f"no {name!r} event within {timeout} s; results so far: "
                                      f"{self._peek_results()}")
-            try:
-                ev, index, payload = self.events.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                continue
-            if ev == name:
-                return index, payload
+            for q in self._events:
+                try:
+                    ev, index, payload = q.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                if ev == name:
+                    return index, payload
 
     def _peek_results(self) -> list[Any]:
         out = []

@@ -268,3 +268,139 @@ async def test_cancelled_receive_before_and_during_a_round() -> None:
         assert workers[0].version == 0
     finally:
         await _close(*trainers, *workers)
+
+
+async def _everyone(trainers: Sequence[TrainerEngine], workers: Sequence[WorkerEngine],
+                    send: Callable[[TrainerEngine], Awaitable[Any]], limit: float = 30
+                    ) -> tuple[dict[int, BaseException], float]:
+    """Run one round on every rank; collect each rank's exception and the elapsed time."""
+    errors: dict[int, BaseException] = {}
+
+    async def guard(r: int, fn: Callable[[], Awaitable[Any]]) -> None:
+        try:
+            await fn()
+        except Exception as exc:
+            errors[r] = exc
+
+    t0 = anyio.current_time()
+    with anyio.fail_after(limit):
+        async with anyio.create_task_group() as tg:
+            for e in trainers:
+                tg.start_soon(guard, e.rank, lambda e=e: send(e))
+            for w in workers:
+                tg.start_soon(guard, w.rank, w.receive)
+    return errors, anyio.current_time() - t0
+
+
+@pytest.mark.asyncio
+async def test_round_deadline_aborts_everywhere() -> None:
+    """A trainer whose source hangs: the round deadline fires, every rank raises the same
+    TransferError well before the hung source would return."""
+    plan = make_plan(DEFS[:2], (1, 1), (1, 2))
+    cfg = EngineConfig(transport="gloo", bucket_bytes=512, phase_timeout=20, round_timeout=1.0,
+                       abort_grace=2, host="127.0.0.1")
+    trainers, workers = await _connect_all(MemoryStore(), plan, cfg)
+
+    def hung(names: list[str]) -> dict[str, torch.Tensor]:
+        import time
+        time.sleep(8)
+        return {}
+
+    try:
+        errors, elapsed = await _everyone(trainers, workers, lambda e: e.sync_weights(hung))
+        assert sorted(errors) == [0, 1, 2]
+        assert len({str(e) for e in errors.values()}) == 1
+        assert all(isinstance(e, TransferError) for e in errors.values())
+        assert "deadline" in str(errors[0])
+        assert elapsed < 1.0 + 2 * cfg.abort_grace + 2
+        assert all(e.version == 0 and e.state.value == "poisoned" for e in [*trainers, *workers])
+    finally:
+        await _close(*trainers, *workers)
+
+
+@pytest.mark.asyncio
+async def test_load_callback_error_fails_the_round() -> None:
+    plan = make_plan(DEFS[:2], (1, 1), (1, 1))
+    targets = {1: _targets(plan, 1)}
+    p = plan.params[1]
+
+    def broken(name: str, t: torch.Tensor) -> None:
+        raise ValueError("quantizer exploded")
+
+    targets[1]["w_col"] = LoadTarget(p.dst.local_shape(p.spec.shape, 1), torch.bfloat16,
+                                     p.dst.placements, broken)
+    trainers, workers = await _connect_all(MemoryStore(), plan, targets=targets)
+    try:
+        errors, _ = await _everyone(trainers, workers, lambda e: e.sync_weights(
+            source_shards(plan, 0, 1)))
+        assert sorted(errors) == [0, 1] and str(errors[0]) == str(errors[1])
+        assert isinstance(errors[0], TransferError)
+        assert errors[0].rank == 1 and "quantizer exploded" in str(errors[0])
+        assert "'w_col'" in str(errors[0])
+        with pytest.raises(EnginePoisonedError) as info:
+            await workers[0].receive()
+        assert info.value.__cause__ is errors[1]
+    finally:
+        await _close(*trainers, *workers)
+
+
+@pytest.mark.asyncio
+async def test_concurrent_receive_is_a_local_protocol_error() -> None:
+    plan = make_plan(DEFS[:1], (1, 1), (1, 1))
+    trainers, workers = await _connect_all(MemoryStore(), plan)
+    w = workers[0]
+    try:
+        started = anyio.Event()
+        release = anyio.Event()
+
+        def slow(names: list[str]) -> dict[str, torch.Tensor]:
+            anyio.from_thread.run_sync(started.set)
+            anyio.from_thread.run(release.wait)
+            return source_shards(plan, 0, 1)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(w.receive)
+            tg.start_soon(trainers[0].sync_weights, slow)
+            await started.wait()
+            with anyio.fail_after(10):
+                while w.state.value != "updating":  # noqa: ASYNC110 - polling engine state
+                    await anyio.sleep(0.01)
+            with pytest.raises(LocalProtocolError, match="UPDATING"):
+                await w.receive()
+            release.set()
+        assert w.state.value == "ready" and w.version == 1
+        _check(plan, workers, 1)
+    finally:
+        await _close(*trainers, *workers)
+
+
+@pytest.mark.asyncio
+async def test_wrong_target_fails_preflight_everywhere() -> None:
+    from m2n_async import PreflightError
+
+    plan = make_plan(DEFS[:2], (1, 1), (1, 1))
+    targets = {1: _targets(plan, 1)}
+    targets[1]["w_row"] = (torch.zeros(3, 3), targets[1]["w_row"][1])
+    errors: dict[int, BaseException] = {}
+    store = MemoryStore()
+
+    async def one(r: int) -> None:
+        try:
+            if r == 0:
+                await TrainerEngine.connect(store=store.session(), rank=0, trainer_ranks=1,
+                                            world_size=2, params=[p.spec for p in plan.params],
+                                            config=CFG)
+            else:
+                await WorkerEngine.connect(store=store.session(), rank=1, trainer_ranks=1,
+                                           world_size=2, targets=targets[1], config=CFG)
+        except Exception as exc:
+            errors[r] = exc
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one, 0)
+            tg.start_soon(one, 1)
+    assert sorted(errors) == [0, 1]
+    assert all(isinstance(e, PreflightError) for e in errors.values())
+    assert str(errors[0]) == str(errors[1])
+    assert "runtime_ready" in str(errors[0]) and "'w_row'" in str(errors[0])
