@@ -1,0 +1,173 @@
+"""The demo (``m2n-async demo``) and the CPU sync bench at tiny sizes.
+
+The content function and the verifier are checked in-process (they are what makes the demo's
+"bit-exact" claim mean something: a wrong, stale or misplaced byte must fail it); the demo
+runs end to end as processes once through the CLI and once per injected fault (a rank dying
+mid-job, a corrupted byte), which must exit non-zero naming the rank — with every child
+reaped. The bench runs once at its smallest size and must print its figures.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from m2n_async._demo import (
+    DemoParam,
+    _bytes_2d,
+    base_content,
+    demo_model,
+    demo_plan,
+    mismatches,
+    run_demo,
+    shard_content,
+)
+from m2n_async._proto.layout import REPLICATE as R
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--size-mb", "2", "--rounds", "2", "--round-timeout", "60"]
+
+
+def _full_box(shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    return tuple((0, n) for n in shape)
+
+
+@pytest.mark.parametrize("shape,box,dtype", [
+    ((6, 8, 10), ((2, 4), (0, 8), (5, 10)), "bfloat16"),
+    ((12,), ((4, 8),), "float32"),
+    ((6, 8), ((3, 6), (2, 4)), "int8"),
+    ((4, 6), ((0, 2), (3, 6)), "float64"),
+    ((4, 6, 2), ((1, 3), (0, 6), (0, 2)), "float16"),
+])
+def test_content_of_a_box_is_the_box_of_the_global_tensor(
+        shape: tuple[int, ...], box: tuple[tuple[int, int], ...], dtype: str) -> None:
+    p = DemoParam("layers.0.w", shape, dtype, None, None)
+    for round_ in (0, 1, 7):
+        full = shard_content(p, _full_box(shape), round_)
+        part = shard_content(p, box, round_)
+        sl = tuple(slice(lo, hi) for lo, hi in box)
+        assert part.dtype == getattr(torch, dtype) and tuple(part.shape) == tuple(
+            hi - lo for lo, hi in box)
+        assert torch.equal(_bytes_2d(full[sl].contiguous()), _bytes_2d(part))
+
+
+def test_content_changes_every_element_every_round_and_differs_between_names() -> None:
+    shape = (16, 32)
+    prev = _bytes_2d(shard_content(DemoParam("a", shape, "bfloat16", None, None),
+                                   _full_box(shape), 0))
+    for round_ in range(1, 6):
+        cur = _bytes_2d(shard_content(DemoParam("a", shape, "bfloat16", None, None),
+                                      _full_box(shape), round_))
+        assert (cur != prev).any(dim=1).all(), f"round {round_} left an element unchanged"
+        prev = cur
+    a = base_content("a", shape, "bfloat16", _full_box(shape))
+    b = base_content("b", shape, "bfloat16", _full_box(shape))
+    assert not torch.equal(a.view(torch.int16), b.view(torch.int16))
+    # Nearly every element distinct: a misplaced piece cannot match by accident.
+    assert torch.unique(a.view(torch.int16)).numel() > 0.9 * a.numel()
+
+
+def _targets_and_base(params: list[DemoParam], round_: int
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
+    targets = {p.name: shard_content(p, _full_box(p.shape), round_) for p in params}
+    base = {p.name: _bytes_2d(base_content(p.name, p.shape, p.dtype, _full_box(p.shape)))
+            for p in params}
+    scratch = torch.empty(max(p.nbytes for p in params), dtype=torch.uint8)
+    return targets, base, scratch
+
+
+def test_verifier_flags_a_flipped_byte_a_stale_tensor_and_a_swapped_row() -> None:
+    params = [DemoParam("x", (8, 4), "float32", None, None),
+              DemoParam("y", (5,), "bfloat16", None, None),
+              DemoParam("z", (3, 4, 2), "int8", None, None)]
+    targets, base, scratch = _targets_and_base(params, 3)
+    assert mismatches(params, targets, base, 3, scratch) == []
+    assert mismatches(params, targets, base, 2, scratch) == ["x", "y", "z"]  # stale round
+    _bytes_2d(targets["y"])[2, 1] ^= 0x10
+    assert mismatches(params, targets, base, 3, scratch) == ["y"]
+    targets, base, scratch = _targets_and_base(params, 3)
+    targets["x"][[1, 2]] = targets["x"][[2, 1]].clone()  # two rows swapped
+    assert mismatches(params, targets, base, 3, scratch) == ["x"]
+
+
+@pytest.mark.parametrize("trainers,workers", [(2, 2), (3, 2), (1, 3), (4, 1)])
+def test_model_has_every_layout_kind_and_a_valid_plan(trainers: int, workers: int) -> None:
+    params = demo_model(3, trainers, workers)
+    plan = demo_plan(params, trainers, workers)  # validates every shape against both meshes
+    assert plan.world_size == trainers + workers
+    kinds = {(p.src, p.dst, len(p.shape)) for p in params}
+    assert ((R, 0), (R, 1), 2) in kinds            # row -> column
+    assert ((R, 1), (R, 0), 2) in kinds            # column -> row
+    assert (None, None, 1) in kinds                # replicated -> replicated
+    assert (None, (R, 0), 2) in kinds              # replicated -> sharded
+    assert ((R, 0), (R, 1), 3) in kinds and ((R, 0), (R, 2), 3) in kinds  # experts EP -> TP
+    assert sum(".small." in p.name for p in params) >= 96   # many small tensors
+
+
+def test_default_model_size_is_several_hundred_mb() -> None:
+    total = sum(p.nbytes for p in demo_model(350, 2, 2))
+    assert 300e6 <= total <= 400e6
+    small = sum(p.nbytes for p in demo_model(10, 2, 2))
+    assert 5e6 <= small <= 20e6
+
+
+def _no_children_left() -> None:
+    import multiprocessing
+
+    assert multiprocessing.active_children() == []
+
+
+def test_demo_cli_end_to_end() -> None:
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "m2n_async.cli", "demo", "--trainers", "2",
+                           "--workers", "3", *TINY], capture_output=True, text=True,
+                          timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "round 1/2: version 1" in out and "round 2/2: version 2" in out, out
+    assert "GB/s" in out and "OK: 2 rounds" in out and "bit-exact" in out, out
+    assert time.monotonic() - t0 < 240
+
+
+@pytest.mark.parametrize("fault,expect", [
+    ("exit:3:2", ["rank 3 (worker): process exited with code 9", "rank 3 was lost"]),
+    ("corrupt:2:1", ["rank 2 (worker): round 1: 1 of", "differ from the recomputation"]),
+])
+def test_demo_fails_loudly_and_reaps_children(monkeypatch: pytest.MonkeyPatch, fault: str,
+                                              expect: list[str]) -> None:
+    monkeypatch.setenv("M2N_DEMO_FAULT", fault)  # spawned children inherit the environment
+    out, err = io.StringIO(), io.StringIO()
+    t0 = time.monotonic()
+    code = run_demo(trainers=2, workers=2, rounds=2, size_mb=2, round_timeout=60,
+                    out=out, err=err)
+    elapsed = time.monotonic() - t0
+    assert code == 1, out.getvalue() + err.getvalue()
+    text = err.getvalue()
+    assert "m2n-async demo FAILED" in text
+    for piece in expect:
+        assert piece in text, text
+    assert elapsed < 120, elapsed  # failures end the job promptly, well inside the deadline
+    _no_children_left()
+
+
+def test_demo_rejects_bad_arguments() -> None:
+    err = io.StringIO()
+    assert run_demo(trainers=0, workers=2, out=io.StringIO(), err=err) == 2
+    assert "--trainers" in err.getvalue()
+
+
+def test_cpu_sync_bench_tiny() -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "cpu_sync_bench.py"), "--tiny"],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    for piece in ("sync_weights / raw gloo", "host overhead per parameter", "event-loop lag p99"):
+        assert piece in out, out
