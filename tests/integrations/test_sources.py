@@ -194,3 +194,43 @@ def test_unsupported_layouts_are_refused_by_name(fake_world, what: str, pattern:
             module = _module("w", d)
         with pytest.raises(PlanError, match=pattern):
             specs_from_module(module)
+
+
+def _mesh_cases() -> list[tuple[tuple[int, ...], tuple[str, ...]]]:
+    cases = []
+    for dims in [(8,), (2, 4), (4, 2), (1, 8)]:
+        names = ["R", "S0", "S1"]
+        combos = [(a,) for a in [*names, "S-1"]] if len(dims) == 1 else [
+            (a, b) for a in names for b in names]
+        for combo in combos:
+            if "S0" in combo and ("S1" in combo or "S-1" in combo):
+                continue  # two axes sharding different dims: refused (tested above)
+            cases.append((dims, combo))
+    return cases
+
+
+@pytest.mark.parametrize(("dims", "combo"), _mesh_cases())
+def test_layouts_agree_with_torch_on_every_rank(fake_world, dims: tuple[int, ...],
+                                                combo: tuple[str, ...]) -> None:
+    """Ground truth: DTensor's own local shape and global offset on each rank equal the box
+    our Layout gives that rank (this is what makes the Shard(d)-on-both-axes re-factoring
+    and the size-1-axis rule safe)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    def placement(name: str) -> Shard | Replicate:
+        return Replicate() if name == "R" else Shard(int(name[1:]))
+
+    shape = (16, 8)
+    for rank in range(8):
+        with fake_world(rank, 8):
+            mesh = init_device_mesh("cpu", dims)
+            pls = [placement(n) for n in combo]
+            # metadata only: a 1x1 local tensor (same rank as the global, so Shard(-1) means
+            # the last dim) standing for a (16, 8) global one
+            d = DTensor.from_local(torch.zeros(1, 1), mesh, pls, run_check=False,
+                                   shape=torch.Size(shape),
+                                   stride=torch.empty(shape).stride())
+            (spec,) = specs_from_module(_module("w", d))
+            local, offset = compute_local_shape_and_global_offset(shape, mesh, d.placements)
+            want = tuple((o, o + n) for o, n in zip(offset, local, strict=True))
+            assert spec.layout.box(shape, rank) == want, (rank, spec.layout)
