@@ -162,3 +162,15 @@ def test_fused_targets_write_in_place_or_load() -> None:
     assert gate_up[:, 3:].eq(1).all() and gate_up[:, :3].eq(0).all()
     with pytest.raises(PlanError, match=r"add up to 11 along dim 0 but the fused tensor has 12"):
         fused_targets(qkv, {"q": 8, "k": 2, "v": 1}, dim=0, placements=None)
+
+
+def test_rename_keys_targets_but_patterns_match_module_names() -> None:
+    block = Block(TP)
+    block.register_buffer("scale", torch.ones(3))
+    t = targets_from_module(block, PLAN, buffers=True,
+                            rename=lambda n: None if n.startswith("norm") else "model." + n)
+    assert "model.q.weight" in t and "norm.weight" not in t and "model.norm.bias" not in t
+    assert t.placements()["model.q.weight"] == (REPLICATE, 0)   # matched as "q"
+    assert t.placements()["model.o.weight"] == (REPLICATE, 1)
+    assert t.placements()["model.scale"] is None
+    assert t["model.scale"][0].data_ptr() == block.scale.data_ptr()
