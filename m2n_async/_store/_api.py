@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Store"]
+__all__ = ["Store", "SupportsExchange"]
 
 
 @runtime_checkable
@@ -70,4 +70,19 @@ class Store(Protocol):
 
     async def aclose(self) -> None:
         """End this session (its ephemeral keys vanish). Idempotent."""
+        ...
+
+
+@runtime_checkable
+class SupportsExchange(Protocol):
+    """Optional extension: a store that can set, delete and gather in one atomic step.
+
+    ``ControlGroup`` uses it when present (one round trip per collective instead of three);
+    ``StoreClient`` and ``MemoryStore`` both provide it.
+    """
+
+    async def exchange(self, key: str, value: bytes, prefix: str, n: int, *,
+                       watch: Sequence[str] = (), delete: str | None = None
+                       ) -> dict[str, bytes]:
+        """Delete ``delete`` (if given), set ``key``, then ``gather(prefix, n, watch)``."""
         ...

@@ -51,6 +51,7 @@ from m2n_async._store._wire import (
     Delete,
     DeletePrefix,
     Error,
+    Exchange,
     Flag,
     FrameReader,
     Gather,
@@ -246,6 +247,17 @@ class StoreClient:
         """
         reply = await self._call(Gather(self._rid(), prefix, n, tuple(watch)), Items,
                                  blocking=True)
+        return reply.items
+
+    async def exchange(self, key: str, value: bytes, prefix: str, n: int, *,
+                       watch: Sequence[str] = (), delete: str | None = None
+                       ) -> dict[str, bytes]:
+        """Atomically delete ``delete``, set ``key``, then ``gather(prefix, n)``: one round trip.
+
+        Cancellation: the set (and delete) may have happened; the gather is withdrawn.
+        """
+        reply = await self._call(Exchange(self._rid(), key, bytes(value), delete, prefix, n,
+                                          tuple(watch)), Items, blocking=True)
         return reply.items
 
     async def aclose(self) -> None:

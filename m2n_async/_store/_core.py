@@ -312,6 +312,27 @@ class StoreCore:
             self._register(waiter, watch, track=track)
         return waiter
 
+    def begin_exchange(self, session: Session, key: str, value: bytes, delete: str | None,
+                       prefix: str, n: int, watch: Sequence[str],
+                       notify: Callable[[], None]) -> Waiter:
+        """``delete(delete)``, ``set(key, value)``, then ``gather(prefix, n)`` — atomically.
+
+        Atomicity is what makes a collective's cleanup safe: a rank's contribution and its
+        gather arrive together, so once any rank saw call ``s`` complete, every rank's gather of
+        call ``s`` has completed too, and the next call may delete call ``s``'s keys.
+        """
+        self._check_live(session)
+        self._check_key(key)
+        self._check_key(prefix, prefix=True)
+        if delete is not None:
+            self._check_key(delete)
+        if n < 0:
+            raise StoreError(f"exchange {prefix!r}: n must be >= 0, got {n}")
+        if delete is not None and delete != key:
+            self._remove(delete)
+        self.set(session, key, value)
+        return self.begin_gather(session, prefix, n, watch, notify)
+
     def cancel(self, waiter: Waiter) -> None:
         """Forget a pending waiter (its caller gave up). No-op once done."""
         if not waiter.done:

@@ -2,20 +2,24 @@
 
 Theory of operation: every collective call is one ``set`` of this rank's contribution under a
 per-call prefix plus one server-side ``gather`` of ``world_size`` keys under it — one round
-trip per rank, however many ranks. The prefix is ``{namespace}/c/{seq}/{kind}/`` where ``seq``
-counts this group's calls: ranks that make the same calls in the same order meet under the same
-prefix, and a rank that skipped or reordered a call waits under a different prefix instead of
-silently reading another call's envelope (it then times out in the caller's scope, and
+trip per rank (with ``exchange``), however many ranks. The prefix is
+``{namespace}/c/{seq}/{kind}/`` where ``seq`` counts this group's calls: ranks that make the
+same calls in the same order meet under the same prefix, and a rank that skipped or reordered a
+call waits under a different prefix instead of silently reading another call's envelope (it then times out in the caller's scope, and
 ``missing_ranks()`` names who never arrived).
 
 Liveness: ``join()`` writes ``{namespace}/alive/{rank}`` as an ephemeral key. Every gather
 watches the other ranks' liveness keys, so when a peer's session ends the wait fails at once
 with ``PeerLostError(ranks=(r,))`` naming that rank.
 
-Cleanup without growth: when call ``s`` completes on a rank, every rank has *entered* call
-``s`` — so every rank has finished call ``s-1`` — and the rank deletes its own key of call
-``s-1``. At most one call's keys per group are ever in the store. (Deleting a call's keys when
-it completes would race with a slow rank that has written its key but not yet sent its gather.)
+Cleanup without growth: on a store with the atomic ``exchange`` extension (the TCP store and
+``MemoryStore``), a call is one round trip — delete my key of the previous call, set my key of
+this call, gather — and since each rank's key and gather arrive together, once a rank has seen
+call ``s-1`` complete every rank's gather of it has completed, so deleting ``s-1`` keys at call
+``s`` is safe. On a plain ``Store`` a call is set + gather, and a rank deletes its key of call
+``s-1`` only after call ``s`` completes (every rank has then *entered* ``s``, so finished
+``s-1``); deleting on completion of ``s-1`` would race with a rank that has written its key but
+not yet sent its gather. Either way at most two calls' keys per group are in the store.
 
 Broadcast is an all-gather where only the root contributes bytes: it costs the same single
 round trip, synchronizes like the other collectives, and cleans up the same way.
@@ -29,7 +33,7 @@ from typing import Final, TypeVar
 import msgspec
 
 from m2n_async._proto.errors import LocalProtocolError, PeerLostError, RemoteProtocolError
-from m2n_async._store._api import Store
+from m2n_async._store._api import Store, SupportsExchange
 
 __all__ = ["ControlGroup"]
 
@@ -151,13 +155,20 @@ class ControlGroup:
         prefix = f"{self.namespace}/c/{seq}/{kind}/"
         self._current, self._current_kind = prefix, kind
         own_key = f"{prefix}{self.rank}"
-        await self.store.set(own_key, payload)
+        store = self.store
         try:
-            items = await self.store.gather(prefix, self.world_size, watch=self._watch)
+            if isinstance(store, SupportsExchange):
+                # One atomic round trip; deleting the previous call's key here is safe because
+                # every rank's gather of that call was registered together with its key.
+                items = await store.exchange(own_key, payload, prefix, self.world_size,
+                                             watch=self._watch, delete=self._previous_key)
+            else:
+                await store.set(own_key, payload)
+                items = await store.gather(prefix, self.world_size, watch=self._watch)
+                if self._previous_key is not None:
+                    await store.delete(self._previous_key)
         except PeerLostError as exc:
             raise self._peer_lost(exc, kind, seq) from None
-        if self._previous_key is not None:
-            await self.store.delete(self._previous_key)
         self._previous_key = own_key
         out: list[bytes | None] = [None] * self.world_size
         for key, value in items.items():

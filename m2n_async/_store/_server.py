@@ -48,6 +48,7 @@ from m2n_async._store._wire import (
     Delete,
     DeletePrefix,
     Error,
+    Exchange,
     Flag,
     FrameReader,
     Gather,
@@ -367,6 +368,9 @@ class _Connection:
             case Gather(rid, prefix, n, watch):
                 return self._blocking(rid, core.begin_gather(session, prefix, n, watch,
                                                              self._notifier(rid)))
+            case Exchange(rid, key, value, delete, prefix, n, watch):
+                return self._blocking(rid, core.begin_exchange(
+                    session, key, value, delete, prefix, n, watch, self._notifier(rid)))
         raise RemoteProtocolError(f"store cannot execute {type(msg).__name__}")
 
     def _notifier(self, rid: int) -> _Notify:
@@ -405,7 +409,7 @@ class _Notify:
 def _waiter_reply(rid: int, waiter: Waiter) -> ServerMessage:
     if waiter.error is not None:
         return _error_reply(rid, waiter.error)
-    if waiter.kind == "gather":
+    if waiter.kind == "gather":  # also exchange
         assert isinstance(waiter.result, dict)
         return Items(rid, waiter.result)
     if waiter.kind == "get":

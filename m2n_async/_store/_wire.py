@@ -41,6 +41,7 @@ __all__ = [
     "DeletePrefix",
     "Error",
     "ErrorKind",
+    "Exchange",
     "Flag",
     "FrameReader",
     "Gather",
@@ -151,15 +152,28 @@ class Gather(_Msg, frozen=True):
     watch: tuple[str, ...] = ()
 
 
+class Exchange(_Msg, frozen=True):
+    """Delete ``delete``, set ``key``, then gather ``prefix`` — one atomic round trip."""
+
+    rid: Rid
+    key: str
+    value: bytes
+    delete: str | None
+    prefix: str
+    n: Annotated[int, msgspec.Meta(ge=0, le=2**31)]
+    watch: tuple[str, ...] = ()
+
+
 class Cancel(_Msg, frozen=True):
     """Forget blocking request ``rid`` (no reply; unknown ids are ignored: it may have won)."""
 
     rid: Rid
 
 
-Request = Set | Get | Wait | Add | CompareSet | Delete | DeletePrefix | Gather
+Request = Set | Get | Wait | Add | CompareSet | Delete | DeletePrefix | Gather | Exchange
 ClientMessage = (
-    ClientAuth | Set | Get | Wait | Add | CompareSet | Delete | DeletePrefix | Gather | Cancel
+    ClientAuth | Set | Get | Wait | Add | CompareSet | Delete | DeletePrefix | Gather | Exchange
+    | Cancel
 )
 
 # --- replies -----------------------------------------------------------------------------

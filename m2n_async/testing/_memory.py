@@ -110,6 +110,21 @@ class MemoryStore:
         assert isinstance(result, dict)
         return result
 
+    async def exchange(self, key: str, value: bytes, prefix: str, n: int, *,
+                       watch: Sequence[str] = (), delete: str | None = None
+                       ) -> dict[str, bytes]:
+        """Atomically delete ``delete``, set ``key``, then ``gather(prefix, n)``.
+
+        Cancellation: if cancelled while waiting, the set (and delete) happened; the gather is
+        withdrawn.
+        """
+        await checkpoint()
+        self._check()
+        result = await self._block(lambda notify: self.core.begin_exchange(
+            self._session, key, bytes(value), delete, prefix, n, tuple(watch), notify))
+        assert isinstance(result, dict)
+        return result
+
     async def aclose(self) -> None:
         """End this session: its ephemeral keys vanish. Cancellation: completes at once."""
         self.core.close_session(self._session)

@@ -9,8 +9,9 @@ import msgspec
 import pytest
 from store_helpers import World
 
-from m2n_async import ControlGroup, PeerLostError, RemoteProtocolError
+from m2n_async import ControlGroup, PeerLostError, RemoteProtocolError, Store
 from m2n_async._proto.errors import LocalProtocolError
+from m2n_async._store._api import SupportsExchange
 
 pytestmark = pytest.mark.asyncio
 
@@ -26,8 +27,24 @@ class Other(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
     value: float
 
 
-async def make_groups(world: World, n: int, namespace: str = "job/1/g") -> list[ControlGroup]:
-    groups = [ControlGroup(await world.session(), r, n, namespace) for r in range(n)]
+class PlainStore:
+    """Only the Store protocol (no ``exchange``): exercises ControlGroup's fallback path."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self.set, self.get, self.wait = inner.set, inner.get, inner.wait
+        self.add, self.compare_set, self.delete = inner.add, inner.compare_set, inner.delete
+        self.delete_prefix, self.gather = inner.delete_prefix, inner.gather
+        self.aclose = inner.aclose
+
+
+async def make_groups(world: World, n: int, namespace: str = "job/1/g", *,
+                      plain: bool = False) -> list[ControlGroup]:
+    stores: list[Store] = [await world.session() for _ in range(n)]
+    if plain:
+        stores = [PlainStore(s) for s in stores]  # type: ignore[misc]
+        assert not isinstance(stores[0], SupportsExchange)
+    groups = [ControlGroup(stores[r], r, n, namespace) for r in range(n)]
     for g in groups:
         await g.join()
     return groups
@@ -91,9 +108,10 @@ async def test_wrong_envelope_type_names_the_rank(world: World) -> None:
     assert all("rank 1" in str(v) and "invalid" in str(v) for v in out.values())
 
 
-async def test_no_key_growth_over_thousands_of_rounds(world: World) -> None:
+@pytest.mark.parametrize("plain", [False, True], ids=["exchange", "set+gather"])
+async def test_no_key_growth_over_thousands_of_rounds(world: World, plain: bool) -> None:
     n, rounds = 4, 2000
-    groups = await make_groups(world, n)
+    groups = await make_groups(world, n, plain=plain)
     sizes: list[int] = []
 
     async def loop(g: ControlGroup) -> None:

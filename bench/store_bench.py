@@ -1,0 +1,288 @@
+"""Store bench: m2n_async's store vs torch.distributed.TCPStore on loopback, side by side.
+
+What it measures, in one run, with both servers in their own process:
+
+1. Op latency (one client, sequential): ``set``, ``get``, ``add``. TCPStore's ``set`` is
+   fire-and-forget (its protocol sends no reply), so its ``set`` figure is a send, not a round
+   trip; ours waits for the server's acknowledgement. ``set+get`` (a write then a read of it) is
+   the like-for-like round-trip figure.
+2. All-gather of a 1 KB envelope across 64 ranks: ours is ``ControlGroup.all_gather`` (one
+   server-side gather per rank per call); the baseline is the vLLM ``StatelessProcessGroup``
+   pattern on TCPStore — each rank broadcasts its pickled object under its own key and reads
+   every other rank's with a blocking ``get`` (one TCPStore broadcast per source rank).
+   Ranks are spread over ``--procs`` processes (threads inside each for TCPStore, tasks on one
+   event loop for ours); the figure is wall time per all-gather, the slowest process counted.
+
+Usage: ``python bench/store_bench.py [--ranks 64] [--procs 4] [--rounds 20] [--ops 2000]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import anyio
+import msgspec
+
+TOKEN = secrets.token_hex(16)
+PAYLOAD = 1024
+
+
+class Envelope(msgspec.Struct, frozen=True, tag=True):
+    rank: int
+    blob: bytes
+
+
+# --- servers -------------------------------------------------------------------------------
+
+
+def start_ours(token_file: str) -> tuple[subprocess.Popen[bytes], str]:
+    proc = subprocess.Popen([sys.executable, "-m", "m2n_async.cli", "store", "--port", "0",
+                             "--token-file", token_file], stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    address = proc.stdout.readline().decode().strip()
+    if not address:
+        raise RuntimeError("m2n-async store did not start")
+    return proc, address
+
+
+TCP_SERVER = """
+import datetime, sys, time
+from torch.distributed import TCPStore
+s = TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=600),
+             wait_for_workers=False)
+print(s.port, flush=True)
+sys.stdin.read()
+"""
+
+
+def start_tcpstore() -> tuple[subprocess.Popen[bytes], int]:
+    proc = subprocess.Popen([sys.executable, "-c", TCP_SERVER], stdout=subprocess.PIPE,
+                            stdin=subprocess.PIPE)
+    assert proc.stdout is not None
+    return proc, int(proc.stdout.readline())
+
+
+def tcp_client(port: int) -> Any:
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", port, 1, False, timeout=datetime.timedelta(seconds=600))
+
+
+# --- op latency ----------------------------------------------------------------------------
+
+
+def timed(fn: Callable[[], object], n: int) -> float:
+    """Median over 5 batches of n/5 calls, in microseconds per call."""
+    per: list[float] = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n // 5):
+            fn()
+        per.append((time.perf_counter() - t0) / (n // 5) * 1e6)
+    return statistics.median(per)
+
+
+async def atimed(fn: Callable[[], Coroutine[Any, Any, object]], n: int) -> float:
+    per: list[float] = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n // 5):
+            await fn()
+        per.append((time.perf_counter() - t0) / (n // 5) * 1e6)
+    return statistics.median(per)
+
+
+def latency_tcpstore(port: int, n: int) -> dict[str, float]:
+    c = tcp_client(port)
+    value = b"v" * 64
+    c.set("warm", value)
+    c.get("warm")
+
+    def set_get() -> None:
+        c.set("sg", value)
+        c.get("sg")
+
+    return {"set": timed(lambda: c.set("k", value), n), "get": timed(lambda: c.get("warm"), n),
+            "add": timed(lambda: c.add("n", 1), n), "set+get": timed(set_get, n)}
+
+
+def latency_ours(address: str, n: int) -> dict[str, float]:
+    from m2n_async import StoreClient
+
+    async def main() -> dict[str, float]:
+        c = await StoreClient.connect(address, token=TOKEN)
+        value = b"v" * 64
+        await c.set("warm", value)
+
+        async def set_get() -> None:
+            await c.set("sg", value)
+            await c.get("sg")
+
+        out = {"set": await atimed(lambda: c.set("k", value), n),
+               "get": await atimed(lambda: c.get("warm"), n),
+               "add": await atimed(lambda: c.add("n", 1), n),
+               "set+get": await atimed(set_get, n)}
+        await c.aclose()
+        return out
+
+    return anyio.run(main)
+
+
+# --- all-gather ----------------------------------------------------------------------------
+
+
+def ag_ours_proc(address: str, token: str, ranks: list[int], world: int, rounds: int,
+                 namespace: str, barrier: Any, out: Any) -> None:
+    from m2n_async import ControlGroup, StoreClient
+
+    async def main() -> float:
+        clients = [await StoreClient.connect(address, token=token) for _ in ranks]
+        groups = [ControlGroup(c, r, world, namespace) for c, r in zip(clients, ranks,
+                                                                         strict=True)]
+        for g in groups:
+            await g.join()
+
+        async def rank_loop(g: ControlGroup, n: int) -> None:
+            env = Envelope(g.rank, os.urandom(PAYLOAD))
+            for _ in range(n):
+                got = await g.all_gather(env, Envelope)
+                assert len(got) == world and got[g.rank] == env
+
+        async def run(n: int) -> None:
+            async with anyio.create_task_group() as tg:
+                for g in groups:
+                    tg.start_soon(rank_loop, g, n)
+
+        await run(2)  # warm-up (also aligns all processes on one call)
+        await anyio.to_thread.run_sync(barrier.wait)
+        t0 = time.perf_counter()
+        await run(rounds)
+        elapsed = time.perf_counter() - t0
+        for c in clients:
+            await c.aclose()
+        return elapsed
+
+    out.put(anyio.run(main))
+
+
+def ag_tcp_proc(port: int, ranks: list[int], world: int, rounds: int, barrier: Any,
+                out: Any) -> None:
+    clients = {r: tcp_client(port) for r in ranks}
+
+    def all_gather_obj(c: Any, rank: int, obj: object, call: int) -> list[object]:
+        # vLLM StatelessProcessGroup.all_gather_obj: one broadcast per source rank.
+        got: list[object] = []
+        for src in range(world):
+            key = f"ag/{call}/{src}"
+            if src == rank:
+                c.set(key, pickle.dumps(obj))
+                got.append(obj)
+            else:
+                got.append(pickle.loads(c.get(key)))
+        return got
+
+    def rank_loop(rank: int, first: int, n: int) -> None:
+        obj = {"rank": rank, "blob": os.urandom(PAYLOAD)}
+        for call in range(first, first + n):
+            got = all_gather_obj(clients[rank], rank, obj, call)
+            assert len(got) == world
+
+    def run(first: int, n: int) -> None:
+        threads = [threading.Thread(target=rank_loop, args=(r, first, n)) for r in ranks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    run(0, 2)
+    barrier.wait()
+    t0 = time.perf_counter()
+    run(2, rounds)
+    out.put(time.perf_counter() - t0)
+
+
+def all_gather(kind: str, target: Any, world: int, procs: int, rounds: int) -> float:
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(procs)
+    out = ctx.Queue()
+    split = [list(range(world))[i::procs] for i in range(procs)]
+    if kind == "ours":
+        ns = f"bench/{secrets.token_hex(4)}"
+        ps = [ctx.Process(target=ag_ours_proc, args=(target, TOKEN, ranks, world, rounds, ns,
+                                                      barrier, out)) for ranks in split]
+    else:
+        ps = [ctx.Process(target=ag_tcp_proc, args=(target, ranks, world, rounds, barrier,
+                                                     out)) for ranks in split]
+    for p in ps:
+        p.start()
+    times: list[float] = []
+    try:
+        while len(times) < len(ps):
+            try:
+                times.append(out.get(timeout=1.0))
+            except queue.Empty:
+                failed = [p.exitcode for p in ps if p.exitcode not in (None, 0)]
+                if failed:
+                    raise RuntimeError(f"{kind} all-gather worker failed (exit {failed})"
+                                       ) from None
+    finally:
+        for p in ps:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return max(times) / rounds * 1e3  # ms per all-gather
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", type=int, default=64)
+    ap.add_argument("--procs", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--ops", type=int, default=2000)
+    args = ap.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
+
+    with tempfile.NamedTemporaryFile("w", suffix=".token", delete=False) as f:
+        f.write(TOKEN)
+    ours, address = start_ours(f.name)
+    theirs, port = start_tcpstore()
+    try:
+        print(f"# store bench: {os.cpu_count()} CPUs, python {sys.version.split()[0]}, "
+              f"ranks={args.ranks} procs={args.procs} rounds={args.rounds} ops={args.ops}")
+        lt = latency_tcpstore(port, args.ops)
+        lo = latency_ours(address, args.ops)
+        print("\n| op | TCPStore (us) | m2n_async store (us) | ours / TCPStore |")
+        print("|---|---:|---:|---:|")
+        for op in ("set", "get", "add", "set+get"):
+            print(f"| {op} | {lt[op]:.1f} | {lo[op]:.1f} | {lo[op] / lt[op]:.2f}x |")
+        tcp_ms = all_gather("tcpstore", port, args.ranks, args.procs, args.rounds)
+        our_ms = all_gather("ours", address, args.ranks, args.procs, args.rounds)
+        print(f"\n| all-gather, 1 KB envelope, {args.ranks} ranks | ms per call |")
+        print("|---|---:|")
+        print(f"| TCPStore, vLLM pattern (one broadcast per source rank) | {tcp_ms:.1f} |")
+        print(f"| m2n_async ControlGroup.all_gather (server-side gather) | {our_ms:.1f} |")
+        print(f"| speed-up | {tcp_ms / our_ms:.1f}x |")
+    finally:
+        ours.terminate()
+        theirs.terminate()
+        ours.wait()
+        theirs.wait()
+        os.unlink(f.name)
+
+
+if __name__ == "__main__":
+    main()
