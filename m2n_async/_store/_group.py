@@ -5,8 +5,8 @@ per-call prefix plus one server-side ``gather`` of ``world_size`` keys under it 
 trip per rank (with ``exchange``), however many ranks. The prefix is
 ``{namespace}/c/{seq}/{kind}/`` where ``seq`` counts this group's calls: ranks that make the
 same calls in the same order meet under the same prefix, and a rank that skipped or reordered a
-call waits under a different prefix instead of silently reading another call's envelope (it then times out in the caller's scope, and
-``missing_ranks()`` names who never arrived).
+call waits under a different prefix instead of silently reading another call's envelope (it
+then times out in the caller's scope, and ``missing_ranks()`` names who never arrived).
 
 Liveness: ``join()`` writes ``{namespace}/alive/{rank}`` as an ephemeral key. Every gather
 watches the other ranks' liveness keys, so when a peer's session ends the wait fails at once
