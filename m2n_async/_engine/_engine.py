@@ -605,6 +605,11 @@ class _no_deadline:
 # -- the trainer -----------------------------------------------------------------------------
 
 
+#: Buckets with more parameters than this resolve their sources off the event loop: checking
+#: 10^5 tiny shards inline would stall the loop for a noticeable time.
+_INLINE_PARAMS = 256
+
+
 class _Sources:
     """Resolves one bucket's local shards from whatever ``sync_weights`` was given."""
 
@@ -627,8 +632,8 @@ class _Sources:
             weights = module_shards(weights, names=[p.spec.name for p in plan.params])
         if isinstance(weights, Mapping):
             self._map = weights
-            # A plain dict is looked up on the loop (cheap); any other mapping may compute
-            # on lookup (to_local(), a cast), so it runs off the loop.
+            # A plain dict is looked up on the loop (cheap) for small buckets; any other
+            # mapping may compute on lookup (to_local(), a cast), so it runs off the loop.
             self.inline = type(weights) is dict
         elif callable(weights):
             self._call = weights
@@ -644,10 +649,12 @@ class _Sources:
 
     async def __call__(self, bucket: Bucket) -> Mapping[str, torch.Tensor]:
         names = [self._plan.params[i].spec.name for i in range(bucket.start, bucket.stop)]
-        if self.inline:
+        if self.inline and len(names) <= _INLINE_PARAMS:
             return self._resolve(bucket, names)
+        # abandon_on_cancel: a source that hangs must not hold the round past its deadline
+        # (the abandoned thread's result is dropped; the round has failed by then).
         return await anyio.to_thread.run_sync(self._resolve, bucket, names,
-                                              limiter=self._limiter)
+                                              limiter=self._limiter, abandon_on_cancel=True)
 
     def _fetch(self, names: Sequence[str]) -> Mapping[str, torch.Tensor]:
         if self._map is not None:
