@@ -404,3 +404,53 @@ async def test_wrong_target_fails_preflight_everywhere() -> None:
     assert all(isinstance(e, PreflightError) for e in errors.values())
     assert str(errors[0]) == str(errors[1])
     assert "runtime_ready" in str(errors[0]) and "'w_row'" in str(errors[0])
+
+
+@pytest.mark.asyncio
+async def test_module_source_to_module_targets() -> None:
+    """sync_weights(nn.Module) on the trainer; targets_from_module (column/row TP) on 2
+    workers: the worker modules end up equal to the trainer's slices."""
+    from m2n_async import specs_from_module, targets_from_module
+
+    torch.manual_seed(0)
+    src = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Linear(12, 6))
+    specs = specs_from_module(src)
+    store = MemoryStore()
+    tp = {"0": "colwise", "1": "rowwise"}
+    dst_modules = {r: torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Linear(6, 6))
+                   for r in (1, 2)}
+    engines: dict[int, Any] = {}
+
+    async def one(r: int) -> None:
+        if r == 0:
+            engines[r] = await TrainerEngine.connect(store=store.session(), rank=0,
+                                                     trainer_ranks=1, world_size=3,
+                                                     params=specs, config=CFG)
+        else:
+            m = dst_modules[r]
+            with torch.no_grad():  # local TP shapes: colwise 12->6 rows, rowwise 12->6 cols
+                m[0].weight = torch.nn.Parameter(torch.zeros(6, 6))
+                m[0].bias = torch.nn.Parameter(torch.zeros(6))
+                m[1].weight = torch.nn.Parameter(torch.zeros(6, 6))
+            targets = targets_from_module(m, tp)
+            engines[r] = await WorkerEngine.connect(store=store.session(), rank=r,
+                                                    trainer_ranks=1, world_size=3,
+                                                    targets=targets, mesh_dims=(1, 2),
+                                                    config=CFG)
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            for r in range(3):
+                tg.start_soon(one, r)
+    try:
+        trainer, workers = engines[0], [engines[1], engines[2]]
+        await _round([trainer], workers, lambda e: e.sync_weights(src))
+        for k, r in enumerate((1, 2)):
+            m = dst_modules[r]
+            rows = slice(6 * k, 6 * k + 6)
+            assert torch.equal(m[0].weight, src[0].weight[rows])
+            assert torch.equal(m[0].bias, src[0].bias[rows])
+            assert torch.equal(m[1].weight, src[1].weight[:, rows])
+            assert torch.equal(m[1].bias, src[1].bias)
+    finally:
+        await _close(*engines.values())
