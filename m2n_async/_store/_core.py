@@ -38,6 +38,7 @@ from m2n_async._proto.errors import M2NError, PeerLostError, StoreError
 __all__ = [
     "GENERATION_SUFFIX",
     "Session",
+    "Snapshot",
     "StaleGenerationError",
     "StoreCore",
     "Waiter",
@@ -106,6 +107,18 @@ class Session:
 WaiterKind = Literal["get", "wait", "gather"]
 
 
+class Snapshot:
+    """A gather's result: the keys under a prefix at completion, shared by every waiter that
+    completed at that moment (64 ranks of one all-gather get one object, so a driver can encode
+    it once: ``cache`` is the driver's memo slot). Treat ``items`` as read-only."""
+
+    __slots__ = ("cache", "items")
+
+    def __init__(self, items: dict[str, bytes]) -> None:
+        self.items = items
+        self.cache: object = None
+
+
 class Waiter:
     """A blocking operation: pending until ``done``; then ``result`` or ``error`` is set."""
 
@@ -121,7 +134,7 @@ class Waiter:
         self.n = 0
         self.watch: tuple[str, ...] = ()
         self.done = False
-        self.result: bytes | dict[str, bytes] | None = None
+        self.result: bytes | Snapshot | None = None
         self.error: M2NError | None = None
 
 
@@ -302,7 +315,7 @@ class StoreCore:
             k for k in self._data if k.startswith(prefix)}
         if len(present) >= n:
             waiter.done = True
-            waiter.result = {k: self._data[k] for k in sorted(present)}
+            waiter.result = Snapshot({k: self._data[k] for k in sorted(present)})
             return waiter
         if track is None:
             track = _PrefixTrack(present)
@@ -389,7 +402,7 @@ class StoreCore:
                 if not track.waiters:
                     del self._prefixes[waiter.prefix]
 
-    def _finish(self, waiter: Waiter, *, result: bytes | dict[str, bytes] | None = None,
+    def _finish(self, waiter: Waiter, *, result: bytes | Snapshot | None = None,
                 error: M2NError | None = None) -> None:
         if waiter.done:
             return
@@ -435,9 +448,9 @@ class StoreCore:
                     track.keys.add(key)
                     ready = [w for w in track.waiters if w.n <= len(track.keys)]
                     if ready:
-                        snapshot = {k: self._data[k] for k in sorted(track.keys)}
+                        snapshot = Snapshot({k: self._data[k] for k in sorted(track.keys)})
                         for waiter in ready:
-                            self._finish(waiter, result=dict(snapshot))
+                            self._finish(waiter, result=snapshot)
 
     def _key_removed(self, key: str) -> None:
         if self._prefixes:

@@ -29,11 +29,12 @@ from typing import Self
 
 import anyio
 import anyio.abc
+import msgspec
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from m2n_async._proto.errors import M2NError, PeerLostError, RemoteProtocolError, StoreError
 from m2n_async._store import _auth
-from m2n_async._store._core import Session, StaleGenerationError, StoreCore, Waiter
+from m2n_async._store._core import Session, Snapshot, StaleGenerationError, StoreCore, Waiter
 from m2n_async._store._io import SocketChannel
 from m2n_async._store._wire import (
     DEFAULT_MAX_FRAME,
@@ -54,7 +55,7 @@ from m2n_async._store._wire import (
     Gather,
     Get,
     Int,
-    Items,
+    ItemsRaw,
     Ok,
     ServerHello,
     ServerMessage,
@@ -270,7 +271,7 @@ class _Connection:
                 return None
             self._reader.feed(data)
 
-    async def _send(self, msg: ServerMessage) -> None:
+    async def _send(self, msg: ServerMessage | ItemsRaw) -> None:
         frame = encode_frame(msg)
         if len(frame) - 4 > self._server._max_frame and not isinstance(msg, Error):
             rid = getattr(msg, "rid", 0)
@@ -342,7 +343,7 @@ class _Connection:
             if reply is not None:
                 await self._send(reply)
 
-    def _execute(self, session: Session, msg: ClientMessage) -> ServerMessage | None:
+    def _execute(self, session: Session, msg: ClientMessage) -> ServerMessage | ItemsRaw | None:
         core = self._core
         match msg:
             case Get(rid, key, wait, watch):
@@ -376,7 +377,7 @@ class _Connection:
     def _notifier(self, rid: int) -> _Notify:
         return _Notify(self._done_send, rid)
 
-    def _blocking(self, rid: int, waiter: Waiter) -> ServerMessage | None:
+    def _blocking(self, rid: int, waiter: Waiter) -> ServerMessage | ItemsRaw | None:
         if waiter.done:
             return _waiter_reply(rid, waiter)
         self._pending[rid] = waiter
@@ -406,12 +407,18 @@ class _Notify:
             pass  # connection already gone
 
 
-def _waiter_reply(rid: int, waiter: Waiter) -> ServerMessage:
+_items_encoder = msgspec.msgpack.Encoder()
+
+
+def _waiter_reply(rid: int, waiter: Waiter) -> ServerMessage | ItemsRaw:
     if waiter.error is not None:
         return _error_reply(rid, waiter.error)
     if waiter.kind == "gather":  # also exchange
-        assert isinstance(waiter.result, dict)
-        return Items(rid, waiter.result)
+        snapshot = waiter.result
+        assert isinstance(snapshot, Snapshot)
+        if not isinstance(snapshot.cache, msgspec.Raw):  # encode once for every waiter
+            snapshot.cache = msgspec.Raw(_items_encoder.encode(snapshot.items))
+        return ItemsRaw(rid, snapshot.cache)
     if waiter.kind == "get":
         assert isinstance(waiter.result, bytes)
         return Value(rid, waiter.result)

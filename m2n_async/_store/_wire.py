@@ -48,6 +48,7 @@ __all__ = [
     "Get",
     "Int",
     "Items",
+    "ItemsRaw",
     "Ok",
     "Request",
     "ServerHello",
@@ -212,6 +213,14 @@ class Count(_Msg, frozen=True):
 class Items(_Msg, frozen=True):
     rid: int
     items: dict[str, bytes]
+
+
+class ItemsRaw(_Msg, frozen=True, tag="Items"):
+    """Encode-only twin of ``Items`` whose map is already msgpack (``msgspec.Raw``): the server
+    encodes one gather snapshot once for all the waiters it completes."""
+
+    rid: int
+    items: msgspec.Raw
 
 
 ErrorKind = Literal["store", "peer_lost", "stale_generation", "auth", "protocol", "limit"]

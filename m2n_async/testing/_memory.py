@@ -20,7 +20,7 @@ import anyio
 from anyio.lowlevel import checkpoint
 
 from m2n_async._proto.errors import PeerLostError, StoreError
-from m2n_async._store._core import StaleGenerationError, StoreCore, Waiter
+from m2n_async._store._core import Snapshot, StaleGenerationError, StoreCore, Waiter
 
 __all__ = ["MemoryStore"]
 
@@ -107,8 +107,8 @@ class MemoryStore:
         self._check()
         result = await self._block(lambda notify: self.core.begin_gather(
             self._session, prefix, n, tuple(watch), notify))
-        assert isinstance(result, dict)
-        return result
+        assert isinstance(result, Snapshot)
+        return dict(result.items)  # a copy: the snapshot is shared with other sessions
 
     async def exchange(self, key: str, value: bytes, prefix: str, n: int, *,
                        watch: Sequence[str] = (), delete: str | None = None
@@ -122,8 +122,8 @@ class MemoryStore:
         self._check()
         result = await self._block(lambda notify: self.core.begin_exchange(
             self._session, key, bytes(value), delete, prefix, n, tuple(watch), notify))
-        assert isinstance(result, dict)
-        return result
+        assert isinstance(result, Snapshot)
+        return dict(result.items)  # a copy: the snapshot is shared with other sessions
 
     async def aclose(self) -> None:
         """End this session: its ephemeral keys vanish. Cancellation: completes at once."""
@@ -140,7 +140,7 @@ class MemoryStore:
         if self._session.closed:
             raise StoreError(f"memory store session {self._session.id} is closed")
 
-    async def _block(self, begin: _Begin) -> bytes | dict[str, bytes] | None:
+    async def _block(self, begin: _Begin) -> bytes | Snapshot | None:
         event = anyio.Event()
         waiter = begin(event.set)
         if not waiter.done:
