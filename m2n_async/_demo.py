@@ -382,7 +382,8 @@ def _fault(rank: int, round_: int) -> str | None:
 
     A test hook, so that the demo's own checks are shown to fail: ``exit`` ends the process
     abruptly (``os._exit``) as round ``round`` begins on that rank; ``corrupt`` (a worker)
-    flips one received byte before verifying.
+    flips one received byte before verifying; ``exit_verify`` (a worker) ends the process
+    after receiving, before it reports the round verified.
     """
     spec = os.environ.get("M2N_DEMO_FAULT", "")
     if not spec:
@@ -391,7 +392,7 @@ def _fault(rank: int, round_: int) -> str | None:
         kind, r, k = spec.split(":")
         hit = (int(r), int(k)) == (rank, round_)
     except ValueError:
-        raise ValueError(f"M2N_DEMO_FAULT must be 'exit|corrupt:RANK:ROUND', got {spec!r}"
+        raise ValueError(f"M2N_DEMO_FAULT must be 'KIND:RANK:ROUND', got {spec!r}"
                          ) from None
     if hit and kind == "exit":
         os._exit(9)
@@ -407,6 +408,7 @@ async def _trainer(args: DemoArgs, rank: int, params: Sequence[DemoParam], plan:
                    config: Any, store: Any, verified: list[str],
                    send: Callable[[Event], None]) -> None:
     from m2n_async._engine._engine import TrainerEngine
+    from m2n_async._store import ControlGroup, generation_namespace
 
     # This rank's shards at round 0; each round rewrites them in place (mask r-1 -> r).
     shards = {p.name: shard_content(p, t.spec.layout.box(p.shape, rank), 0)
@@ -417,10 +419,15 @@ async def _trainer(args: DemoArgs, rank: int, params: Sequence[DemoParam], plan:
     try:
         send(Ready(rank, engine.generation, engine.transport, engine.transport_reason,
                    plan.send_bytes(rank)))
+        # The engine's liveness keys of the workers: a worker that dies while verifying
+        # fails this wait at once instead of after the deadline.
+        group = ControlGroup(store, rank, args.world,
+                             generation_namespace(args.job, engine.generation))
+        alive = [group.alive_key(w) for w in range(args.trainers, args.world)]
         for r in range(1, args.rounds + 1):
             if r > 1:  # every worker verified round r-1: round r times the transfer only
                 with anyio.fail_after(args.round_timeout):
-                    await store.wait([k.format(r - 1) for k in verified])
+                    await store.wait([k.format(r - 1) for k in verified], watch=alive)
             _fault(rank, r)
             for p in params:
                 _bytes_2d(shards[p.name]).bitwise_xor_(
@@ -463,6 +470,8 @@ async def _worker(args: DemoArgs, rank: int, params: Sequence[DemoParam], plan: 
             if fault == "corrupt":
                 _bytes_2d(targets[params[-1].name])[-1, 0] ^= 1
             bad = mismatches(params, targets, base, r, scratch)
+            if fault == "exit_verify":
+                os._exit(9)
             send(RoundReport(rank, r, res.version, res.bytes, res.seconds, tuple(bad),
                              len(params)))
             await store.set(verified[rank - args.trainers].format(r), b"1")

@@ -126,8 +126,8 @@ def _no_children_left() -> None:
 
 def test_demo_cli_end_to_end() -> None:
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "m2n_async.cli", "demo", "--trainers", "2",
-                           "--workers", "3", *TINY], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "m2n_async.cli", "demo", "--trainers", "1",
+                           "--workers", "2", *TINY], capture_output=True, text=True,
                           timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
@@ -136,17 +136,18 @@ def test_demo_cli_end_to_end() -> None:
     assert time.monotonic() - t0 < 240
 
 
-@pytest.mark.parametrize("fault,expect", [
-    ("exit:3:2", ["rank 3 (worker): process exited with code 9", "rank 3 was lost"]),
-    ("corrupt:2:1", ["rank 2 (worker): round 1: 1 of", "differ from the recomputation"]),
+@pytest.mark.parametrize("trainers,workers,fault,expect", [
+    (1, 2, "exit:2:2", ["rank 2 (worker): process exited with code 9", "rank 2 was lost"]),
+    (1, 1, "corrupt:1:1", ["rank 1 (worker): round 1: 1 of", "differ from the recomputation"]),
 ])
-def test_demo_fails_loudly_and_reaps_children(monkeypatch: pytest.MonkeyPatch, fault: str,
+def test_demo_fails_loudly_and_reaps_children(monkeypatch: pytest.MonkeyPatch, trainers: int,
+                                              workers: int, fault: str,
                                               expect: list[str]) -> None:
     monkeypatch.setenv("M2N_DEMO_FAULT", fault)  # spawned children inherit the environment
     out, err = io.StringIO(), io.StringIO()
     t0 = time.monotonic()
-    code = run_demo(trainers=2, workers=2, rounds=2, size_mb=2, round_timeout=60,
-                    out=out, err=err)
+    code = run_demo(trainers=trainers, workers=workers, rounds=2, size_mb=2,
+                    round_timeout=60, out=out, err=err)
     elapsed = time.monotonic() - t0
     assert code == 1, out.getvalue() + err.getvalue()
     text = err.getvalue()
