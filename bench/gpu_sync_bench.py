@@ -363,10 +363,15 @@ def write_timeline_png(path: str, lanes: dict[str, list[dict[str, float]]]) -> N
         y0 = pad + y_i * row_h
         for x in range(width):  # lane separator
             px[y0 + row_h - 1][x] = (225, 225, 225)
+        prev_end = 0.0
         for k, r in enumerate(lanes[label]):
             a, b = r.get(f"{stage}0"), r.get(f"{stage}1")
             if a is None or b is None:
                 continue
+            if stage == "transfer":
+                # submitted at a, but one stream runs the buckets' transfers one after another
+                a = max(a, prev_end)
+                prev_end = b
             x0 = int(a / end * (width - 1))
             x1 = max(x0 + 1, int(b / end * (width - 1)))
             c = colors[stage] if k % 2 == 0 else tuple(min(255, v + 60) for v in colors[stage])

@@ -103,8 +103,9 @@ async def kill(ctx: RankCtx) -> dict[str, Any]:
     case = ctx.case
     name = case["transport"]
     src_dims, dst_dims, _ = LAYOUTS["2+2"]
-    # a 16 MiB parameter: sends to the dead rank cannot complete eagerly into NCCL's buffers
-    defs = [*layout_defs("2+2", name)[:4], ("big", (4096, 1024), "float32", (R, 0), (R, 1))]
+    # A 512 MiB parameter (128 MiB from each trainer to each worker): on the H200 a 16 MiB one
+    # still completed eagerly into a dead peer's NCCL buffers and the round "succeeded".
+    defs = [*layout_defs("2+2", name)[:4], ("big", (16384, 8192), "float32", (R, 0), (R, 1))]
     plan = make_plan(defs, src_dims, dst_dims)
     t = await open_transport(ctx, name, plan, bucket_bytes=1 << 14, max_inflight=2,
                              tag=f"kill-{name}")
