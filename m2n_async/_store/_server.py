@@ -1,41 +1,41 @@
-"""The TCP store server: a thin anyio driver over ``StoreCore``.
+"""The TCP store server: asyncio transports driving a synchronous per-connection protocol.
 
 Theory of operation: ``async with StoreServer(...)`` binds exactly the given address and serves
-from a task group inside the caller's event loop until the block exits. Each connection gets
-one task that (1) sends a challenge and must receive a valid HMAC answer within
-``auth_timeout`` (a silent or wrong client is dropped; nothing else is accepted before), then
-(2) opens a core session and reads frames in a loop. Non-blocking requests are answered inline,
-so a client that stops reading its replies stops being read (TCP back-pressure, no queue
-growth). A blocking request registers a core waiter; when the core completes it, its request id
-goes onto the connection's completion queue (bounded by the core's per-session waiter limit)
-and a second task sends the reply — this is how a lost peer is *pushed* to waiters at once.
-One send lock keeps frames whole.
+on the current event loop (anyio's asyncio backend) until the block exits. Each connection is
+an ``asyncio.Protocol`` whose whole logic is synchronous — bytes in (``data_received``), frames
+out (``transport.write``, which never blocks) — over ``StoreCore``: a request is parsed,
+executed and answered inside one callback, with no task switch. A blocking request registers a
+core waiter whose completion callback writes the reply directly, which is how a lost peer is
+*pushed* to its waiters at once. (The store's latency is a few Python callbacks per request;
+tasks and readiness waits per request cost more than the work itself.)
 
-Anything malformed — an oversized length prefix, bytes that are not one message of the
-request union, a request before authentication — gets a connection-level ``Error`` frame
-(best effort) and closes that connection only; the session's ephemeral keys are then lost as
-for any disconnect. Per connection the server holds at most one partial frame
-(``max_frame`` + one read) plus its pending waiters.
+Authentication comes first: the server writes a challenge on connect and accepts nothing but a
+valid HMAC answer within ``auth_timeout``; a silent or wrong client is dropped. Anything
+malformed — an oversized length prefix (refused before the body is read), bytes that are not one
+message of the request union, a request before authentication — gets a connection-level
+``Error`` frame and closes that connection only; its session's ephemeral keys are then lost as
+for any disconnect.
+
+Bounded memory per connection: at most one partial frame (``max_frame`` plus one read) is
+buffered, and when the client stops reading its replies (the transport's write buffer passes its
+high-water mark) the server stops reading and executing that client's requests until the buffer
+drains, so replies cannot pile up. Pending waiters are capped per session by the core.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import math
 import socket
-from contextlib import AsyncExitStack
 from types import TracebackType
 from typing import Self
 
 import anyio
-import anyio.abc
 import msgspec
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from m2n_async._proto.errors import M2NError, PeerLostError, RemoteProtocolError, StoreError
 from m2n_async._store import _auth
 from m2n_async._store._core import Session, Snapshot, StaleGenerationError, StoreCore, Waiter
-from m2n_async._store._io import SocketChannel
 from m2n_async._store._wire import (
     DEFAULT_MAX_FRAME,
     STORE_PROTO_VERSION,
@@ -49,6 +49,7 @@ from m2n_async._store._wire import (
     Delete,
     DeletePrefix,
     Error,
+    ErrorKind,
     Exchange,
     Flag,
     FrameReader,
@@ -69,12 +70,20 @@ from m2n_async._store._wire import (
 __all__ = ["StoreServer", "format_address"]
 
 _log = logging.getLogger("m2n_async.store")
-_SEND_TIMEOUT = 30.0  # a peer that does not drain its socket for this long is dropped
 
 
 def format_address(host: str, port: int) -> str:
     """``host:port``, with IPv6 hosts bracketed (``[::1]:port``)."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def running_loop(who: str) -> asyncio.AbstractEventLoop:
+    """The running asyncio loop, or a clear error under another anyio backend."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        raise StoreError(f"{who} runs on asyncio (anyio's default backend); no asyncio event "
+                         "loop is running here") from None
 
 
 class StoreServer:
@@ -109,9 +118,9 @@ class StoreServer:
         self._auth_timeout = auth_timeout
         self.core = StoreCore(max_tombstones=max_tombstones,
                               max_waiters_per_session=max_waiters_per_session)
-        self._stack: AsyncExitStack | None = None
+        self._server: asyncio.Server | None = None
+        self._protocols: set[_ServerProtocol] = set()
         self._address: str | None = None
-        self._connections = 0
 
     @property
     def address(self) -> str:
@@ -123,37 +132,37 @@ class StoreServer:
     @property
     def connections(self) -> int:
         """Connections currently open (authenticated or not)."""
-        return self._connections
+        return len(self._protocols)
 
     async def __aenter__(self) -> Self:
         """Bind and start serving.
 
         Cancellation: if cancelled while binding, nothing is left listening.
         """
-        if self._stack is not None:
+        if self._server is not None:
             raise StoreError("StoreServer is already running")
-        stack = AsyncExitStack()
+        loop = running_loop("StoreServer")
+        sock = await _listen(self._host, self._port)
         try:
-            sock = await _listen(self._host, self._port)
-            stack.callback(_close_listener, sock)
-            tg = await stack.enter_async_context(anyio.create_task_group())
-            stack.callback(tg.cancel_scope.cancel)  # runs first on exit: stop serving
-            host, port = sock.getsockname()[:2]
-            self._address = format_address(str(host), int(port))
-            tg.start_soon(self._accept_loop, sock, tg)
+            self._server = await loop.create_server(lambda: _ServerProtocol(self), sock=sock)
         except BaseException:
-            await stack.aclose()
+            sock.close()
             raise
-        self._stack = stack
+        host, port = sock.getsockname()[:2]
+        self._address = format_address(str(host), int(port))
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None,
-                        exc: BaseException | None, tb: TracebackType | None) -> bool | None:
-        stack, self._stack = self._stack, None
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        server, self._server = self._server, None
         self._address = None
-        if stack is not None:
-            return await stack.__aexit__(exc_type, exc, tb)
-        return None
+        if server is None:
+            return
+        server.close()
+        for proto in list(self._protocols):
+            proto.abort()
+        with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+            await server.wait_closed()
 
     async def serve_forever(self) -> None:
         """Serve until cancelled.
@@ -162,32 +171,6 @@ class StoreServer:
         """
         async with self:
             await anyio.sleep_forever()
-
-    # --- per connection ------------------------------------------------------------------
-
-    async def _accept_loop(self, sock: socket.socket, tg: anyio.abc.TaskGroup) -> None:
-        while True:
-            await anyio.wait_readable(sock)
-            try:
-                conn, _ = sock.accept()
-            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
-                continue
-            except OSError as exc:  # EMFILE and friends: back off instead of spinning
-                _log.warning("store accept failed (%s); retrying in 0.1 s", exc)
-                await anyio.sleep(0.1)
-                continue
-            tg.start_soon(self._handle, conn)
-
-    async def _handle(self, sock: socket.socket) -> None:
-        self._connections += 1
-        chan = SocketChannel(sock, send_timeout=_SEND_TIMEOUT)
-        try:
-            await _Connection(self, chan).run()
-        except Exception:  # one connection's failure must never stop the server
-            _log.exception("store connection handler failed; connection dropped")
-        finally:
-            chan.close()
-            self._connections -= 1
 
 
 async def _listen(host: str, port: int) -> socket.socket:
@@ -211,93 +194,104 @@ async def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _close_listener(sock: socket.socket) -> None:
-    try:
-        anyio.notify_closing(sock)
-    except Exception:  # no waiter registered (loop already gone)
-        pass
-    sock.close()
+class _ServerProtocol(asyncio.Protocol):
+    """One connection: handshake, then requests answered synchronously (see module doc)."""
 
-
-class _Connection:
-    def __init__(self, server: StoreServer, chan: SocketChannel) -> None:
+    def __init__(self, server: StoreServer) -> None:
         self._server = server
         self._core = server.core
-        self._chan = chan
         self._reader: FrameReader[ClientMessage] = FrameReader(
             ClientMessage, max_frame=server._max_frame)  # type: ignore[arg-type]
+        self._transport: asyncio.Transport | None = None
+        self._nonce = _auth.new_nonce()
+        self._session: Session | None = None
         self._pending: dict[int, Waiter] = {}
-        send, receive = anyio.create_memory_object_stream[int](max_buffer_size=math.inf)
-        self._done_send: MemoryObjectSendStream[int] = send
-        self._done_receive: MemoryObjectReceiveStream[int] = receive
+        self._paused = False  # the client is not reading: stop executing its requests
+        self._closing = False
+        self._deadline: asyncio.TimerHandle | None = None
 
-    async def run(self) -> None:
-        try:
-            with anyio.fail_after(self._server._auth_timeout):
-                authenticated = await self._authenticate()
-        except TimeoutError:
-            await self._send_error(0, "auth", "authentication deadline passed", best_effort=True)
-            return
-        except RemoteProtocolError as exc:
-            await self._send_error(0, "protocol", str(exc), best_effort=True)
-            return
-        if authenticated is None:
-            return
-        session = authenticated
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._push_completions)
-                try:
-                    await self._serve(session)
-                finally:
-                    tg.cancel_scope.cancel()
-        finally:
-            self._pending.clear()
-            self._core.close_session(session)
-            self._done_send.close()
-            self._done_receive.close()
+    # --- asyncio callbacks ---------------------------------------------------------------
 
-    async def _read(self) -> ClientMessage | None:
-        """The next message, or ``None`` at end of stream. Framing errors propagate."""
-        while True:
-            msg = self._reader.next_message()
-            if msg is not None:
-                return msg
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        self._server._protocols.add(self)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
             try:
-                data = await self._chan.receive()
-            except (anyio.ClosedResourceError, OSError):
-                return None
-            if not data:
-                return None
-            self._reader.feed(data)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+        self._deadline = asyncio.get_running_loop().call_later(
+            self._server._auth_timeout, self._auth_expired)
+        self._write(ServerHello(STORE_PROTO_VERSION, self._nonce))
 
-    async def _send(self, msg: ServerMessage | ItemsRaw) -> None:
-        frame = encode_frame(msg)
-        if len(frame) - 4 > self._server._max_frame and not isinstance(msg, Error):
-            rid = getattr(msg, "rid", 0)
-            frame = encode_frame(Error(
-                rid, "limit", f"reply of {len(frame) - 4} bytes exceeds the store frame limit "
-                f"of {self._server._max_frame} bytes"))
-        await self._chan.send(frame)  # frame-atomic under cancellation (see _io)
-
-    async def _send_error(self, rid: int, kind: str, message: str, *,
-                          best_effort: bool = False) -> None:
-        msg = Error(rid, kind, message)  # type: ignore[arg-type]
-        if not best_effort:
-            await self._send(msg)
+    def data_received(self, data: bytes) -> None:
+        if self._closing:
             return
         try:
-            with anyio.move_on_after(1.0):
-                await self._send(msg)
-        except Exception:  # the connection is being dropped anyway
-            pass
+            self._reader.feed(data)
+            self._process()
+        except RemoteProtocolError as exc:
+            self._fail(0, "protocol", str(exc))
+        except Exception:  # a bug must cost one connection, never the server
+            _log.exception("store connection handler failed; connection dropped")
+            self._fail(0, "store", "internal error in the store server; connection dropped")
 
-    async def _authenticate(self) -> Session | None:
-        nonce = _auth.new_nonce()
-        await self._send(ServerHello(STORE_PROTO_VERSION, nonce))
-        msg = await self._read()
-        if msg is None:
-            return None
+    def eof_received(self) -> bool | None:
+        return False  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closing = True
+        self._server._protocols.discard(self)
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._pending.clear()
+        if self._session is not None:
+            self._core.close_session(self._session)  # ephemeral keys lost, watchers told
+
+    def pause_writing(self) -> None:
+        self._paused = True
+        if self._transport is not None:
+            self._transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self._transport is not None and not self._closing:
+            self._transport.resume_reading()
+            self.data_received(b"")  # execute what was buffered while paused
+
+    # --- the connection's logic (synchronous) --------------------------------------------
+
+    def abort(self) -> None:
+        if self._transport is not None:
+            self._transport.abort()
+
+    def _process(self) -> None:
+        while not self._paused and not self._closing:
+            msg = self._reader.next_message()
+            if msg is None:
+                return
+            if self._session is None:
+                self._authenticate(msg)
+                continue
+            if isinstance(msg, Cancel):
+                waiter = self._pending.pop(msg.rid, None)
+                if waiter is not None:
+                    self._core.cancel(waiter)
+                continue
+            if isinstance(msg, ClientAuth):
+                raise RemoteProtocolError("store client authenticated twice")
+            if msg.rid in self._pending:
+                raise RemoteProtocolError(f"store request id {msg.rid} reused while pending")
+            try:
+                reply = self._execute(self._session, msg)
+            except M2NError as exc:
+                reply = _error_reply(msg.rid, exc)
+            if reply is not None:
+                self._write(reply)
+
+    def _authenticate(self, msg: ClientMessage) -> None:
         if not isinstance(msg, ClientAuth):
             raise RemoteProtocolError(
                 f"store expected authentication first, got {type(msg).__name__}")
@@ -306,42 +300,17 @@ class _Connection:
                 f"store protocol version mismatch: client {msg.version}, server "
                 f"{STORE_PROTO_VERSION}")
         key = self._server._key
-        if not _auth.verify(_auth.client_proof(key, nonce, msg.nonce), msg.mac):
-            await self._send_error(0, "auth", "store authentication failed: wrong token",
-                                   best_effort=True)
-            return None
-        session = self._core.open_session()
-        await self._send(AuthOk(_auth.server_proof(key, nonce, msg.nonce), session.id))
-        return session
+        if not _auth.verify(_auth.client_proof(key, self._nonce, msg.nonce), msg.mac):
+            self._fail(0, "auth", "store authentication failed: wrong token")
+            return
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._session = self._core.open_session()
+        self._write(AuthOk(_auth.server_proof(key, self._nonce, msg.nonce), self._session.id))
 
-    async def _serve(self, session: Session) -> None:
-        while True:
-            try:
-                msg = await self._read()
-            except RemoteProtocolError as exc:
-                await self._send_error(0, "protocol", str(exc), best_effort=True)
-                return
-            if msg is None:
-                return
-            if isinstance(msg, Cancel):
-                waiter = self._pending.pop(msg.rid, None)
-                if waiter is not None:
-                    self._core.cancel(waiter)
-                continue
-            if isinstance(msg, ClientAuth):
-                await self._send_error(0, "protocol", "store client authenticated twice",
-                                       best_effort=True)
-                return
-            if msg.rid in self._pending:
-                await self._send_error(0, "protocol", f"store request id {msg.rid} reused "
-                                       "while still pending", best_effort=True)
-                return
-            try:
-                reply = self._execute(session, msg)
-            except M2NError as exc:
-                reply = _error_reply(msg.rid, exc)
-            if reply is not None:
-                await self._send(reply)
+    def _auth_expired(self) -> None:
+        if self._session is None and not self._closing:
+            self._fail(0, "auth", "authentication deadline passed")
 
     def _execute(self, session: Session, msg: ClientMessage) -> ServerMessage | ItemsRaw | None:
         core = self._core
@@ -375,7 +344,7 @@ class _Connection:
         raise RemoteProtocolError(f"store cannot execute {type(msg).__name__}")
 
     def _notifier(self, rid: int) -> _Notify:
-        return _Notify(self._done_send, rid)
+        return _Notify(self, rid)
 
     def _blocking(self, rid: int, waiter: Waiter) -> ServerMessage | ItemsRaw | None:
         if waiter.done:
@@ -383,28 +352,42 @@ class _Connection:
         self._pending[rid] = waiter
         return None
 
-    async def _push_completions(self) -> None:
-        async for rid in self._done_receive:
-            waiter = self._pending.pop(rid, None)
-            if waiter is None:  # cancelled by the client after completing: drop
-                continue
-            await self._send(_waiter_reply(rid, waiter))
+    def _completed(self, rid: int) -> None:
+        waiter = self._pending.pop(rid, None)
+        if waiter is not None and not self._closing:
+            self._write(_waiter_reply(rid, waiter))
+
+    def _write(self, msg: ServerMessage | ItemsRaw) -> None:
+        frame = encode_frame(msg)
+        if len(frame) - 4 > self._server._max_frame and not isinstance(msg, Error):
+            rid = getattr(msg, "rid", 0)
+            frame = encode_frame(Error(
+                rid, "limit", f"reply of {len(frame) - 4} bytes exceeds the store frame limit "
+                f"of {self._server._max_frame} bytes"))
+        if self._transport is not None and not self._closing:
+            self._transport.write(frame)
+
+    def _fail(self, rid: int, kind: ErrorKind, message: str) -> None:
+        """Send a connection-level error (best effort) and close this connection only."""
+        if self._closing:
+            return
+        self._write(Error(rid, kind, message))
+        self._closing = True
+        if self._transport is not None:
+            self._transport.close()  # flushes the error frame, then closes
 
 
 class _Notify:
-    """Core callback: queue the request id for the completion pusher (never blocks)."""
+    """Core completion callback: write the waiter's reply on its connection, right away."""
 
-    __slots__ = ("_rid", "_send")
+    __slots__ = ("_proto", "_rid")
 
-    def __init__(self, send: MemoryObjectSendStream[int], rid: int) -> None:
-        self._send = send
+    def __init__(self, proto: _ServerProtocol, rid: int) -> None:
+        self._proto = proto
         self._rid = rid
 
     def __call__(self) -> None:
-        try:
-            self._send.send_nowait(self._rid)
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            pass  # connection already gone
+        self._proto._completed(self._rid)
 
 
 _items_encoder = msgspec.msgpack.Encoder()
