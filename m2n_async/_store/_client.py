@@ -1,24 +1,23 @@
 """The TCP store client: one connection, one session, many concurrent callers.
 
-Theory of operation: every request gets a fresh request id and a reply slot; replies are
-matched to slots by id, never by order. There is no background task (so a client needs no
-task group and ``connect`` can be awaited anywhere): whichever caller is waiting and finds
-nobody reading becomes the reader, reads frames and files each reply into its slot, and when
-its own reply has arrived hands the reading role to another waiting caller. Reads are
-cancel-safe because received bytes go into a ``FrameReader`` buffer, never half-consumed.
+Theory of operation: the connection is an ``asyncio.Protocol``; every received frame is parsed
+in ``data_received`` and filed, by request id, into the waiting caller's reply slot — never by
+order. A call is: write one frame (``transport.write`` is synchronous, so a frame is always
+whole), then wait on its slot. There is no background task, so a client needs no task group and
+``connect`` can be awaited anywhere in an anyio (asyncio backend) program.
 
 Cancellation: a cancelled caller removes its slot; a reply that arrives later for that id is
 dropped, so the connection is never "one reply behind" (the redis-py CVE-2023-28858 bug). For
-a blocking request the client also sends ``Cancel(rid)`` (shielded, bounded) so the server
-forgets the waiter. Sends are shielded so a cancelled sender never leaves half a frame.
+a blocking request the client also writes ``Cancel(rid)`` so the server forgets the waiter.
 
 The connection is the session: closing it (``aclose``, or the process dying) drops the
-session's ephemeral keys on the server. Any transport or protocol failure marks the client
-broken: every pending and later call raises ``StoreError`` naming the cause.
+session's ephemeral keys on the server. A transport or protocol failure marks the client
+broken: pending calls raise the cause, later calls raise ``StoreError`` naming it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 import socket
@@ -38,7 +37,7 @@ from m2n_async._proto.errors import (
 )
 from m2n_async._store import _auth
 from m2n_async._store._core import StaleGenerationError
-from m2n_async._store._io import SocketChannel
+from m2n_async._store._server import running_loop
 from m2n_async._store._wire import (
     DEFAULT_MAX_FRAME,
     STORE_PROTO_VERSION,
@@ -72,7 +71,6 @@ from m2n_async._store._wire import (
 
 __all__ = ["StoreClient", "parse_address"]
 
-_CANCEL_TIMEOUT = 1.0
 R = TypeVar("R", bound=ServerMessage)
 
 
@@ -103,15 +101,57 @@ class _Slot:
     def __init__(self) -> None:
         self.reply: ServerMessage | None = None
         self.error: M2NError | None = None
-        self.event: anyio.Event | None = None
+        self.event = anyio.Event()
 
-    @property
-    def done(self) -> bool:
-        return self.reply is not None or self.error is not None
 
-    def wake(self) -> None:
-        if self.event is not None:
-            self.event.set()
+class _ClientProtocol(asyncio.Protocol):
+    """Parses frames as they arrive and hands each message to the client."""
+
+    def __init__(self, max_frame: int) -> None:
+        self.reader: FrameReader[ServerMessage] = FrameReader(
+            ServerMessage, max_frame=max_frame)  # type: ignore[arg-type]
+        self.client: StoreClient | None = None
+        self.inbox: list[ServerMessage] = []  # handshake messages, before a client exists
+        self.inbox_event = anyio.Event()
+        self.lost: BaseException | None = None
+        self.lost_event = anyio.Event()
+        self.writable: anyio.Event | None = None  # set while the transport is paused
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.reader.feed(data)
+            while (msg := self.reader.next_message()) is not None:
+                if self.client is not None:
+                    self.client._on_message(msg)
+                else:
+                    self.inbox.append(msg)
+                    self.inbox_event.set()
+        except RemoteProtocolError as exc:
+            if self.client is not None:
+                self.client._break(RemoteProtocolError(f"store at {self.client.address}: {exc}"))
+            else:
+                self._lose(exc)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lose(exc if exc is not None else EOFError("connection closed"))
+        if self.writable is not None:
+            self.writable.set()
+
+    def _lose(self, exc: BaseException) -> None:
+        if self.lost is None:
+            self.lost = exc
+        self.lost_event.set()
+        self.inbox_event.set()
+        if self.client is not None:
+            self.client._on_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.writable = anyio.Event()
+
+    def resume_writing(self) -> None:
+        if self.writable is not None:
+            self.writable.set()
+            self.writable = None
 
 
 class StoreClient:
@@ -122,17 +162,17 @@ class StoreClient:
     ``set`` from another task).
     """
 
-    def __init__(self, chan: SocketChannel, reader: FrameReader[ServerMessage],
-                 session: int, address: str) -> None:
-        self._chan = chan
-        self._reader = reader
+    def __init__(self, transport: asyncio.Transport, protocol: _ClientProtocol, session: int,
+                 address: str) -> None:
+        self._transport = transport
+        self._protocol = protocol
         self.session = session
         self.address = address
         self._pending: dict[int, _Slot] = {}
         self._next_rid = 1
-        self._reading = False
         self._broken: M2NError | None = None
         self._closed = False
+        protocol.client = self
 
     @classmethod
     async def connect(cls, address: str | tuple[str, int], *, token: str | bytes | None,
@@ -148,13 +188,16 @@ class StoreClient:
         host, port = parse_address(address)
         key = _auth.token_bytes(token)
         where = f"store at {host}:{port}"
-        chan = SocketChannel(await _open_socket(host, port, where))
+        loop = running_loop("StoreClient")
+        sock = await _open_socket(host, port, where)
         try:
-            reader: FrameReader[ServerMessage] = FrameReader(
-                ServerMessage, max_frame=max_frame)  # type: ignore[arg-type]
-            hello = await _read_one(chan, reader, where)
-            if isinstance(hello, Error):
-                raise _error_to_exception(hello, where)
+            transport, protocol = await loop.create_connection(
+                lambda: _ClientProtocol(max_frame), sock=sock)
+        except BaseException:
+            sock.close()
+            raise
+        try:
+            hello = await _handshake_message(protocol, where)
             if not isinstance(hello, ServerHello):
                 raise RemoteProtocolError(
                     f"{where} sent {type(hello).__name__} instead of its challenge")
@@ -164,24 +207,20 @@ class StoreClient:
                     f"{STORE_PROTO_VERSION}")
             nonce = _auth.new_nonce()
             mac = _auth.client_proof(key, hello.nonce, nonce)
-            try:
-                await chan.send(encode_frame(ClientAuth(STORE_PROTO_VERSION, nonce, mac)))
-            except (OSError, anyio.ClosedResourceError) as exc:
-                raise StoreError(f"{where} closed the connection during the handshake"
-                                 ) from exc
-            reply = await _read_one(chan, reader, where)
-            if isinstance(reply, Error):
-                raise _error_to_exception(reply, where)
+            transport.write(encode_frame(ClientAuth(STORE_PROTO_VERSION, nonce, mac)))
+            reply = await _handshake_message(protocol, where)
             if not isinstance(reply, AuthOk):
                 raise RemoteProtocolError(
                     f"{where} sent {type(reply).__name__} instead of accepting authentication")
             if not _auth.verify(_auth.server_proof(key, hello.nonce, nonce), reply.mac):
                 raise AuthenticationError(
                     f"{where} failed to prove it holds the token: refusing to use it")
+            if protocol.inbox:
+                raise RemoteProtocolError(f"{where} sent frames before any request")
         except BaseException:
-            chan.close()
+            transport.abort()
             raise
-        return cls(chan, reader, reply.session, f"{host}:{port}")
+        return cls(transport, protocol, reply.session, f"{host}:{port}")
 
     # --- the Store protocol --------------------------------------------------------------
 
@@ -263,13 +302,13 @@ class StoreClient:
     async def aclose(self) -> None:
         """Close the connection; the server ends the session (ephemeral keys vanish).
 
-        Cancellation: the close is shielded and completes.
+        Cancellation: the close completes (it does not wait for the server).
         """
         if self._closed:
             return
         self._closed = True
         self._fail_all(StoreError(f"store client for {self.address} was closed"))
-        self._chan.close()
+        self._transport.close()
         await anyio.lowlevel.checkpoint()
 
     async def __aenter__(self) -> Self:
@@ -299,16 +338,23 @@ class StoreClient:
 
     async def _call(self, request: Request, expect: type[R], *, blocking: bool = False) -> R:
         self._check_usable()
+        writable = self._protocol.writable
+        if writable is not None:  # the server is not draining our writes: wait (nothing sent)
+            await writable.wait()
+            self._check_usable()
         rid = request.rid
         slot = _Slot()
         self._pending[rid] = slot
+        self._write(request)
         try:
-            await self._send(request)
-            reply = await self._await_reply(slot)
+            await slot.event.wait()
         except BaseException:
             if self._pending.pop(rid, None) is not None and blocking:
-                await self._withdraw(rid)
+                self._write(Cancel(rid))  # the server withdraws the waiter
             raise
+        if slot.error is not None:
+            raise _fresh(slot.error)
+        reply = slot.reply
         if isinstance(reply, Error):
             raise _error_to_exception(reply, f"store at {self.address}")
         if not isinstance(reply, expect):
@@ -318,103 +364,57 @@ class StoreClient:
             raise _fresh(self._broken)  # type: ignore[arg-type]
         return reply
 
-    async def _withdraw(self, rid: int) -> None:
-        if self._broken is not None or self._closed:
-            return
-        with anyio.CancelScope(shield=True), anyio.move_on_after(_CANCEL_TIMEOUT) as scope:
-            try:
-                await self._send(Cancel(rid))
-            except M2NError:
-                return
-        if scope.cancelled_caught:
-            self._break(StoreError(f"store at {self.address}: could not withdraw a cancelled "
-                                   "request in time; connection dropped"))
+    def _write(self, msg: _Msg) -> None:
+        if self._broken is None and not self._closed and not self._transport.is_closing():
+            self._transport.write(encode_frame(msg))
 
-    async def _send(self, msg: _Msg) -> None:
-        self._check_usable()
-        try:
-            await self._chan.send(encode_frame(msg))
-        except (OSError, anyio.ClosedResourceError) as exc:
-            if self._closed:
-                raise StoreError(f"store client for {self.address} is closed") from None
-            self._break(StoreError(f"store at {self.address}: connection lost while sending "
-                                   f"({exc!r})"))
-            raise _fresh(self._broken) from exc  # type: ignore[arg-type]
-
-    async def _await_reply(self, slot: _Slot) -> ServerMessage:
-        while not slot.done:
-            if self._reading:
-                slot.event = anyio.Event()
-                try:
-                    await slot.event.wait()
-                finally:
-                    slot.event = None
-                continue
-            self._reading = True
-            try:
-                while not slot.done:
-                    await self._read_and_dispatch()
-            finally:
-                self._reading = False
-                self._hand_over()
-        if slot.error is not None:
-            raise _fresh(slot.error)
-        assert slot.reply is not None
-        return slot.reply
-
-    def _hand_over(self) -> None:
-        """Wake one waiting caller to take over reading (it re-checks its slot first)."""
-        for other in self._pending.values():
-            if not other.done and other.event is not None:
-                other.wake()
-                return
-
-    async def _read_and_dispatch(self) -> None:
-        try:
-            msg = self._reader.next_message()
-            while msg is None:
-                data = await self._chan.receive()
-                if not data:
-                    raise anyio.EndOfStream
-                self._reader.feed(data)
-                msg = self._reader.next_message()
-        except RemoteProtocolError as exc:
-            self._break(RemoteProtocolError(f"store at {self.address}: {exc}"))
-            return
-        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError,
-                OSError) as exc:
-            if self._closed:
-                self._fail_all(StoreError(f"store client for {self.address} was closed"))
-            else:
-                self._break(StoreError(f"store at {self.address} closed the connection "
-                                       f"({type(exc).__name__})"))
-            return
+    def _on_message(self, msg: ServerMessage) -> None:
         if isinstance(msg, Error) and msg.rid == 0:
             self._break(_error_to_exception(msg, f"store at {self.address}"))
             return
         rid = getattr(msg, "rid", None)
-        slot = self._pending.pop(rid, None) if isinstance(rid, int) else None
+        if not isinstance(rid, int):
+            self._break(RemoteProtocolError(
+                f"store at {self.address} sent an unexpected {type(msg).__name__}"))
+            return
+        slot = self._pending.pop(rid, None)
         if slot is None:
-            if rid is None:
-                self._break(RemoteProtocolError(
-                    f"store at {self.address} sent an unexpected {type(msg).__name__}"))
-            return  # a late reply to a cancelled request: correlate by id and drop it
+            return  # a late reply to a cancelled request: correlated by id, dropped
         slot.reply = msg
-        slot.wake()
+        slot.event.set()
+
+    def _on_lost(self, exc: BaseException) -> None:
+        if self._closed:
+            return
+        self._break(StoreError(f"store at {self.address} closed the connection "
+                               f"({type(exc).__name__})"))
 
     def _break(self, exc: M2NError) -> None:
         """Mark the connection unusable and close it (the server then ends our session)."""
         if self._broken is None:
             self._broken = exc
         self._fail_all(exc)
-        self._chan.close()
+        self._transport.abort()
 
     def _fail_all(self, exc: M2NError) -> None:
         pending, self._pending = self._pending, {}
         for slot in pending.values():
-            if not slot.done:
-                slot.error = exc
-                slot.wake()
+            slot.error = exc
+            slot.event.set()
+
+
+async def _handshake_message(protocol: _ClientProtocol, where: str) -> ServerMessage:
+    while not protocol.inbox:
+        if protocol.lost is not None:
+            if isinstance(protocol.lost, RemoteProtocolError):
+                raise RemoteProtocolError(f"{where}: {protocol.lost}")
+            raise StoreError(f"{where} closed the connection during the handshake")
+        protocol.inbox_event = anyio.Event()
+        await protocol.inbox_event.wait()
+    msg = protocol.inbox.pop(0)
+    if isinstance(msg, Error):
+        raise _error_to_exception(msg, where)
+    return msg
 
 
 def _fresh(exc: M2NError) -> M2NError:
@@ -442,21 +442,6 @@ def _error_to_exception(msg: Error, where: str) -> M2NError:
     if msg.kind == "protocol":
         return RemoteProtocolError(f"{where} reported a protocol error: {text}")
     return StoreError(text)
-
-
-async def _read_one(chan: SocketChannel, reader: FrameReader[ServerMessage],
-                    where: str) -> ServerMessage:
-    while True:
-        msg = reader.next_message()
-        if msg is not None:
-            return msg
-        try:
-            data = await chan.receive()
-        except (anyio.ClosedResourceError, OSError) as exc:
-            raise StoreError(f"{where} closed the connection during the handshake") from exc
-        if not data:
-            raise StoreError(f"{where} closed the connection during the handshake")
-        reader.feed(data)
 
 
 async def _open_socket(host: str, port: int, where: str) -> socket.socket:
