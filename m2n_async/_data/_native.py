@@ -48,11 +48,12 @@ class NativeCall(Generic[T]):
     ``wait`` must be awaited from an event loop (asyncio or trio through anyio).
     """
 
-    __slots__ = ("_callbacks", "_done", "_exc", "_lock", "_result", "description")
+    __slots__ = ("_callbacks", "_done", "_event", "_exc", "_lock", "_result", "description")
 
     def __init__(self, description: str) -> None:
         self.description = description
         self._lock = threading.Lock()
+        self._event = threading.Event()
         self._done = False
         self._result: Any = None
         self._exc: BaseException | None = None
@@ -87,10 +88,16 @@ class NativeCall(Generic[T]):
                 return
         fn(self)
 
+    def join(self, timeout: float | None = None) -> bool:
+        """Block THIS thread until done or ``timeout`` seconds; whether it is done. For other
+        helper threads only — never call it on the event loop (use ``wait``)."""
+        return self._event.wait(timeout)
+
     def _set(self, result: Any, exc: BaseException | None) -> None:
         with self._lock:
             self._result, self._exc, self._done = result, exc, True
             callbacks, self._callbacks = self._callbacks, []
+        self._event.set()
         for fn in callbacks:
             try:
                 fn(self)

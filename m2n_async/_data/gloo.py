@@ -11,13 +11,14 @@ loopback store).
 Per bucket, each rank moves its bytes for each peer as a few messages (``_packing``): large
 pieces alone, runs of small ones packed together. The trainer packs on a pack thread, the
 native thread issues every send/recv of the bucket (tag = bucket index; Gloo matches messages
-of one pair and tag in order) and waits for them with the round deadline as timeout, and the
-worker scatters on an unpack thread into its targets or hands shards to load callbacks. A
-message that is one contiguous range of the local shard moves zero-copy: sent straight from
-the trainer's shard, received straight into the worker's target. Staging comes from a pool of
-at most ``max_inflight`` equal arenas (sized once from this rank's largest bucket; the
-trainer's are allocated and touched in ``prepare``), so pages are faulted in once, not every
-round.
+of one pair and tag in order) without blocking, a wait thread waits for them in order with
+the round deadline as timeout (so the next bucket's messages are queued while this one
+moves), and the worker scatters on an unpack thread into its targets or hands shards to load
+callbacks. A message that is one contiguous range of the local shard moves zero-copy: sent
+straight from the trainer's shard, received straight into the worker's target. Staging comes
+from a pool of at most ``max_inflight`` equal arenas (sized once from this rank's largest
+bucket; the trainer's are allocated and touched in ``prepare``), so pages are faulted in
+once, not every round.
 
 Abort. Gloo has no way to cancel a pending point-to-point op, and ``ProcessGroup.abort`` /
 ``shutdown`` do not wake a blocked ``wait``. What does: a second ``wait`` on the same op with a
@@ -44,7 +45,7 @@ import anyio.lowlevel
 import anyio.to_thread
 import torch
 
-from m2n_async._data._native import NativeThread, threadsafe_notifier
+from m2n_async._data._native import NativeCall, NativeThread, threadsafe_notifier
 from m2n_async._data._packing import (
     DIRECT_MIN_BYTES,
     BucketPacking,
@@ -270,6 +271,7 @@ class GlooTransport(Transport):
         self._packings: dict[int, BucketPacking] = {}
         self._arenas: _Arenas | None = None
         self._pack_thread: NativeThread | None = None
+        self._waiter: NativeThread | None = None
         self._unpack_thread: NativeThread | None = None
         self._scatter_cache: dict[tuple[int, int], dict[int, ScatterPlan]] = {}
         self._names = [p.spec.name for p in ctx.plan.params]
@@ -313,6 +315,7 @@ class GlooTransport(Transport):
         """
         largest = await anyio.to_thread.run_sync(self._plan_all, abandon_on_cancel=True)
         self._arenas = arenas = _Arenas(max(largest, 1))
+        self._waiter = NativeThread(f"gloo-wait-r{self.ctx.rank}")
         if self.ctx.role == "trainer":
             self._pack_thread = NativeThread(f"gloo-pack-r{self.ctx.rank}")
             if largest:  # fault the pages in now rather than during the first round
@@ -462,31 +465,42 @@ class GlooTransport(Transport):
         return staged
 
     def transfer(self, staging: Staging) -> Completion:
+        """Issue the bucket's ops on the native thread (plan order) and wait for them on the
+        wait thread, so bucket i+1's messages are already queued while bucket i's move."""
         self.check_usable()
-        if not isinstance(staging, GlooStaging) or self._pg is None:
+        if not isinstance(staging, GlooStaging) or self._pg is None or self._waiter is None:
             raise LocalProtocolError(f"gloo transfer needs a connected transport and its own "
                                      f"staging ({self.ctx.where(bucket=staging.bucket.index)})")
-        call = self.ctx.native.submit(self._run_bucket, staging,
-                                      description=f"gloo bucket {staging.bucket.index}")
-        return NativeCompletion(call, keep=staging)  # type: ignore[arg-type]
+        index = staging.bucket.index
+        issue = self.ctx.native.submit(self._issue, staging, description=f"gloo issue {index}")
+        done = self._waiter.submit(self._wait_bucket, staging, issue,
+                                   description=f"gloo wait {index}")
+        return NativeCompletion(done, keep=staging)  # type: ignore[arg-type]
 
-    def _run_bucket(self, staged: GlooStaging) -> None:
-        """Native thread: issue every op of the bucket, then wait for each (round deadline)."""
-        t0 = time.perf_counter()
-        sending = self.ctx.role == "trainer"
+    def _issue(self, staged: GlooStaging) -> list[tuple[Any, int]]:
+        """Native thread: post every send/recv of the bucket; never blocks on a peer."""
+        staged.seconds["transfer"] = -time.perf_counter()
+        op = self._pg.send if self.ctx.role == "trainer" else self._pg.recv
         tag = staged.bucket.index % (1 << 31)  # Gloo tags are 32-bit; FIFO per pair anyway
-        pg = self._pg
         issued: list[tuple[Any, int]] = []
         with self._lock:
-            self.check_usable()
+            self.check_usable()  # under the lock: abort() cannot miss an op issued now
             try:
-                op = pg.send if sending else pg.recv
                 for peer, _, buf, _ in staged.messages:
                     issued.append((op([buf], peer, tag), peer))
             except Exception as exc:
                 raise self._translate(exc, staged, None) from exc
             finally:
-                self._pending = list(issued)
+                self._pending.extend(issued)
+        return issued
+
+    def _wait_bucket(self, staged: GlooStaging, issue: NativeCall[list[tuple[Any, int]]]
+                     ) -> None:
+        """Wait thread: wait for the bucket's ops in order, each bounded by the deadline."""
+        if not issue.join(self.remaining()):
+            raise TimeoutError(f"gloo: bucket {staged.bucket.index}'s ops were not issued "
+                               f"before the round deadline at {self.ctx.where(round=self.round)}")
+        issued = issue.result()  # re-raises the issue's failure
         try:
             for work, peer_rank in issued:
                 left = self.remaining()
@@ -496,8 +510,9 @@ class GlooTransport(Transport):
                     raise self._translate(exc, staged, peer_rank) from exc
         finally:
             with self._lock:
-                self._pending = []
-        staged.seconds["transfer"] = time.perf_counter() - t0
+                done = {id(w) for w, _ in issued}
+                self._pending = [(w, p) for w, p in self._pending if id(w) not in done]
+        staged.seconds["transfer"] += time.perf_counter()
 
     def _translate(self, exc: BaseException, staged: GlooStaging,
                    peer: int | None) -> BaseException:
@@ -648,7 +663,8 @@ class GlooTransport(Transport):
         if self._closed:
             return
         self._closed = True
-        threads = [t for t in (self._pack_thread, self._unpack_thread) if t is not None]
+        threads = [t for t in (self._pack_thread, self._unpack_thread, self._waiter)
+                   if t is not None]
         for t in threads:
             await anyio.to_thread.run_sync(t.close, 5.0, abandon_on_cancel=True)
         if self._arenas is not None:
