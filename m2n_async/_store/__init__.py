@@ -5,7 +5,7 @@ See DESIGN.md §4. ``_core`` holds the sans-IO semantics; ``_server``/``_client`
 ``Store`` protocol (``_api``); ``_namespace`` scopes keys per job generation.
 """
 
-from m2n_async._store._api import Store
+from m2n_async._store._api import Store, SupportsExchange
 from m2n_async._store._client import StoreClient
 from m2n_async._store._core import StaleGenerationError, generation_key
 from m2n_async._store._group import ControlGroup
@@ -22,6 +22,7 @@ __all__ = [
     "Store",
     "StoreClient",
     "StoreServer",
+    "SupportsExchange",
     "current_generation",
     "generation_key",
     "generation_namespace",
