@@ -18,9 +18,6 @@ broken: pending calls raise the cause, later calls raise ``StoreError`` naming i
 from __future__ import annotations
 
 import asyncio
-import errno
-import os
-import socket
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Self, TypeVar
@@ -96,12 +93,19 @@ def parse_address(address: str | tuple[str, int]) -> tuple[str, int]:
 
 
 class _Slot:
-    __slots__ = ("error", "event", "reply")
+    """A caller's reply slot. A bare asyncio future: the cheapest wakeup there is, and anyio's
+    cancel scopes cancel it like any other await."""
 
-    def __init__(self) -> None:
+    __slots__ = ("error", "future", "reply")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.reply: ServerMessage | None = None
         self.error: M2NError | None = None
-        self.event = anyio.Event()
+        self.future: asyncio.Future[None] = loop.create_future()
+
+    def wake(self) -> None:
+        if not self.future.done():
+            self.future.set_result(None)
 
 
 class _ClientProtocol(asyncio.Protocol):
@@ -114,7 +118,6 @@ class _ClientProtocol(asyncio.Protocol):
         self.inbox: list[ServerMessage] = []  # handshake messages, before a client exists
         self.inbox_event = anyio.Event()
         self.lost: BaseException | None = None
-        self.lost_event = anyio.Event()
         self.writable: anyio.Event | None = None  # set while the transport is paused
 
     def data_received(self, data: bytes) -> None:
@@ -140,7 +143,6 @@ class _ClientProtocol(asyncio.Protocol):
     def _lose(self, exc: BaseException) -> None:
         if self.lost is None:
             self.lost = exc
-        self.lost_event.set()
         self.inbox_event.set()
         if self.client is not None:
             self.client._on_lost(exc)
@@ -172,6 +174,7 @@ class StoreClient:
         self._next_rid = 1
         self._broken: M2NError | None = None
         self._closed = False
+        self._loop = asyncio.get_running_loop()
         protocol.client = self
 
     @classmethod
@@ -189,13 +192,11 @@ class StoreClient:
         key = _auth.token_bytes(token)
         where = f"store at {host}:{port}"
         loop = running_loop("StoreClient")
-        sock = await _open_socket(host, port, where)
         try:
             transport, protocol = await loop.create_connection(
-                lambda: _ClientProtocol(max_frame), sock=sock)
-        except BaseException:
-            sock.close()
-            raise
+                lambda: _ClientProtocol(max_frame), host, port)
+        except OSError as exc:
+            raise StoreError(f"cannot connect to the {where}: {exc}") from exc
         try:
             hello = await _handshake_message(protocol, where)
             if not isinstance(hello, ServerHello):
@@ -343,11 +344,11 @@ class StoreClient:
             await writable.wait()
             self._check_usable()
         rid = request.rid
-        slot = _Slot()
+        slot = _Slot(self._loop)
         self._pending[rid] = slot
         self._write(request)
         try:
-            await slot.event.wait()
+            await slot.future
         except BaseException:
             if self._pending.pop(rid, None) is not None and blocking:
                 self._write(Cancel(rid))  # the server withdraws the waiter
@@ -381,7 +382,7 @@ class StoreClient:
         if slot is None:
             return  # a late reply to a cancelled request: correlated by id, dropped
         slot.reply = msg
-        slot.event.set()
+        slot.wake()
 
     def _on_lost(self, exc: BaseException) -> None:
         if self._closed:
@@ -400,7 +401,7 @@ class StoreClient:
         pending, self._pending = self._pending, {}
         for slot in pending.values():
             slot.error = exc
-            slot.event.set()
+            slot.wake()
 
 
 async def _handshake_message(protocol: _ClientProtocol, where: str) -> ServerMessage:
@@ -443,29 +444,3 @@ def _error_to_exception(msg: Error, where: str) -> M2NError:
         return RemoteProtocolError(f"{where} reported a protocol error: {text}")
     return StoreError(text)
 
-
-async def _open_socket(host: str, port: int, where: str) -> socket.socket:
-    """A connected non-blocking socket to ``host:port`` (first address that answers)."""
-    try:
-        infos = await anyio.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError as exc:
-        raise StoreError(f"cannot resolve the {where}: {exc}") from exc
-    errors: list[str] = []
-    for family, type_, proto, _, sockaddr in infos:
-        sock = socket.socket(family, type_, proto)
-        try:
-            sock.setblocking(False)
-            err = sock.connect_ex(sockaddr)
-            if err in (errno.EINPROGRESS, errno.EAGAIN, errno.EWOULDBLOCK):
-                await anyio.wait_writable(sock)
-                err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-            if err == 0:
-                return sock
-            errors.append(f"{sockaddr}: {os.strerror(err)}")
-        except OSError as exc:
-            errors.append(f"{sockaddr}: {exc}")
-        except BaseException:
-            sock.close()
-            raise
-        sock.close()
-    raise StoreError(f"cannot connect to the {where}: {'; '.join(errors) or 'no address'}")
