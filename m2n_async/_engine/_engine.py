@@ -37,7 +37,7 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Self
 
 import anyio
 import anyio.to_thread
@@ -587,7 +587,7 @@ class _Engine:
             await self._release(abort_reason=reason)
             self._state = EngineState.CLOSED
 
-    async def __aenter__(self) -> Any:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -112,13 +112,21 @@ def _check(plan: TransferPlan, workers: Sequence[WorkerEngine], version: int,
 async def test_rounds_versions_and_lifecycle() -> None:
     plan = make_plan(DEFS, (1, 2), (1, 2))
     store = MemoryStore()
-    trainers, workers = await _connect_all(store, plan)
+    cfg = EngineConfig(**{**CFG.__dict__, "link_bytes_per_second": 1e9})
+    trainers, workers = await _connect_all(store, plan, cfg)
     try:
         assert all(e.state.value == "ready" and e.transport == "gloo"
                    for e in [*trainers, *workers])
         for v in (1, 2, 5):
-            res = await _round(trainers, workers, lambda e, v=v: e.sync_weights(
-                source_shards(plan, e.rank, v), version=v if e.rank == 0 else None))
+            seen: list[tuple[int, int]] = []
+            res = await _round(trainers, workers, lambda e, v=v, seen=seen: e.sync_weights(
+                source_shards(plan, e.rank, v), version=v if e.rank == 0 else None,
+                progress=(lambda done, total: seen.append((done, total))) if e.rank == 0
+                else None))
+            assert seen and seen[-1] == (plan.send_bytes(0), plan.send_bytes(0))
+            assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+            assert res[0].lower_bound_seconds == plan.lower_bound_seconds(1e9)
+            assert res[0].efficiency is not None and res[0].efficiency > 0
             _check(plan, workers, v)
             assert {r.version for r in res} == {v}
             assert [r.bytes for r in res[:2]] == [plan.send_bytes(0), plan.send_bytes(1)]
