@@ -21,7 +21,8 @@ After the last throughput round every worker checks its tensors bit-exact agains
 recomputation, so the figures are for transfers that were right.
 
 Usage: ``python bench/cpu_sync_bench.py [--size-mb 350] [--rounds 5] [--tiny-params 100000]
-[--bucket-mb 64]``; ``--tiny`` runs everything at toy size (the test suite's smoke run).
+[--bucket-mb 64] [--profile DIR]``; ``--tiny`` runs everything at toy size (the test suite's
+smoke run); ``--profile`` writes a cProfile of each rank process's main thread.
 """
 
 from __future__ import annotations
@@ -58,16 +59,23 @@ class Args:
     address: str
     token: str
     pg_file: str
+    profile: str | None = None
+
+
+class Throughput(msgspec.Struct):
+    layout: str                        # "mixed" (the demo's layouts) or "aligned"
+    engine_s: list[float] = []         # slowest rank's seconds per timed round
+    raw_s: list[float] = []
+    bytes_moved: int = 0               # the plan's bytes sent (trainer) / received (worker)
+    phases: dict[str, float] = {}      # trainer rank 0's last SyncResult.phases
+    mismatched: list[str] = []         # workers: tensors not bit-exact
+    lag: list[float] = []              # trainer rank 0: overshoot of 1 ms sleeps, seconds
+    lag_raw: list[float] = []          # the same during the raw rounds (control)
 
 
 class RankResult(msgspec.Struct):
     rank: int
-    engine_s: list[float] = []         # part 1, this rank's time per timed round
-    raw_s: list[float] = []
-    bytes_moved: int = 0               # part 1, the plan's bytes sent (trainer) / received
-    phases: dict[str, float] = {}      # part 1, trainer rank 0's last SyncResult.phases
-    mismatched: list[str] = []         # part 1, workers: tensors not bit-exact
-    lag_big: list[float] = []          # trainer rank 0: overshoot of 1 ms sleeps, seconds
+    throughput: list[Throughput] = []  # part 1, one per layout
     tiny_engine_s: list[float] = []    # part 2 (processes 0 and 2)
     tiny_raw_s: list[float] = []
     tiny_connect_s: float = 0.0
@@ -84,10 +92,19 @@ def _child(args: Args, rank: int, results: Any) -> None:
 
     torch.set_num_threads(1)
     out = RankResult(rank)
+    prof = None
+    if args.profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
     try:
         anyio.run(_rank, args, rank, out)
     except BaseException as exc:
         out.error = f"{type(exc).__name__}: {exc}"
+    if prof is not None:
+        prof.disable()
+        prof.dump_stats(os.path.join(args.profile, f"rank{rank}.prof"))
     results.put(msgspec.json.encode(out))
 
 
@@ -136,24 +153,33 @@ async def _rank(args: Args, rank: int, out: RankResult) -> None:
     dist.init_process_group("gloo", init_method=f"file://{args.pg_file}", rank=rank,
                             world_size=WORLD)
     try:
-        await _part_throughput(args, rank, out)
-        dist.barrier()
+        for layout in ("mixed", "aligned"):
+            out.throughput.append(Throughput(layout))
+            await _part_throughput(args, rank, out.throughput[-1])
+            dist.barrier()
         await _part_tiny(args, rank, out)
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-async def _part_throughput(args: Args, rank: int, out: RankResult) -> None:
+async def _part_throughput(args: Args, rank: int, out: Throughput) -> None:
+    """Part 1 for one layout: "mixed" is the demo model as is (reshards: pieces packed);
+    "aligned" gives every tensor the same placements on both meshes, so every piece is a
+    whole local shard and moves zero-copy — what is left is the engine's own overhead."""
+    import dataclasses
+
     import torch
 
     from m2n_async import EngineConfig, TrainerEngine, WorkerEngine
     from m2n_async._demo import _bytes_2d, base_content, demo_model, demo_plan, mismatches
 
     params = demo_model(args.size_mb, TRAINERS, WORKERS)
+    if out.layout == "aligned":
+        params = [dataclasses.replace(p, dst=p.src) for p in params]
     plan = demo_plan(params, TRAINERS, WORKERS)
     config = EngineConfig(transport="gloo", bucket_bytes=int(args.bucket_mb * (1 << 20)),
-                          round_timeout=120, job="bench-big")
+                          round_timeout=120, job=f"bench-{out.layout}")
     # Raw baseline buffers: per peer, the bytes the plan moves between us, as one buffer.
     pair = {peer: 0 for peer in range(WORLD)}
     for i in range(len(plan.params)):
@@ -162,10 +188,13 @@ async def _part_throughput(args: Args, rank: int, out: RankResult) -> None:
             pair[pc.dst_rank if rank < TRAINERS else pc.src_rank] += pc.nbytes
     bufs = {peer: torch.empty(n, dtype=torch.uint8) for peer, n in pair.items() if n}
     sends, recvs = (bufs, {}) if rank < TRAINERS else ({}, bufs)
-    lag = out.lag_big if rank == 0 else None
+    lag = out.lag if rank == 0 else None
+    lag_raw = out.lag_raw if rank == 0 else None
 
     async def raw() -> None:
-        _raw_exchange(sends, recvs)
+        # On a thread (Gloo waits release the GIL) so the lag probe runs meanwhile: the
+        # control figure for the event-loop lag that CPU contention alone causes.
+        await anyio.to_thread.run_sync(_raw_exchange, sends, recvs)
 
     if rank < TRAINERS:
         shards = {p.name: base_content(p.name, p.shape, p.dtype, t.spec.layout.box(p.shape, rank))
@@ -197,7 +226,7 @@ async def _part_throughput(args: Args, rank: int, out: RankResult) -> None:
         for _ in range(args.rounds):
             seconds, res = await _timed(op, lag)
             out.engine_s.append(seconds)
-            out.raw_s.append((await _timed(raw, None))[0])
+            out.raw_s.append((await _timed(raw, lag_raw))[0])
         if rank == 0:
             out.phases = dict(res.phases)
         if rank >= TRAINERS:
@@ -282,7 +311,7 @@ async def _run(ns: argparse.Namespace) -> list[RankResult]:
     with tempfile.TemporaryDirectory() as tmp:
         async with StoreServer(host="127.0.0.1", port=0, token=token) as server:
             args = Args(ns.size_mb, ns.rounds, ns.tiny_params, ns.tiny_rounds, ns.bucket_mb,
-                        server.address, token, os.path.join(tmp, "pg"))
+                        server.address, token, os.path.join(tmp, "pg"), ns.profile)
             ctx = mp.get_context("spawn")
             results = ctx.Queue()
             procs = [ctx.Process(target=_child, args=(args, r, results), daemon=True)
@@ -331,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny-rounds", type=int, default=3)
     ap.add_argument("--bucket-mb", type=float, default=64.0)
     ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--profile", metavar="DIR", default=None,
+                    help="cProfile every rank process (main thread) into DIR/rankN.prof")
     ap.add_argument("--tiny", action="store_true",
                     help="toy sizes (smoke test): 4 MB model, 2 rounds, 2,000 tiny params")
     ns = ap.parse_args(argv)
@@ -346,26 +377,31 @@ def main(argv: list[str] | None = None) -> int:
     if errors:
         print("FAILED:\n  " + "\n  ".join(errors), file=sys.stderr)
         return 1
-    bad = {r.rank: r.mismatched for r in res if r.mismatched}
+    bad = {(r.rank, t.layout): t.mismatched for r in res for t in r.throughput if t.mismatched}
     if bad:
         print(f"FAILED: tensors not bit-exact after the throughput rounds: {bad}",
               file=sys.stderr)
         return 1
-
-    moved = sum(r.bytes_moved for r in res[TRAINERS:])
-    eng = statistics.median(res[0].engine_s)
-    raw = statistics.median(res[0].raw_s)
-    print(f"\n1. throughput: demo model {ns.size_mb:g} MB, {moved / 1e6:.1f} MB into the workers "
-          f"per round, bucket {ns.bucket_mb:g} MiB, {ns.rounds} rounds each, interleaved")
-    print(f"   sync_weights : median {eng:.3f} s = {moved / eng / 1e9:.2f} GB/s "
-          f"(min {min(res[0].engine_s):.3f} s)")
-    print(f"   raw gloo p2p : median {raw:.3f} s = {moved / raw / 1e9:.2f} GB/s "
-          f"(min {min(res[0].raw_s):.3f} s)")
-    ph = ", ".join(f"{k} {v:.3f}" for k, v in res[0].phases.items())
-    print(f"   trainer rank 0 phases of its last round (s, busy time overlaps): {ph}")
-    ratio = raw / eng
-    print(f"   sync_weights / raw gloo: {ratio:.2f}x  (goal >= 0.9x) "
-          f"{'OK' if ratio >= 0.9 else 'MISSED'}")
+    lags: list[tuple[str, list[float]]] = []
+    for i, t0 in enumerate(res[0].throughput):
+        moved = sum(r.throughput[i].bytes_moved for r in res[TRAINERS:])
+        eng, raw = statistics.median(t0.engine_s), statistics.median(t0.raw_s)
+        what = ("the demo model's layouts (reshards: pieces packed)" if t0.layout == "mixed"
+                else "every tensor placed alike on both meshes (zero-copy pieces)")
+        print(f"\n1{'ab'[i]}. throughput, {t0.layout}: {what}; {ns.size_mb:g} MB model, "
+              f"{moved / 1e6:.1f} MB into the workers per round, bucket {ns.bucket_mb:g} MiB, "
+              f"{ns.rounds} rounds each, interleaved")
+        print(f"   sync_weights : median {eng:.3f} s = {moved / eng / 1e9:.2f} GB/s "
+              f"(min {min(t0.engine_s):.3f} s)")
+        print(f"   raw gloo p2p : median {raw:.3f} s = {moved / raw / 1e9:.2f} GB/s "
+              f"(min {min(t0.raw_s):.3f} s)")
+        ph = ", ".join(f"{k} {v:.3f}" for k, v in t0.phases.items())
+        print(f"   trainer rank 0, its last round (s; busy times overlap): {ph}")
+        ratio = raw / eng
+        print(f"   sync_weights / raw gloo ({t0.layout}): {ratio:.2f}x  (goal >= 0.9x) "
+              f"{'OK' if ratio >= 0.9 else 'MISSED'}")
+        lags += [(f"part 1{'ab'[i]} sync_weights rounds", t0.lag),
+                 (f"part 1{'ab'[i]} raw rounds (control: Gloo on a thread)", t0.lag_raw)]
 
     n = ns.tiny_params
     t_eng = statistics.median(res[TINY_TRAINER].tiny_engine_s)
@@ -379,15 +415,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"   host overhead per parameter: {per * 1e6:.1f} us  (goal <= 20 us) "
           f"{'OK' if per <= 20e-6 else 'MISSED'}")
 
-    lb, lt = res[0].lag_big, res[TINY_TRAINER].lag_tiny
-    print("\n3. event-loop lag on trainer rank 0 (a task sleeping 1 ms; overshoot)")
-    print(f"   during part 1 rounds: p99 {_p99(lb) * 1e3:.2f} ms, max {max(lb) * 1e3:.2f} ms "
-          f"({len(lb)} samples)")
-    print(f"   during part 2 rounds: p99 {_p99(lt) * 1e3:.2f} ms, max {max(lt) * 1e3:.2f} ms "
-          f"({len(lt)} samples)")
-    worst = max(_p99(lb), _p99(lt))
-    print(f"   event-loop lag p99: {worst * 1e3:.2f} ms  (goal <= 5 ms) "
-          f"{'OK' if worst <= 5e-3 else 'MISSED'}")
+    lags.append(("part 2 sync_weights rounds", res[TINY_TRAINER].lag_tiny))
+    print("\n3. event-loop lag on trainer rank 0 (a task sleeping 1 ms; how late it wakes)")
+    for label, samples in lags:
+        print(f"   during {label}: p99 {_p99(samples) * 1e3:.2f} ms, max "
+              f"{max(samples, default=0) * 1e3:.2f} ms ({len(samples)} samples)")
+    worst = max(_p99(v) for k, v in lags if "control" not in k)
+    print(f"   event-loop lag p99 (worst sync_weights part): {worst * 1e3:.2f} ms  "
+          f"(goal <= 5 ms) {'OK' if worst <= 5e-3 else 'MISSED'}")
     return 0
 
 
