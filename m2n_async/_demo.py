@@ -339,6 +339,11 @@ class DemoArgs:
 
 def _child(args: DemoArgs, rank: int, events: Any) -> None:
     """Process entry of one rank: run it, report any failure, exit non-zero on failure."""
+    import warnings
+
+    # torch warns at import when NumPy is absent (a fresh `tox -e demo` env); the demo never
+    # uses NumPy, so the warning is noise on every rank's stderr.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     import torch
 
     torch.set_num_threads(1)  # 2 cores shared by T + N processes: no intra-op pools
@@ -689,8 +694,8 @@ async def _monitor(args: DemoArgs, procs: Sequence[Any], events: Any, total: int
         raise DemoFailed("\n  " + "\n  ".join(lines))
     if current <= args.rounds:
         raise DemoFailed(f"only {current - 1} of {args.rounds} rounds were reported")
-    bar.line(f"OK: {args.rounds} rounds, every tensor on all {args.workers} workers bit-exact "
-             f"({time.monotonic() - started:.1f} s in all)")
+    bar.line(f"OK: {args.rounds} round{'s' if args.rounds > 1 else ''}, every tensor on all "
+             f"{args.workers} workers bit-exact ({time.monotonic() - started:.1f} s in all)")
 
 
 def _ranks(ranks: Sequence[int], trainers: int) -> str:
