@@ -17,6 +17,7 @@ from m2n_async import (
     generation_namespace,
     next_generation,
 )
+from m2n_async._store._api import SupportsExchange
 from m2n_async._store._core import generation_key
 
 pytestmark = pytest.mark.asyncio
@@ -430,3 +431,53 @@ async def test_generation_key_validation() -> None:
         generation_key("a/b")
     with pytest.raises(ValueError):
         generation_namespace("job", 1, "a/b")
+
+
+# --- exchange (the atomic set + delete + gather extension) -----------------------------------
+
+
+async def test_exchange_sets_deletes_and_gathers_atomically(world: World) -> None:
+    a, b = await world.session(), await world.session()
+    assert isinstance(a, SupportsExchange)
+    await a.set("x/old", b"stale")
+    out: list[dict[str, bytes]] = []
+
+    async def first() -> None:
+        out.append(await a.exchange("x/a", b"A", "x/", 2, delete="x/old"))  # type: ignore[attr-defined]
+
+    with anyio.fail_after(DEADLINE):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(first)
+            await settle()
+            assert await b.get("x/old") is None and await b.get("x/a") == b"A"
+            assert out == []  # x/old was deleted before counting: one key, not two
+            got = await b.exchange("x/b", b"B", "x/", 2)  # type: ignore[attr-defined]
+    assert got == {"x/a": b"A", "x/b": b"B"}
+    assert out == [got]
+
+
+async def test_cancelled_exchange_keeps_the_set_and_withdraws_the_gather(world: World) -> None:
+    a = await world.session()
+    with anyio.move_on_after(0.2):
+        await a.exchange("y/a", b"A", "y/", 5)  # type: ignore[attr-defined]
+    await until(lambda: world.core.pending_waiters == 0, "gather withdrawn")
+    assert await a.get("y/a") == b"A"
+
+
+async def test_exchange_watch_reports_lost_peer(world: World) -> None:
+    a, b = await world.session(), await world.session()
+    await b.set("alive/b", b"", ephemeral=True)
+    caught: list[PeerLostError] = []
+
+    async def waiter() -> None:
+        try:
+            await a.exchange("z/a", b"A", "z/", 2, watch=["alive/b"])  # type: ignore[attr-defined]
+        except PeerLostError as exc:
+            caught.append(exc)
+
+    with anyio.fail_after(DEADLINE):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter)
+            await settle()
+            await b.aclose()
+    assert [e.key for e in caught] == ["alive/b"]

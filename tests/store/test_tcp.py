@@ -420,3 +420,20 @@ async def test_client_concurrent_set_while_gather_blocks(server: StoreServer) ->
                 await c.set(f"cc/{i}", b"%d" % i)  # same client, while its gather waits
     assert out == [{"cc/0": b"0", "cc/1": b"1", "cc/2": b"2"}]
     await c.aclose()
+
+
+async def test_client_that_never_reads_is_throttled_not_buffered(server: StoreServer) -> None:
+    """Requests for a 1 MiB value, never reading replies: the server stops executing them
+    once its write buffer is full, instead of queueing 200 MiB of replies."""
+    async with await StoreClient.connect(server.address, token=TOKEN) as c:
+        await c.set("big", b"b" * (1 << 20))
+    peer = await RawPeer.connect(server, authenticate=True)
+    frames = b"".join(encode_frame(Get(i + 1, "big")) for i in range(200))
+    with anyio.move_on_after(2):
+        await peer.stream.send(frames)  # may block: the server stopped reading us
+    await anyio.sleep(0.3)
+    (proto,) = [p for p in server._protocols if p._session is not None]
+    assert proto._transport is not None
+    assert proto._transport.get_write_buffer_size() < 8 * (1 << 20)
+    await healthy(server)
+    await peer.stream.aclose()
