@@ -78,7 +78,7 @@ def start_tcpstore() -> tuple[subprocess.Popen[bytes], int]:
 
 
 def tcp_client(port: int) -> Any:
-    from torch.distributed import TCPStore
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     return TCPStore("127.0.0.1", port, 1, False, timeout=datetime.timedelta(seconds=600))
 
@@ -256,7 +256,7 @@ def main() -> None:
     ap.add_argument("--ops", type=int, default=2000)
     ap.add_argument("--repeat", type=int, default=3, help="all-gather runs per side")
     args = ap.parse_args()
-    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
 
     with tempfile.NamedTemporaryFile("w", suffix=".token", delete=False) as f:
         f.write(TOKEN)
