@@ -70,6 +70,7 @@ from m2n_async._store._wire import (
 __all__ = ["StoreServer", "format_address"]
 
 _log = logging.getLogger("m2n_async.store")
+_CLOSE_GRACE = 5.0  # seconds a failed connection gets to flush its error frame
 
 
 def format_address(host: str, port: int) -> str:
@@ -375,6 +376,8 @@ class _ServerProtocol(asyncio.Protocol):
         self._closing = True
         if self._transport is not None:
             self._transport.close()  # flushes the error frame, then closes
+            # A peer that does not read would keep a closing transport (and its buffer) alive.
+            asyncio.get_running_loop().call_later(_CLOSE_GRACE, self._transport.abort)
 
 
 class _Notify:
