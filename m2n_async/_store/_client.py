@@ -321,6 +321,7 @@ class StoreClient:
 
     @property
     def closed(self) -> bool:
+        """Whether ``aclose`` was called (a broken connection is not closed: calls say why)."""
         return self._closed
 
     # --- machinery -----------------------------------------------------------------------

@@ -42,6 +42,7 @@ class MemoryStore:
 
     @property
     def closed(self) -> bool:
+        """Whether this session has ended."""
         return self._session.closed
 
     async def set(self, key: str, value: bytes, *, ephemeral: bool = False) -> None:

@@ -12,6 +12,7 @@ from store_helpers import World
 from m2n_async import (
     PeerLostError,
     StaleGenerationError,
+    Store,
     StoreError,
     current_generation,
     generation_namespace,
@@ -43,6 +44,7 @@ async def until(predicate: Callable[[], bool], what: str) -> None:
 
 async def test_set_get_roundtrip(world: World) -> None:
     a, b = await world.session(), await world.session()
+    assert isinstance(a, Store) and isinstance(a, SupportsExchange)  # structural protocols
     assert await a.get("k") is None
     await a.set("k", b"\x00\xffvalue")
     assert await b.get("k") == b"\x00\xffvalue"
