@@ -78,7 +78,13 @@ from m2n_async._proto.messages import (
 )
 from m2n_async._proto.params import ParamSpec
 from m2n_async._proto.plan import TransferPlan, validate_local_buffer
-from m2n_async._store import ControlGroup, Store, StoreClient, generation_namespace
+from m2n_async._store import (
+    ControlGroup,
+    Store,
+    StoreClient,
+    SupportsExchange,
+    generation_namespace,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -447,11 +453,20 @@ class _Engine:
                          stats.nbytes if stats is not None else 0, seconds)
         grace = self.config.abort_grace
         bound = grace if failure is not None else max(start.round_timeout - seconds, 0) + grace
+        store = self._store
         try:
             with anyio.fail_after(bound):
-                await self._store.set(keys.done(self.rank), encode(done))
-                got = await self._store.gather(keys.done_prefix, self.world_size,
-                                               watch=self._watch)
+                if isinstance(store, SupportsExchange):
+                    # One round trip: publish ours, drop our previous round's, gather all.
+                    previous = (_RoundKeys(self._namespace, round_ - 1).done(self.rank)
+                                if round_ > 1 else None)
+                    got = await store.exchange(keys.done(self.rank), encode(done),
+                                               keys.done_prefix, self.world_size,
+                                               watch=self._watch, delete=previous)
+                else:
+                    await store.set(keys.done(self.rank), encode(done))
+                    got = await store.gather(keys.done_prefix, self.world_size,
+                                             watch=self._watch)
         except PeerLostError as exc:
             lost = self._lost_rank(exc)
             return None, (lost if lost is not None else self.rank,
@@ -522,7 +537,8 @@ class _Engine:
         keys = _RoundKeys(self._namespace, round_)
         with anyio.move_on_after(self.config.abort_grace):
             try:
-                await self._store.delete(keys.done(self.rank))
+                if not isinstance(self._store, SupportsExchange):  # else: deleted in exchange
+                    await self._store.delete(keys.done(self.rank))
                 if self.rank == 0:
                     await self._store.delete(keys.start)
             except M2NError as exc:
