@@ -7,6 +7,7 @@ from pathlib import Path
 from types import ModuleType
 
 import m2n_async
+import m2n_async.testing
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
@@ -30,7 +31,8 @@ def test_api_reference_is_current() -> None:
 def test_every_public_name_has_a_section() -> None:
     text = _gen_api().render()
     headings = {line for line in text.splitlines() if line.startswith("### ")}
-    for name in m2n_async.__all__:
+    names = [*m2n_async.__all__, *(f"testing.{n}" for n in m2n_async.testing.__all__)]
+    for name in names:
         if name.startswith("__"):
             continue
         assert any(f"`{name}`" in h or f"`{name}()`" in h or f"`async {name}()`" in h
