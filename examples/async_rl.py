@@ -39,8 +39,6 @@ from _common import TP_PLAN, Policy, boxed, digest, fail, launch, new_token, wri
 
 from m2n_async import (
     EngineConfig,
-    Layout,
-    Mesh,
     StoreServer,
     TrainerEngine,
     WorkerEngine,
@@ -65,8 +63,6 @@ def trainer(steps: int, tp: int, address: str, token: str, out: Path) -> None:
     torch.manual_seed(0)
     model = Policy()
     specs = specs_from_module(model)  # plain tensors: replicated on the one trainer rank
-    dst = targets_from_module(Policy(tp), TP_PLAN).placements()
-    worker_mesh = Mesh((1, tp), 1)
     expected: dict[int, dict[str, str]] = {}
 
     async def loop() -> None:
@@ -84,13 +80,13 @@ def trainer(steps: int, tp: int, address: str, token: str, out: Path) -> None:
                 opt.step()
                 opt.zero_grad()
                 result = await engine.sync_weights(model)
+                # What each worker rank now holds: its box (agreed plan) of every tensor.
                 params = dict(model.named_parameters())
                 expected[result.version] = {
                     str(w): weights_digest({
-                        s.name: digest(boxed(params[s.name],
-                                             Layout(worker_mesh, dst[s.name]).box(s.shape, w)))
-                        for s in specs})
-                    for w in worker_mesh.ranks}
+                        p.name: digest(boxed(params[p.name], p.dst.box(p.spec.shape, w)))
+                        for p in engine.plan.params})
+                    for w in range(1, 1 + tp)}
         finally:
             await engine.close()
 

@@ -10,8 +10,9 @@ What it shows:
 - the workers hold plain tensors already cut for TP=2 and declare them with
   ``targets_from_module(model, TP_PLAN)``;
 - verification: every worker's received shard is compared, by SHA-256 of its bytes, with the
-  same box of the trainer's updated full tensor (gathered with ``full_tensor()``). Workers
-  start from zeros, so a match proves the bytes moved.
+  box the agreed plan (``engine.plan``) assigns that worker in the trainer's updated full
+  tensor (gathered with ``full_tensor()``). Workers start from zeros, so a match proves the
+  bytes moved.
 
 Run: ``python examples/fsdp2_to_tp.py`` (CPU; ``--trainers``/``--tp`` to change the shape).
 It starts a store in this process and the trainer and worker ranks as processes, and exits 0
@@ -34,12 +35,11 @@ from _common import TP_PLAN, Policy, boxed, digest, fail, launch, new_token, wri
 
 from m2n_async import (
     EngineConfig,
-    Layout,
-    Mesh,
     ParamSpec,
     StoreServer,
     SyncResult,
     TrainerEngine,
+    TransferPlan,
     WorkerEngine,
     WorkerTargets,
     specs_from_module,
@@ -76,19 +76,18 @@ def trainer(rank: int, trainers: int, tp: int, address: str, token: str, out: Pa
         opt.zero_grad()
 
         specs = specs_from_module(model)
-        result = anyio.run(partial(_sync, rank, trainers, tp, address, token, specs, model))
+        result, plan = anyio.run(partial(_sync, rank, trainers, tp, address, token, specs,
+                                         model))
 
-        # Expected bytes for every worker rank: its box of each updated full tensor.
-        dst = targets_from_module(Policy(tp), TP_PLAN).placements()
-        worker_mesh = Mesh((1, tp), trainers)
+        # Expected bytes for every worker rank: its box (from the agreed plan's destination
+        # layouts) of each updated full tensor.
         params = dict(model.named_parameters())
         expected: dict[str, dict[str, str]] = {}
-        for spec in specs:
-            full = params[spec.name].full_tensor()  # a collective: same order on every rank
-            layout = Layout(worker_mesh, dst[spec.name])
-            for w in worker_mesh.ranks:
-                expected.setdefault(str(w), {})[spec.name] = digest(
-                    boxed(full, layout.box(spec.shape, w)))
+        for p in plan.params:
+            full = params[p.name].full_tensor()  # a collective: same order on every rank
+            for w in p.dst.mesh.ranks:
+                expected.setdefault(str(w), {})[p.name] = digest(
+                    boxed(full, p.dst.box(p.spec.shape, w)))
         if rank == 0:
             write_json(out / "expected.json", {"digests": expected, "version": result.version,
                                               "bytes": result.bytes, "loss": loss.item()})
@@ -97,12 +96,14 @@ def trainer(rank: int, trainers: int, tp: int, address: str, token: str, out: Pa
 
 
 async def _sync(rank: int, trainers: int, tp: int, address: str, token: str,
-                specs: list[ParamSpec], model: torch.nn.Module) -> SyncResult:
+                specs: list[ParamSpec], model: torch.nn.Module
+                ) -> tuple[SyncResult, TransferPlan]:
     engine = await TrainerEngine.connect(address, token=token, rank=rank,
                                          trainer_ranks=trainers, world_size=trainers + tp,
                                          params=specs, config=CONFIG)
     try:
-        return await engine.sync_weights(model)  # the module itself: shards looked up lazily
+        # The module itself: each local shard is looked up (to_local()) bucket by bucket.
+        return await engine.sync_weights(model), engine.plan
     finally:
         await engine.close()
 
