@@ -347,7 +347,7 @@ def format_summary(s: PlanSummary, *, all_ranks: bool = False) -> str:
     for r in rows:
         lines.append(f"               {r.rank:<5} {r.role:<9} {human_bytes(r.send_bytes):<11} "
                      f"{human_bytes(r.recv_bytes)}")
-    lines.append("  transports")
+    lines.append("  transports   (can express the plan; the runtime is checked at connect)")
     for t, verdict in s.transports.items():
         lines.append(f"    {t:<5} {'ok' if verdict == 'ok' else 'no: ' + verdict}")
     return "\n".join(lines)
