@@ -190,18 +190,12 @@ def plan_bucket(plan: TransferPlan, bucket: Bucket, rank: int, *,
     offsets: dict[int, int] = {}
     params: list[int] = []
     received: dict[int, int] = {}
+    mine = plan.pieces_from if sending else plan.pieces_to  # O(1) per param, cached
     for i in range(bucket.start, bucket.stop):
         geometry: tuple[tuple[int, ...], tuple[int, ...], int] | None = None
         touched = False
-        for piece in plan.pieces(i):
-            if sending:
-                if piece.src_rank != rank:
-                    continue
-                peer = piece.dst_rank
-            else:
-                if piece.dst_rank != rank:
-                    continue
-                peer = piece.src_rank
+        for piece in mine(i, rank):
+            peer = piece.dst_rank if sending else piece.src_rank
             if geometry is None:
                 geometry = _local_geometry(plan, i, rank, sending)
             off = offsets.get(peer, 0)
@@ -240,7 +234,9 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """``t`` (contiguous) as one flat uint8 view (no copy)."""
-    return t.reshape(-1).view(torch.uint8)
+    if t.dim() != 1:  # one dispatcher call saved per tensor on the common 1-D case
+        t = t.reshape(-1)
+    return t.view(torch.uint8)
 
 
 def copy_in(buf: torch.Tensor, seg: Segment, src_bytes: torch.Tensor, base: int = 0) -> None:

@@ -103,6 +103,31 @@ Progress = Callable[[int, int], None]
 Weights = Any
 
 
+#: A bucket holds at most this many parameters. Many tiny tensors (norms, biases, MoE
+#: experts) fill a byte budget with 10^5 entries, and one such bucket would leave nothing to
+#: overlap: the trainer packs all of it, then the worker unpacks all of it. Compared across
+#: ranks in the handshake (it moves bucket boundaries).
+MAX_BUCKET_PARAMS = 4096
+
+
+def split_buckets(plan: TransferPlan, buckets: Sequence[Bucket], max_params: int
+                  ) -> tuple[Bucket, ...]:
+    """``buckets`` with every bucket of more than ``max_params`` parameters cut into runs of
+    ``max_params``, renumbered; a pure function of the plan, so identical on every rank."""
+    from m2n_async._proto.plan import Bucket
+
+    out: list[Bucket] = []
+    for b in buckets:
+        for start in range(b.start, b.stop, max_params):
+            stop = min(start + max_params, b.stop)
+            if (start, stop) == (b.start, b.stop):
+                nbytes = b.nbytes
+            else:
+                nbytes = sum(plan.param_cost(i) for i in range(start, stop))
+            out.append(Bucket(len(out), start, stop, nbytes))
+    return tuple(out)
+
+
 class _RoundKeys:
     def __init__(self, namespace: str, round_: int) -> None:
         self.round = round_
@@ -227,6 +252,7 @@ class _Engine:
         # Bucket boundaries derive from bucket_bytes: a mismatch would misalign every
         # bucket's sends and receives, so it is compared like an NCCL variable.
         facts["m2n_async.bucket_bytes"] = str(self.config.bucket_bytes)
+        facts["m2n_async.bucket_params"] = str(MAX_BUCKET_PARAMS)
         return DataPlaneIdentity(libnccl_version=libnccl, max_cta=self.config.max_cta,
                                  env=tuple(sorted(facts.items())))
 
@@ -235,7 +261,8 @@ class _Engine:
         assert self._native is not None
         plan = agreed.plan
         self._plan = plan
-        self._buckets = plan.buckets(self.config.bucket_bytes)
+        self._buckets = split_buckets(plan, plan.buckets(self.config.bucket_bytes),
+                                      MAX_BUCKET_PARAMS)
         self._check_local(plan)
         ctx = TransportContext(plan, self.rank, self._generation, self._settings(),
                                self._native, self._buckets, self.config.job)
