@@ -462,3 +462,35 @@ async def test_module_source_to_module_targets() -> None:
             assert torch.equal(m[1].bias, src[1].bias)
     finally:
         await _close(*engines.values())
+
+
+def test_split_buckets_is_a_pure_partition() -> None:
+    from m2n_async._engine._engine import split_buckets
+
+    plan = make_plan([(f"p{i}", (6,), torch.float32, (R, 0), None) for i in range(7)],
+                     (1, 2), (1, 1))
+    whole = plan.buckets(1 << 20)
+    assert len(whole) == 1
+    parts = split_buckets(plan, whole, 3)
+    assert [(b.index, b.start, b.stop) for b in parts] == [(0, 0, 3), (1, 3, 6), (2, 6, 7)]
+    assert sum(b.nbytes for b in parts) == whole[0].nbytes
+    assert split_buckets(plan, whole, 100) == whole
+
+
+@pytest.mark.asyncio
+async def test_many_small_params_split_into_overlapping_buckets(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import m2n_async._engine._engine as eng
+
+    monkeypatch.setattr(eng, "MAX_BUCKET_PARAMS", 2)
+    defs: list[ParamDef] = [(f"b{i}", (6,), torch.float32, (R, 0), None) for i in range(5)]
+    plan = make_plan(defs, (1, 2), (1, 2))
+    cfg = EngineConfig(**{**CFG.__dict__, "bucket_bytes": 1 << 20})
+    trainers, workers = await _connect_all(MemoryStore(), plan, cfg)
+    try:
+        res = await _round(trainers, workers,
+                           lambda e: e.sync_weights(source_shards(plan, e.rank, 1)))
+        assert {r.buckets for r in res} == {3}
+        _check(plan, workers, 1)
+    finally:
+        await _close(*trainers, *workers)
