@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import anyio
 import anyio.from_thread
@@ -237,6 +237,12 @@ class GlooStaging(Staging):
     arena: torch.Tensor | None = None
 
 
+class _UnpackPlan(NamedTuple):
+    scatters: dict[int, ScatterPlan]  # message id -> one-call scatter into tensor targets
+    views: dict[int, torch.Tensor]  # param -> byte view of its target (other messages)
+    callbacks: dict[int, Callable[[str, torch.Tensor], None]]  # param -> load callback
+
+
 def _staging_need(bp: BucketPacking, direct: Callable[[Message], bool]) -> int:
     return sum(m.nbytes for p in bp.peers for m in p.messages if not direct(m))
 
@@ -276,7 +282,8 @@ class GlooTransport(Transport):
         self._pack_thread: NativeThread | None = None
         self._waiter: NativeThread | None = None
         self._unpack_thread: NativeThread | None = None
-        self._scatter_cache: dict[tuple[int, int], dict[int, ScatterPlan]] = {}
+        self._unpack_sinks: Mapping[str, Sink] | None = None
+        self._unpack_cache: dict[int, _UnpackPlan] = {}
         self._names = [p.spec.name for p in ctx.plan.params]
         self._dtypes = [getattr(torch, p.spec.dtype) for p in ctx.plan.params]
         self._closed = False
@@ -577,8 +584,30 @@ class GlooTransport(Transport):
         t0 = time.perf_counter()
         bp = staged.packing
         assert bp is not None
+        up = self._unpack_plan(bp, sinks)
+        for _, msg, buf, direct in staged.messages:
+            if direct:
+                continue
+            sp = up.scatters.get(id(msg))
+            if sp is not None:
+                scatter(buf, sp)
+            else:
+                unpack_segments(buf, msg.segments, up.views, msg.offset)
+        if up.callbacks:
+            self._run_callbacks(staged, up.callbacks)
+        staged.seconds["unpack"] = time.perf_counter() - t0
+
+    def _unpack_plan(self, bp: BucketPacking, sinks: Mapping[str, Sink]) -> _UnpackPlan:
+        """How to unpack ``bp`` into ``sinks``: built once per bucket and sinks mapping (a
+        worker's targets are fixed for its lifetime), not every round. The cache holds the
+        mapping itself, so a new mapping can never be mistaken for a cached one."""
+        if self._unpack_sinks is not sinks:
+            self._unpack_sinks, self._unpack_cache = sinks, {}
+        up = self._unpack_cache.get(bp.bucket.index)
+        if up is not None:
+            return up
         names = self._names
-        views: dict[int, torch.Tensor] = {}
+        flat: dict[int, torch.Tensor] = {}
         callbacks: dict[int, Callable[[str, torch.Tensor], None]] = {}
         for i in bp.params:
             sink = sinks.get(names[i])
@@ -586,46 +615,24 @@ class GlooTransport(Transport):
                 raise PlanError(f"parameter {names[i]!r}: no target or load callback on "
                                 f"rank {self.ctx.rank}")
             if isinstance(sink, torch.Tensor):
-                views[i] = byte_view(sink)
+                flat[i] = flat_bytes(sink)
             else:
                 callbacks[i] = sink
-        scatters = self._scatter_plans(bp, sinks)
-        for _, msg, buf, direct in staged.messages:
-            if direct:
-                continue
-            sp = scatters.get(id(msg))
-            if sp is not None:
-                scatter(buf, sp)
-            else:
-                unpack_segments(buf, msg.segments, views, msg.offset)
-        if callbacks:
-            self._run_callbacks(staged, callbacks)
-        staged.seconds["unpack"] = time.perf_counter() - t0
-
-    def _scatter_plans(self, bp: BucketPacking, sinks: Mapping[str, Sink]
-                       ) -> dict[int, ScatterPlan]:
-        """Per message id, its one-call scatter into tensor targets (for messages of many
-        contiguous segments). Targets are fixed for a worker's lifetime, so the views are
-        built once per bucket and sinks mapping, not every round."""
-        key = (bp.bucket.index, id(sinks))
-        cached = self._scatter_cache.get(key)
-        if cached is not None:
-            return cached
-        names = self._names
-        flat: dict[int, torch.Tensor] = {}
-        for i in bp.params:
-            sink = sinks.get(names[i])
-            if isinstance(sink, torch.Tensor):
-                flat[i] = flat_bytes(sink)
-        plans: dict[int, ScatterPlan] = {}
+        scatters: dict[int, ScatterPlan] = {}
+        views: dict[int, torch.Tensor] = {}
         for peer in bp.peers:
             for msg in peer.messages:
-                if len(msg.segments) > 1:
-                    sp = scatter_plan(msg.segments, flat)
-                    if sp is not None:
-                        plans[id(msg)] = sp
-        self._scatter_cache[key] = plans
-        return plans
+                sp = scatter_plan(msg.segments, flat) if len(msg.segments) > 1 else None
+                if sp is not None:
+                    scatters[id(msg)] = sp
+                    continue
+                for seg in msg.segments:
+                    sink = sinks.get(names[seg.param])
+                    if isinstance(sink, torch.Tensor) and seg.param not in views:
+                        views[seg.param] = byte_view(sink)
+        up = _UnpackPlan(scatters, views, callbacks)
+        self._unpack_cache[bp.bucket.index] = up
+        return up
 
     def _run_callbacks(self, staged: GlooStaging,
                        callbacks: Mapping[int, Callable[[str, torch.Tensor], None]]) -> None:
