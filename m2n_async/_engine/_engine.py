@@ -63,7 +63,6 @@ from m2n_async._proto.errors import (
     M2NError,
     PeerLostError,
     PlanError,
-    StoreError,
     TransferError,
 )
 from m2n_async._proto.handshake import PreflightPlan
@@ -846,7 +845,12 @@ class TrainerEngine(_Engine):
             else:
                 with anyio.fail_after(self.config.round_timeout):
                     start = await self._wait_start(k)
-        except (PeerLostError, StoreError, TimeoutError, TransferError) as exc:
+                if start.closing:
+                    raise PeerLostError(f"generation {self._generation}: trainer rank 0 closed "
+                                        f"the job; no more rounds", ranks=(0,))
+        except LocalProtocolError:
+            raise
+        except (M2NError, TimeoutError) as exc:
             self._poison_with(exc)
             raise
         plan, transport, rank = self._plan, self._transport, self.rank
@@ -967,7 +971,7 @@ class WorkerEngine(_Engine):
         except TimeoutError:
             raise TimeoutError(f"receive on rank {self.rank}: no round {k} started within "
                                f"{timeout:g} s (generation {self._generation})") from None
-        except (PeerLostError, StoreError, TransferError) as exc:
+        except M2NError as exc:
             self._poison_with(exc)
             raise
         if start.closing:
