@@ -423,7 +423,9 @@ class Transport(ABC):
     async def unpack(self, staging: Staging, sinks: Mapping[str, Sink]) -> None:
         """Worker, after ``wait()``: write every received piece into its sink (name -> target
         tensor, written in place, or load callback). Returns when the targets hold the bytes.
-        Trainer: nothing to do (default).
+        Trainer: nothing to do (default). A transport may cache per-bucket views of the
+        targets keyed by the ``sinks`` mapping object (the engine passes the same one every
+        round): pass a new mapping when the targets change, never mutate one in place.
 
         Cancellation: targets may be partly written; the round fails, the version is not
         advanced, and the engine is POISONED.
