@@ -24,6 +24,7 @@ after that is a daemon thread and is reported, never waited on forever.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable, Generator
@@ -123,8 +124,11 @@ class NativeCall(Generic[T]):
 class NativeThread:
     """One dedicated daemon thread running submitted calls in order (see module docstring)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, nice: int = 0) -> None:
+        """``nice`` > 0 lowers this thread's CPU priority (Linux; ignored elsewhere): bulk
+        copy threads yield to the event loop on an oversubscribed machine."""
         self.name = name
+        self._nice = nice
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._closed = False
         self._lock = threading.Lock()
@@ -175,6 +179,11 @@ class NativeThread:
         return not self._thread.is_alive()
 
     def _run(self) -> None:
+        if self._nice > 0 and hasattr(os, "setpriority"):
+            try:  # per thread on Linux: PRIO_PROCESS with the thread's own id
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
+            except OSError:
+                pass
         while True:
             item = self._queue.get()
             if item is _STOP:

@@ -83,6 +83,9 @@ _FORCE_CLOSE = datetime.timedelta(milliseconds=1)
 #: A bucket whose messages are all zero-copy on the trainer is "packed" (views built) inline
 #: on the event loop when it has at most this many messages.
 _INLINE_MESSAGES = 64
+#: Niceness of the pack/unpack threads: bulk copies give way to the event loop (and to the
+#: latency-bound native/wait threads) when the machine is oversubscribed.
+_BULK_NICE = 5
 
 
 class StoreAdapter(torch.distributed.Store):  # type: ignore[misc,name-defined]
@@ -327,12 +330,13 @@ class GlooTransport(Transport):
         self._arenas = arenas = _Arenas(max(largest, 1))
         self._waiter = NativeThread(f"gloo-wait-r{self.ctx.rank}")
         if self.ctx.role == "trainer":
-            self._pack_thread = NativeThread(f"gloo-pack-r{self.ctx.rank}")
+            self._pack_thread = NativeThread(f"gloo-pack-r{self.ctx.rank}", nice=_BULK_NICE)
             if largest:  # fault the pages in now rather than during the first round
                 n = min(self.ctx.settings.max_inflight, len(self.ctx.buckets))
                 await self._pack_thread.run(arenas.warm, n, description="warm arenas")
         else:
-            self._unpack_thread = NativeThread(f"gloo-unpack-r{self.ctx.rank}")
+            self._unpack_thread = NativeThread(f"gloo-unpack-r{self.ctx.rank}",
+                                               nice=_BULK_NICE)
 
     async def connect(self, rendezvous: Rendezvous) -> None:
         """Create the Gloo group on the native thread; rendezvous through our store.
