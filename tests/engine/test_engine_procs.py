@@ -56,7 +56,8 @@ def test_layouts_versions_callbacks(pool: RankPool, store_address: str, job: str
     assert len({o["generation"] for o in out}) == 1
 
 
-@pytest.mark.parametrize("victim", [1, 3], ids=["kill-trainer", "kill-worker"])
+@pytest.mark.parametrize("victim", [0, 1, 3],
+                         ids=["kill-trainer-rank0", "kill-trainer", "kill-worker"])
 def test_kill_mid_round_then_new_generation(pool: RankPool, store_address: str, job: str,
                                             victim: int) -> None:
     """2 trainers + 2 workers; the victim blocks inside round 1 and is killed with SIGKILL.
