@@ -309,7 +309,12 @@ class StoreClient:
             return
         self._closed = True
         self._fail_all(StoreError(f"store client for {self.address} was closed"))
-        self._transport.close()
+        # Abort, not close: a graceful close stops reading at once but waits for our write
+        # buffer to drain, and a server that stopped reading us (we had not read its replies)
+        # never drains it, so the connection — and the session's ephemeral keys, which peers
+        # watch — would outlive the close until the process exits. Whatever is still unsent
+        # belongs to calls that were just failed, so there is nothing to flush.
+        self._transport.abort()
         await anyio.lowlevel.checkpoint()
 
     async def __aenter__(self) -> Self:
@@ -361,8 +366,8 @@ class StoreClient:
             raise _error_to_exception(reply, f"store at {self.address}")
         if not isinstance(reply, expect):
             self._break(RemoteProtocolError(
-                f"store at {self.address} answered {type(request).__name__} with "
-                f"{type(reply).__name__}"))
+                f"store at {self.address} answered {type(request).__name__} (rid {rid}, "
+                f"session {self.session}) with {_describe(reply)}"))
             raise _fresh(self._broken)  # type: ignore[arg-type]
         return reply
 
@@ -417,6 +422,21 @@ async def _handshake_message(protocol: _ClientProtocol, where: str) -> ServerMes
     if isinstance(msg, Error):
         raise _error_to_exception(msg, where)
     return msg
+
+
+def _describe(msg: ServerMessage | None) -> str:
+    """A reply, briefly, for a mismatch report: its type, id and the start of its payload
+    (which tells whose reply it was)."""
+    if msg is None:
+        return "nothing"
+    fields = {f: getattr(msg, f) for f in msg.__struct_fields__}
+    rid = fields.pop("rid", None)
+    shown = ", ".join(f"{k}={_clip(repr(v))}" for k, v in fields.items())
+    return f"{type(msg).__name__} (rid {rid}{', ' if shown else ''}{shown})"
+
+
+def _clip(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _fresh(exc: M2NError) -> M2NError:
