@@ -631,6 +631,26 @@ class GpuTransportBase(Transport):
         """A completion for an event recorded on the loop thread (pack/unpack streams)."""
         return CudaCompletion(self, keep, what, event=event)
 
+    async def run_load_callbacks(self, callbacks: list[tuple[str, Any, Any]]) -> None:
+        """Hand received tensors to load callbacks, in plan order, off the event loop.
+
+        A callback may run arbitrary user code (dequantize, fuse, copy into an engine's own
+        storage), so it runs on a worker thread with this transport's device current —
+        never on the loop, whose lag budget is milliseconds.
+        """
+        if not callbacks:
+            return
+        device = self.device
+
+        def call_all() -> None:
+            torch = _torch()
+            if device is not None and device.type == "cuda":
+                torch.cuda.set_device(device)
+            for name, fn, tensor in callbacks:
+                fn(name, tensor)
+
+        await anyio.to_thread.run_sync(call_all)
+
     # -- fail-stop ------------------------------------------------------------------------
 
     def abort(self, reason: str) -> None:

@@ -428,17 +428,7 @@ class M2NTransport(GpuTransportBase):
         if copies:
             await self.completion_of(streams.record(streams.unpack), st,
                                      f"bucket {st.bucket.index} unpack").wait()
-        if callbacks:
-            device = self.device
-
-            def call_all() -> None:
-                torch = _torch()
-                if device is not None and device.type == "cuda":
-                    torch.cuda.set_device(device)
-                for name, fn, tensor in callbacks:
-                    fn(name, tensor)
-
-            await anyio.to_thread.run_sync(call_all)
+        await self.run_load_callbacks(callbacks)
 
     def release(self, staging: Staging) -> None:
         if isinstance(staging, M2NStaging):

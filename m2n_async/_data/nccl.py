@@ -34,8 +34,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import anyio
-
 from m2n_async._data._cuda import GpuTransportBase, torch_dtype
 from m2n_async._data._packing import BucketPacking, byte_view, pack_peer, plan_bucket, unpack_peer
 from m2n_async._data._transport import Completion, Sink, Staging
@@ -271,17 +269,7 @@ class NcclTransport(GpuTransportBase):
         if st.scatter or st.temps:
             await self.completion_of(streams.record(streams.unpack), st,
                                      f"bucket {st.bucket.index} unpack").wait()
-        if callbacks:
-            device = self.device
-
-            def call_all() -> None:
-                torch = _torch()
-                if device is not None and device.type == "cuda":
-                    torch.cuda.set_device(device)
-                for name, fn, tensor in callbacks:
-                    fn(name, tensor)
-
-            await anyio.to_thread.run_sync(call_all)
+        await self.run_load_callbacks(callbacks)
 
     def release(self, staging: Staging) -> None:
         if isinstance(staging, NcclStaging):
