@@ -46,8 +46,10 @@ class Policy(nn.Module):
 
 def digest(t: torch.Tensor) -> str:
     """SHA-256 of a tensor's bytes (dtype-exact: bf16 is hashed as its raw 2 bytes)."""
-    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:32]
+    # clone(): a storage holding exactly these bytes (a view's storage may hold more);
+    # bytes(storage) needs no numpy.
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8).clone()
+    return hashlib.sha256(bytes(flat.untyped_storage())).hexdigest()[:32]
 
 
 def boxed(full: torch.Tensor, box: tuple[tuple[int, int], ...]) -> torch.Tensor:
