@@ -15,7 +15,10 @@ bit-exact by construction (a copy of bytes, never a cast).
 
 Messages: a peer buffer moves as one or more *messages* (one send matching one receive). A
 piece of at least ``DIRECT_MIN_BYTES`` is a message of its own; runs of smaller pieces are
-packed together into one message (per-message overhead dominates tiny tensors). The split
+packed together into one message (per-message overhead dominates tiny tensors). With
+``split_runs`` (the Gloo transport), a large piece that is strided on either side but made of
+runs of at least ``DIRECT_MIN_BYTES`` contiguous on both sides is cut into one segment per
+run first, so it moves zero-copy run by run instead of through a pack and an unpack. The split
 depends only on piece sizes, so both sides make the same one. A message of one piece that is a
 contiguous byte range of this side's local shard moves zero-copy — straight from the trainer's
 shard or straight into the worker's target — and needs no staging; each side decides that
@@ -29,6 +32,7 @@ then run on a CUDA stream).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -182,11 +186,55 @@ def _segment(param: int, offset: int, nbytes: int, box: Box, local: tuple[int, .
     return Segment(param, offset, nbytes, slices, shape, span, whole)
 
 
+def _split_dim(extent: tuple[int, ...], local: tuple[int, ...]) -> int:
+    """How many leading dims of a box with ``extent`` must be taken one index at a time for
+    each resulting sub-box to be contiguous in a local shard of shape ``local`` (0: the box
+    is contiguous already)."""
+    partial = [d for d in range(len(local)) if extent[d] != local[d]]
+    if not partial or all(extent[d] == 1 for d in range(partial[-1])):
+        return 0
+    return partial[-1]
+
+
+def _runs(box: Box, src_local: tuple[int, ...], dst_local: tuple[int, ...], itemsize: int,
+          direct_min: int) -> list[Box] | None:
+    """The piece ``box`` cut into sub-boxes, in row-major order, that are contiguous in BOTH
+    the source's and the destination's local shards, when every such run is at least
+    ``direct_min`` bytes and there is more than one; else None (the piece stays whole).
+
+    The sub-boxes concatenate to the piece's bytes in the same row-major order, so the wire
+    bytes are unchanged; only the message boundaries move. Both sides compute it from the
+    plan alone (both local shapes are known to everybody), so they agree.
+    """
+    if not box:
+        return None
+    extent = tuple(hi - lo for lo, hi in box)
+    k = max(_split_dim(extent, src_local), _split_dim(extent, dst_local))
+    if k == 0:
+        return None
+    count = 1
+    for n in extent[:k]:
+        count *= n
+    run = itemsize
+    for n in extent[k:]:
+        run *= n
+    if count <= 1 or run < direct_min:
+        return None
+    tail = tuple(box[k:])
+    return [tuple((i, i + 1) for i in idx) + tail
+            for idx in itertools.product(*(range(lo, hi) for lo, hi in box[:k]))]
+
+
 def plan_bucket(plan: TransferPlan, bucket: Bucket, rank: int, *,
-                direct_min: int = DIRECT_MIN_BYTES) -> BucketPacking:
+                direct_min: int = DIRECT_MIN_BYTES, split_runs: bool = False
+                ) -> BucketPacking:
     """Compute ``rank``'s peer buffers for ``bucket`` (pure; cache the result per bucket).
 
-    ``direct_min`` must be the same on every rank (it decides message boundaries)."""
+    ``direct_min`` and ``split_runs`` must be the same on every rank (they decide message
+    boundaries). ``split_runs``: a piece that is strided on either side but made of runs of
+    at least ``direct_min`` bytes contiguous on both sides (e.g. an expert tensor sharded on
+    dim 0 on one mesh and dim 1 on the other) becomes one segment per run, so each run moves
+    zero-copy as its own message instead of being packed and unpacked."""
     sending = rank < plan.trainer_ranks
     per_peer: dict[int, list[Segment]] = {}
     offsets: dict[int, int] = {}
@@ -195,14 +243,26 @@ def plan_bucket(plan: TransferPlan, bucket: Bucket, rank: int, *,
     mine = plan.pieces_from if sending else plan.pieces_to  # O(1) per param, cached
     for i in range(bucket.start, bucket.stop):
         geometry: tuple[tuple[int, ...], tuple[int, ...], int] | None = None
+        locals_: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
         touched = False
         for piece in mine(i, rank):
             peer = piece.dst_rank if sending else piece.src_rank
             if geometry is None:
                 geometry = _local_geometry(plan, i, rank, sending)
+                if split_runs:
+                    p = plan.params[i]
+                    shape = tuple(p.spec.shape)
+                    locals_ = (p.spec.layout.shard_shape(shape), p.dst.shard_shape(shape))
             off = offsets.get(peer, 0)
-            seg = _segment(i, off, piece.nbytes, piece.box, *geometry)
-            per_peer.setdefault(peer, []).append(seg)
+            segs = per_peer.setdefault(peer, [])
+            runs = (_runs(piece.box, *locals_, geometry[2], direct_min)
+                    if split_runs and piece.nbytes >= 2 * direct_min else None)
+            if runs is None:
+                segs.append(_segment(i, off, piece.nbytes, piece.box, *geometry))
+            else:
+                run_bytes = piece.nbytes // len(runs)
+                for j, sub in enumerate(runs):
+                    segs.append(_segment(i, off + j * run_bytes, run_bytes, sub, *geometry))
             offsets[peer] = off + piece.nbytes
             touched = True
             if not sending:

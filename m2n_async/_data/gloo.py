@@ -272,7 +272,8 @@ class GlooTransport(Transport):
     @classmethod
     def identity(cls, settings: TransportSettings) -> dict[str, str]:
         # Message boundaries derive from it: every rank must split buffers the same way.
-        return {"m2n_async.gloo.direct_min_bytes": str(DIRECT_MIN_BYTES)}
+        return {"m2n_async.gloo.direct_min_bytes": str(DIRECT_MIN_BYTES),
+                "m2n_async.gloo.split_runs": "1"}
 
     def __init__(self, ctx: TransportContext) -> None:
         super().__init__(ctx)
@@ -303,7 +304,7 @@ class GlooTransport(Transport):
         bp = self._packings.get(bucket.index)
         if bp is None:
             bp = self._packings[bucket.index] = plan_bucket(self.ctx.plan, bucket,
-                                                            self.ctx.rank)
+                                                            self.ctx.rank, split_runs=True)
         return bp
 
     def _plan_all(self) -> int:
