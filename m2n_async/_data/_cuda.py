@@ -194,6 +194,11 @@ def _torch() -> Any:
     return torch
 
 
+def is_tensor(x: object) -> bool:
+    """Duck-typed tensor test: sinks are tensors or load callbacks, and torch stays lazy."""
+    return hasattr(x, "data_ptr") and hasattr(x, "is_contiguous")
+
+
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype for a plan dtype name ("bfloat16", "float8_e4m3fn", ...)."""
     dtype = getattr(_torch(), name, None)

@@ -46,7 +46,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import anyio
 
-from m2n_async._data._cuda import GpuTransportBase, grouping_mode, m2n_module, torch_dtype
+from m2n_async._data._cuda import (
+    GpuTransportBase,
+    _torch,
+    grouping_mode,
+    is_tensor,
+    m2n_module,
+    torch_dtype,
+)
 from m2n_async._data._transport import Completion, Sink, Staging, TransportSettings
 from m2n_async._proto.errors import LocalProtocolError, PlanError, TransferError
 
@@ -91,9 +98,6 @@ class M2NStaging(Staging):
     transferred: Any = None    # event recorded after the bucket's reshards
     zero_copy: int = 0
 
-
-def _is_tensor(x: object) -> bool:
-    return hasattr(x, "data_ptr") and hasattr(x, "is_contiguous")
 
 
 class M2NTransport(GpuTransportBase):
@@ -271,7 +275,7 @@ class M2NTransport(GpuTransportBase):
     # -- rounds -----------------------------------------------------------------------------
 
     def _zero_copy_ok(self, t: Any, p: _Param, shape: tuple[int, ...]) -> bool:
-        return (_is_tensor(t) and t.device == self.device and t.dtype == p.dtype
+        return (is_tensor(t) and t.device == self.device and t.dtype == p.dtype
                 and t.is_contiguous() and tuple(t.shape) == shape)
 
     async def stage(self, bucket: Bucket, *,
@@ -420,7 +424,7 @@ class M2NTransport(GpuTransportBase):
             for k in st.staged:
                 p = st.params[k]
                 sink = sinks[p.name]
-                if _is_tensor(sink):
+                if is_tensor(sink):
                     sink.copy_(st.buffers[k], non_blocking=True)  # type: ignore[union-attr]
                     copies = True
                 else:
@@ -449,8 +453,3 @@ def _lookup(mapping: Mapping[str, Any], name: str, where: str) -> Any:
         raise PlanError(f"parameter {name!r} is missing from this rank's tensors at "
                         f"{where}") from None
 
-
-def _torch() -> Any:
-    import torch
-
-    return torch

@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from m2n_async._data._cuda import GpuTransportBase, torch_dtype
+from m2n_async._data._cuda import GpuTransportBase, _torch, is_tensor, torch_dtype
 from m2n_async._data._packing import BucketPacking, byte_view, pack_peer, plan_bucket, unpack_peer
 from m2n_async._data._transport import Completion, Sink, Staging
 from m2n_async._proto.errors import LocalProtocolError, PlanError, TransferError
@@ -66,9 +66,6 @@ class NcclStaging(Staging):
     transferred: Any = None
     zero_copy: int = 0
 
-
-def _is_tensor(x: object) -> bool:
-    return hasattr(x, "data_ptr") and hasattr(x, "is_contiguous")
 
 
 class NcclTransport(GpuTransportBase):
@@ -165,11 +162,11 @@ class NcclTransport(GpuTransportBase):
                 shape = tuple(p.dst.shard_shape(tuple(spec.shape)))
                 sink = _lookup(sinks, spec.name, where)
                 dtype = torch_dtype(spec.dtype)
-                if (_is_tensor(sink) and sink.device == self.device and sink.dtype == dtype
+                if (is_tensor(sink) and sink.device == self.device and sink.dtype == dtype
                         and sink.is_contiguous() and tuple(sink.shape) == shape):
                     st.dst_bytes[i] = byte_view(sink)
                 else:
-                    if _is_tensor(sink) and tuple(sink.shape) != shape:
+                    if is_tensor(sink) and tuple(sink.shape) != shape:
                         raise PlanError(f"parameter {spec.name!r}: target shape "
                                         f"{tuple(sink.shape)} but the plan says {shape} at "
                                         f"{where}")
@@ -262,7 +259,7 @@ class NcclTransport(GpuTransportBase):
             for i, tmp in st.temps:
                 name = plan.params[i].spec.name
                 sink = sinks[name]
-                if _is_tensor(sink):
+                if is_tensor(sink):
                     sink.copy_(tmp, non_blocking=True)  # type: ignore[union-attr]
                 else:
                     callbacks.append((name, sink, tmp))
@@ -287,8 +284,3 @@ def _lookup(mapping: Mapping[str, Any], name: str, where: str) -> Any:
         raise PlanError(f"parameter {name!r} is missing from this rank's tensors at "
                         f"{where}") from None
 
-
-def _torch() -> Any:
-    import torch
-
-    return torch
