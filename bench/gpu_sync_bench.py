@@ -42,6 +42,8 @@ MODELS = {
     "moe": {"n": 1024, "shape": (512, 256)},
     # a few large tensors
     "dense": {"n": 16, "shape": (4096, 4096)},
+    # large tensors, 4 GiB in all: the NVLink-bandwidth figure (issue 7)
+    "large": {"n": 32, "shape": (8192, 8192)},
 }
 
 
@@ -56,7 +58,8 @@ async def bench_rank(ctx: _world.RankCtx) -> dict[str, Any]:
     import torch
 
     case = ctx.case
-    plan = _world.make_plan(_defs(case["model"]), (1, 2), (1, 2))
+    plan = _world.make_plan(_defs(case["model"]), (1, ctx.trainer_ranks),
+                            (1, ctx.world_size - ctx.trainer_ranks))
     trainer = ctx.rank < ctx.trainer_ranks
     dev = ctx.device
     iters = case["iters"]
@@ -64,7 +67,8 @@ async def bench_rank(ctx: _world.RankCtx) -> dict[str, Any]:
     sources32 = ({k: v.float() for k, v in sources.items()} if sources is not None else None)
     targets = None if trainer else _world.zero_targets(plan, ctx.rank, dev)
     out: dict[str, Any] = {"bytes": plan.send_bytes(ctx.rank) if trainer
-                           else plan.recv_bytes(ctx.rank)}
+                           else plan.recv_bytes(ctx.rank),
+                           "gpu": dev.index, "gpu_name": torch.cuda.get_device_name(dev)}
 
     async def timed(name: str, fn: Any, n: int | None = None) -> None:
         times = []
@@ -280,37 +284,45 @@ async def traced_round(tr: Any, srcs: Any, pipeline: Any) -> list[dict[str, floa
 
 async def broadcast_baseline(ctx: _world.RankCtx, plan: Any, sources: Any, targets: Any,
                              timed: Any) -> dict[str, Any]:
-    """vLLM's packed-broadcast backend, for this model: trainer 1 sends its shards to rank 0,
-    rank 0 assembles the full tensors and broadcasts them in ``BCAST_BUCKET`` buckets over all
-    ranks, double-buffered on two streams; workers copy their shard out of each bucket."""
+    """vLLM's packed-broadcast backend, for this model: every other trainer sends its row
+    shards to rank 0, rank 0 assembles the full tensors and broadcasts them in buckets (1 GiB
+    as vLLM for models of 4 GiB or more, else 64 MiB so that double-buffering still happens)
+    over all ranks, double-buffered on two streams; workers copy their column shard out of
+    each bucket."""
     import torch
 
     tb = await _world.open_transport(ctx, "nccl", plan, bucket_bytes=1 << 20, max_inflight=1,
                                      tag="bench-bcast")
     comm, native = tb.comm, tb.ctx.native
     rank, dev = ctx.rank, ctx.device
+    t_ranks, n_ranks = ctx.trainer_ranks, ctx.world_size - ctx.trainer_ranks
     names = [p.spec.name for p in plan.params]
     shape = tuple(plan.params[0].spec.shape)           # every param has the same shape here
     numel = shape[0] * shape[1]
-    per_bucket = max(1, BCAST_BUCKET // (numel * 2))
+    bucket = BCAST_BUCKET_LARGE if len(names) * numel * 2 >= 4 << 30 else BCAST_BUCKET
+    per_bucket = max(1, bucket // (numel * 2))
     streams = [torch.cuda.Stream(dev), torch.cuda.Stream(dev)]
     bufs = [torch.empty(per_bucket * numel, dtype=torch.bfloat16, device=dev) for _ in range(2)]
-    half = shape[0] // 2
-    cols = None if targets is None else (rank - 2) * (shape[1] // 2)
+    rows, width = shape[0] // t_ranks, shape[1] // n_ranks
+    cols = None if targets is None else (rank - t_ranks) * width
 
     def one_round() -> None:
         s0 = streams[0]
         full: list[Any] = []
-        if rank == 1:
+        if 0 < rank < t_ranks:
             with torch.cuda.stream(s0):  # pack and send on one stream: no missing dependency
                 mine = torch.cat([sources[n].reshape(-1) for n in names])
                 comm.send(mine, 0, stream=s0.cuda_stream)
         if rank == 0:
-            other = torch.empty(len(names) * half * shape[1], dtype=torch.bfloat16, device=dev)
-            comm.recv(other, 1, stream=s0.cuda_stream)
+            others = []
+            for peer in range(1, t_ranks):
+                other = torch.empty(len(names) * rows * shape[1], dtype=torch.bfloat16,
+                                    device=dev)
+                comm.recv(other, peer, stream=s0.cuda_stream)
+                others.append(other.view(len(names), rows, shape[1]))
             with torch.cuda.stream(s0):
-                theirs = other.view(len(names), half, shape[1])
-                full = [torch.cat([sources[n], theirs[i]], dim=0) for i, n in enumerate(names)]
+                full = [torch.cat([sources[n]] + [o[i] for o in others], dim=0)
+                        for i, n in enumerate(names)]
         streams[1].wait_stream(s0)
         for k, a in enumerate(range(0, len(names), per_bucket)):
             b = min(a + per_bucket, len(names))
@@ -323,7 +335,7 @@ async def broadcast_baseline(ctx: _world.RankCtx, plan: Any, sources: Any, targe
                 with torch.cuda.stream(s):
                     view = buf.view(b - a, shape[0], shape[1])
                     for i in range(a, b):
-                        targets[names[i]].copy_(view[i - a][:, cols:cols + shape[1] // 2])
+                        targets[names[i]].copy_(view[i - a][:, cols:cols + width])
         for s in streams:
             s.synchronize()
 
@@ -343,7 +355,9 @@ async def broadcast_baseline(ctx: _world.RankCtx, plan: Any, sources: Any, targe
     return out
 
 
-BCAST_BUCKET = 64 << 20  # vLLM uses 1 GiB; this model is 256 MiB, so smaller to double-buffer
+BCAST_BUCKET = 64 << 20  # vLLM uses 1 GiB; the small models are 256-512 MiB: double-buffer
+BCAST_BUCKET_LARGE = 1 << 30
+NVLINK_GBPS = 370.0  # NCCL's effective NVLink bandwidth per H200 (REFERENCE.md)
 
 
 def write_timeline_png(path: str, lanes: dict[str, list[dict[str, float]]]) -> None:
@@ -391,7 +405,8 @@ def write_timeline_png(path: str, lanes: dict[str, list[dict[str, float]]]) -> N
         f.write(png)
 
 
-def summarize(run: dict[str, Any]) -> dict[str, Any]:
+def summarize(run: dict[str, Any], trainer_ranks: int = 2,
+              link_gbps: float = NVLINK_GBPS) -> dict[str, Any]:
     res = run["results"]
     errors = {r: v["error"] for r, v in res.items() if "error" in v}
     if errors:
@@ -404,12 +419,25 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
     names += sorted((n for n in res[0] if n.startswith("sweep_") and n[6:].isdigit()),
                     key=lambda n: int(n[6:]))
     summary: dict[str, Any] = {}
-    nbytes = sum(v["bytes"] for r, v in res.items() if r >= 2)
+    workers = [r for r in res if r >= trainer_ranks]
+    nbytes = sum(res[r]["bytes"] for r in workers)
+    # bytes into / out of each GPU; with trainers and workers on different GPUs every one of
+    # them crosses NVLink, and the busiest GPU at ``link_gbps`` bounds the round from below
+    gpu_in: dict[int, int] = {}
+    gpu_out: dict[int, int] = {}
+    for r, v in res.items():
+        side = gpu_out if r < trainer_ranks else gpu_in
+        side[v["gpu"]] = side.get(v["gpu"], 0) + v["bytes"]
+    split = not set(gpu_in) & set(gpu_out)
+    bound_s = max(list(gpu_in.values()) + list(gpu_out.values())) / (link_gbps * 1e9)
     for name in names:
         per_iter = [max(v[name][i] for v in res.values()) for i in range(len(res[0][name]))]
         med = statistics.median(per_iter)
         summary[name] = {"median_s": round(med, 5), "GBps": round(nbytes / med / 1e9, 2),
+                         "GBps_per_receiving_gpu": round(max(gpu_in.values()) / med / 1e9, 2),
                          "all_s": [round(x, 5) for x in per_iter]}
+        if split:
+            summary[name][f"efficiency_vs_{link_gbps:g}GBps"] = round(bound_s / med, 3)
     s = {k: v["median_s"] for k, v in summary.items()}
     summary["ratios"] = {
         "m2n_vs_raw (raw/m2n, goal >= 0.95)": round(s["raw"] / s["m2n"], 3),
@@ -419,11 +447,16 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
             round(s["m2n_cast"] / max(s["pack_only"], s["raw"]), 3),
     }
     summary["bytes_received_by_workers"] = nbytes
+    summary["gpus"] = {"trainers": sorted(gpu_out), "workers": sorted(gpu_in),
+                       "names": sorted({v.get("gpu_name", "?") for v in res.values()}),
+                       "bytes_in_per_gpu": gpu_in, "bytes_out_per_gpu": gpu_out,
+                       "split": split, "lower_bound_s": round(bound_s, 6)}
     if "trace" in res[0]:
         summary["trace"] = {r: v["trace"] for r, v in res.items()}
     summary["grouping"] = res[0].get("grouping")
     summary["bit_exact"] = all(not v.get("bad_m2n") and not v.get("bad_nccl")
-                               and not v.get("bad_broadcast") for r, v in res.items() if r >= 2)
+                               and not v.get("bad_broadcast") for r, v in res.items()
+                               if r >= trainer_ranks)
     if "broadcast" in summary:
         summary["ratios"]["broadcast_vs_m2n (broadcast/m2n)"] = round(
             s.get("broadcast", 0) / s["m2n"], 3)
@@ -451,6 +484,10 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--bucket-bytes", type=int, default=64 << 20)
     ap.add_argument("--max-inflight", type=int, default=3)
+    ap.add_argument("--trainers", type=int, default=2, help="trainer ranks (mesh 1 x T)")
+    ap.add_argument("--workers", type=int, default=2, help="worker ranks (mesh 1 x N)")
+    ap.add_argument("--link-gbps", type=float, default=NVLINK_GBPS,
+                    help="per-GPU bandwidth for the efficiency figure (multi-GPU only)")
     ap.add_argument("--timeout", type=float, default=400.0)
     ap.add_argument("--diagnose", action="store_true",
                     help="also time raw-call variants, the m2n transport with blocking-sync "
@@ -469,10 +506,11 @@ def main() -> int:
             "sweep": [[bb << 20, mi, cta] for bb in (16, 64, 256) for mi in (1, 3)
                       for cta in (None,)] + [[64 << 20, 3, 4]] if args.sweep else []}
     t0 = time.time()
-    run = _world.run_world("gpu_sync_bench:bench_rank", case, trainer_ranks=2, world_size=4,
-                           timeout=args.timeout)
-    summary = {"case": case, "wall_s": round(time.time() - t0, 1),
-               "exitcodes": run["exitcodes"], **summarize(run)}
+    run = _world.run_world("gpu_sync_bench:bench_rank", case, trainer_ranks=args.trainers,
+                           world_size=args.trainers + args.workers, timeout=args.timeout)
+    summary = {"case": case, "topology": f"{args.trainers}+{args.workers}",
+               "wall_s": round(time.time() - t0, 1), "exitcodes": run["exitcodes"],
+               **summarize(run, args.trainers, args.link_gbps)}
     if args.timeline and "errors" not in summary:
         os.makedirs(args.timeline, exist_ok=True)
         for label in ("m2n", "nccl"):

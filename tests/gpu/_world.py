@@ -223,6 +223,24 @@ class LagMonitor:
 Scenario = Callable[[RankCtx], Awaitable[dict[str, Any]]]
 
 
+def gpu_of(rank: int, trainer_ranks: int, world_size: int) -> int:
+    """The GPU a rank runs on. One GPU: all ranks share it (libnccl >= 2.30 with
+    ``NCCL_MULTI_RANK_GPU_ENABLE=1``). Several: trainers on the first half, workers on the
+    second half (round-robin within each side), so every byte a worker receives crosses
+    NVLink and "GB/s per receiving GPU" means what it says. ``M2N_TEST_GPUS=k`` uses only the
+    first k visible GPUs."""
+    import torch
+
+    ngpu = torch.cuda.device_count()
+    ngpu = min(ngpu, int(os.environ.get("M2N_TEST_GPUS", ngpu)) or ngpu)
+    if ngpu <= 1:
+        return 0
+    side = ngpu // 2
+    if rank < trainer_ranks:
+        return rank % side
+    return side + (rank - trainer_ranks) % (ngpu - side)
+
+
 def _resolve(path: str) -> Scenario:
     import importlib
 
@@ -239,9 +257,10 @@ def _rank_entry(rank: int, world_size: int, trainer_ranks: int, scenario: str,
         import anyio
         import torch
 
-        torch.cuda.set_device(0)
+        torch.cuda.set_device(gpu_of(rank, trainer_ranks, world_size))
         result = anyio.run(_rank_async, rank, world_size, trainer_ranks, scenario, case,
                            addr_q)
+        result.setdefault("gpu", torch.cuda.current_device())
     except BaseException as exc:
         result = {"error": f"{type(exc).__name__}: {exc}",
                   "traceback": traceback.format_exc()[-3000:]}
@@ -259,7 +278,7 @@ async def _rank_async(rank: int, world_size: int, trainer_ranks: int, scenario: 
     from m2n_async import StoreClient, StoreServer
 
     fn = _resolve(scenario)
-    device = torch.device("cuda", 0)
+    device = torch.device("cuda", gpu_of(rank, trainer_ranks, world_size))
 
     async def body(address: str) -> dict[str, Any]:
         store = await StoreClient.connect(address, token=TOKEN)
