@@ -60,6 +60,7 @@ class Args:
     token: str
     pg_file: str
     profile: str | None = None
+    parts: tuple[str, ...] = ("mixed", "aligned", "tiny")
 
 
 class Throughput(msgspec.Struct):
@@ -71,6 +72,8 @@ class Throughput(msgspec.Struct):
     mismatched: list[str] = []         # workers: tensors not bit-exact
     lag: list[float] = []              # trainer rank 0: overshoot of 1 ms sleeps, seconds
     lag_raw: list[float] = []          # the same during the raw rounds (control)
+    cpu: list[tuple[float, float]] = []      # this rank's (user, sys) seconds per engine round
+    cpu_raw: list[tuple[float, float]] = []  # the same per raw round
 
 
 class RankResult(msgspec.Struct):
@@ -109,14 +112,19 @@ def _child(args: Args, rank: int, results: Any) -> None:
 
 
 async def _timed(op: Callable[[], Awaitable[Any]], lag: list[float] | None,
-                 group: Any = None) -> tuple[float, Any]:
+                 group: Any = None, cpu: list[tuple[float, float]] | None = None
+                 ) -> tuple[float, Any]:
     """Barrier, run ``op``, return (the slowest rank's seconds, ``op``'s value): a round ends
     when its last rank is done. With ``lag``, a task sleeping 1 ms on this event loop records
-    how late it wakes while ``op`` runs. ``group``: the Gloo group of the ranks involved."""
+    how late it wakes while ``op`` runs. ``group``: the Gloo group of the ranks involved.
+    ``cpu`` gets this process's (user, sys) CPU seconds spent from barrier to its finish."""
+    import resource
+
     import torch
     import torch.distributed as dist
 
     dist.barrier(group=group)
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     if lag is None:
         value = await op()
@@ -131,6 +139,9 @@ async def _timed(op: Callable[[], Awaitable[Any]], lag: list[float] | None,
             tg.start_soon(probe)
             value = await op()
             tg.cancel_scope.cancel()
+    if cpu is not None:
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        cpu.append((r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime))
     t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return float(t.item()), value
@@ -154,11 +165,13 @@ async def _rank(args: Args, rank: int, out: RankResult) -> None:
                             world_size=WORLD)
     try:
         for layout in ("mixed", "aligned"):
-            out.throughput.append(Throughput(layout))
-            await _part_throughput(args, rank, out.throughput[-1])
+            if layout in args.parts:
+                out.throughput.append(Throughput(layout))
+                await _part_throughput(args, rank, out.throughput[-1])
+                dist.barrier()
+        if "tiny" in args.parts:
+            await _part_tiny(args, rank, out)
             dist.barrier()
-        await _part_tiny(args, rank, out)
-        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -186,7 +199,10 @@ async def _part_throughput(args: Args, rank: int, out: Throughput) -> None:
         pieces = (plan.pieces_from(i, rank) if rank < TRAINERS else plan.pieces_to(i, rank))
         for pc in pieces:
             pair[pc.dst_rank if rank < TRAINERS else pc.src_rank] += pc.nbytes
-    bufs = {peer: torch.empty(n, dtype=torch.uint8) for peer, n in pair.items() if n}
+    # Filled, not just allocated: a send from never-written memory reads the kernel's shared
+    # zero page, which is always in cache — measured 50 vs 72 ms (sys 8-16 vs 24-30 ms) for
+    # 189 MB between two processes here. The baseline must copy real pages, as the engine does.
+    bufs = {peer: torch.full((n,), 0x5A, dtype=torch.uint8) for peer, n in pair.items() if n}
     sends, recvs = (bufs, {}) if rank < TRAINERS else ({}, bufs)
     lag = out.lag if rank == 0 else None
     lag_raw = out.lag_raw if rank == 0 else None
@@ -224,9 +240,9 @@ async def _part_throughput(args: Args, rank: int, out: Throughput) -> None:
         await _timed(op, None)   # warm-up: first-touch of arenas and targets, connections
         await _timed(raw, None)
         for _ in range(args.rounds):
-            seconds, res = await _timed(op, lag)
+            seconds, res = await _timed(op, lag, cpu=out.cpu)
             out.engine_s.append(seconds)
-            out.raw_s.append((await _timed(raw, lag_raw))[0])
+            out.raw_s.append((await _timed(raw, lag_raw, cpu=out.cpu_raw))[0])
         if rank == 0:
             out.phases = dict(res.phases)
         if rank >= TRAINERS:
@@ -266,7 +282,7 @@ async def _part_tiny(args: Args, rank: int, out: RankResult) -> None:
 
         async def op() -> Any:
             return await engine.sync_weights(shards)
-        buf = torch.empty(total, dtype=torch.uint8)
+        buf = torch.full((total,), 0x5A, dtype=torch.uint8)  # real pages (see part 1)
 
         async def raw() -> None:
             dist.send(buf, TINY_WORKER)
@@ -311,7 +327,8 @@ async def _run(ns: argparse.Namespace) -> list[RankResult]:
     with tempfile.TemporaryDirectory() as tmp:
         async with StoreServer(host="127.0.0.1", port=0, token=token) as server:
             args = Args(ns.size_mb, ns.rounds, ns.tiny_params, ns.tiny_rounds, ns.bucket_mb,
-                        server.address, token, os.path.join(tmp, "pg"), ns.profile)
+                        server.address, token, os.path.join(tmp, "pg"), ns.profile,
+                        tuple(ns.parts.split(",")))
             ctx = mp.get_context("spawn")
             results = ctx.Queue()
             procs = [ctx.Process(target=_child, args=(args, r, results), daemon=True)
@@ -362,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--profile", metavar="DIR", default=None,
                     help="cProfile every rank process (main thread) into DIR/rankN.prof")
+    ap.add_argument("--parts", default="mixed,aligned,tiny",
+                    help="comma-separated parts to run (mixed, aligned, tiny); default all")
     ap.add_argument("--tiny", action="store_true",
                     help="toy sizes (smoke test): 4 MB model, 2 rounds, 2,000 tiny params")
     ns = ap.parse_args(argv)
@@ -397,25 +416,34 @@ def main(argv: list[str] | None = None) -> int:
               f"(min {min(t0.raw_s):.3f} s)")
         ph = ", ".join(f"{k} {v:.3f}" for k, v in t0.phases.items())
         print(f"   trainer rank 0, its last round (s; busy times overlap): {ph}")
+        cpu = []
+        for r in res:
+            t = r.throughput[i]
+            u, sy = (statistics.median(x[j] for x in t.cpu) * 1e3 for j in (0, 1))
+            ru, rs = (statistics.median(x[j] for x in t.cpu_raw) * 1e3 for j in (0, 1))
+            cpu.append(f"{r.rank}: {u:.0f}+{sy:.0f} vs {ru:.0f}+{rs:.0f}")
+        print(f"   CPU ms per round, user+sys, engine vs raw (median), by process: "
+              f"{'; '.join(cpu)}")
         ratio = raw / eng
         print(f"   sync_weights / raw gloo ({t0.layout}): {ratio:.2f}x  (goal >= 0.9x) "
               f"{'OK' if ratio >= 0.9 else 'MISSED'}")
         lags += [(f"part 1{'ab'[i]} sync_weights rounds", t0.lag),
                  (f"part 1{'ab'[i]} raw rounds (control: Gloo on a thread)", t0.lag_raw)]
 
-    n = ns.tiny_params
-    t_eng = statistics.median(res[TINY_TRAINER].tiny_engine_s)
-    t_raw = statistics.median(res[TINY_TRAINER].tiny_raw_s)
-    per = (t_eng - t_raw) / n
-    print(f"\n2. {n:,} tiny params (16 x fp32 = 64 B each), 1 trainer -> 1 worker, "
-          f"{ns.tiny_rounds} rounds (connect incl. handshake: "
-          f"{res[TINY_TRAINER].tiny_connect_s:.2f} s)")
-    print(f"   sync_weights : median {t_eng:.3f} s;  raw gloo of the same {n * 64 / 1e6:.1f} MB: "
-          f"median {t_raw:.4f} s")
-    print(f"   host overhead per parameter: {per * 1e6:.1f} us  (goal <= 20 us) "
-          f"{'OK' if per <= 20e-6 else 'MISSED'}")
+    if "tiny" in ns.parts.split(","):
+        n = ns.tiny_params
+        t_eng = statistics.median(res[TINY_TRAINER].tiny_engine_s)
+        t_raw = statistics.median(res[TINY_TRAINER].tiny_raw_s)
+        per = (t_eng - t_raw) / n
+        print(f"\n2. {n:,} tiny params (16 x fp32 = 64 B each), 1 trainer -> 1 worker, "
+              f"{ns.tiny_rounds} rounds (connect incl. handshake: "
+              f"{res[TINY_TRAINER].tiny_connect_s:.2f} s)")
+        print(f"   sync_weights : median {t_eng:.3f} s;  raw gloo of the same "
+              f"{n * 64 / 1e6:.1f} MB: median {t_raw:.4f} s")
+        print(f"   host overhead per parameter: {per * 1e6:.1f} us  (goal <= 20 us) "
+              f"{'OK' if per <= 20e-6 else 'MISSED'}")
 
-    lags.append(("part 2 sync_weights rounds", res[TINY_TRAINER].lag_tiny))
+        lags.append(("part 2 sync_weights rounds", res[TINY_TRAINER].lag_tiny))
     print("\n3. event-loop lag on trainer rank 0 (a task sleeping 1 ms; how late it wakes)")
     for label, samples in lags:
         print(f"   during {label}: p99 {_p99(samples) * 1e3:.2f} ms, max "
