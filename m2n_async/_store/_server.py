@@ -2,12 +2,13 @@
 
 Theory of operation: ``async with StoreServer(...)`` binds exactly the given address and serves
 on the current event loop (anyio's asyncio backend) until the block exits. Each connection is
-an ``asyncio.Protocol`` whose whole logic is synchronous — bytes in (``data_received``), frames
-out (``transport.write``, which never blocks) — over ``StoreCore``: a request is parsed,
-executed and answered inside one callback, with no task switch. A blocking request registers a
-core waiter whose completion callback writes the reply directly, which is how a lost peer is
-*pushed* to its waiters at once. (The store's latency is a few Python callbacks per request;
-tasks and readiness waits per request cost more than the work itself.)
+an ``asyncio.BufferedProtocol`` whose whole logic is synchronous — bytes in (received into one
+preallocated buffer per connection), frames out (one ``transport.write`` per reply, which never
+blocks) — over ``StoreCore``: a request is parsed, executed and answered inside one callback,
+with no task switch. A blocking request registers a core waiter whose completion callback writes
+the reply directly, which is how a lost peer is *pushed* to its waiters at once. (The store's
+latency is a few Python callbacks per request; tasks and readiness waits per request cost more
+than the work itself.) Any asyncio event loop works, uvloop included.
 
 Authentication comes first: the server writes a challenge on connect and accepts nothing but a
 valid HMAC answer within ``auth_timeout``; a silent or wrong client is dropped. Anything
@@ -28,7 +29,7 @@ import asyncio
 import logging
 import socket
 from types import TracebackType
-from typing import Self
+from typing import Self, cast
 
 import anyio
 import msgspec
@@ -71,6 +72,8 @@ __all__ = ["StoreServer", "format_address"]
 
 _log = logging.getLogger("m2n_async.store")
 _CLOSE_GRACE = 5.0  # seconds a failed connection gets to flush its error frame
+# Receive buffer per connection. Requests are small; a large value just takes several reads.
+_RECV_SIZE = 64 * 1024
 
 
 def format_address(host: str, port: int) -> str:
@@ -195,8 +198,13 @@ async def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-class _ServerProtocol(asyncio.Protocol):
-    """One connection: handshake, then requests answered synchronously (see module doc)."""
+class _ServerProtocol(asyncio.BufferedProtocol):
+    """One connection: handshake, then requests answered synchronously (see module doc).
+
+    A ``BufferedProtocol``: the loop receives into our one preallocated buffer. A plain
+    ``Protocol`` gets a fresh ``bytes`` per read, which asyncio allocates at 256 KiB and then
+    shrinks — an mmap/munmap pair per request that cost ~20 us of a ~60 us round trip.
+    """
 
     def __init__(self, server: StoreServer) -> None:
         self._server = server
@@ -210,12 +218,13 @@ class _ServerProtocol(asyncio.Protocol):
         self._paused = False  # the client is not reading: stop executing its requests
         self._closing = False
         self._deadline: asyncio.TimerHandle | None = None
+        self._recv = memoryview(bytearray(_RECV_SIZE))
 
     # --- asyncio callbacks ---------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        # A stream transport (uvloop's are not asyncio.Transport subclasses: no isinstance).
+        self._transport = cast(asyncio.Transport, transport)
         self._server._protocols.add(self)
         sock = transport.get_extra_info("socket")
         if sock is not None:
@@ -227,7 +236,14 @@ class _ServerProtocol(asyncio.Protocol):
             self._server._auth_timeout, self._auth_expired)
         self._write(ServerHello(STORE_PROTO_VERSION, self._nonce))
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._recv
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.data_received(self._recv[:nbytes])  # the reader copies only a partial frame
+
+    def data_received(self, data: bytes | memoryview) -> None:
+        """Bytes in (``buffer_updated`` calls it with a view of the receive buffer)."""
         if self._closing:
             return
         try:
@@ -260,7 +276,7 @@ class _ServerProtocol(asyncio.Protocol):
         self._paused = False
         if self._transport is not None and not self._closing:
             self._transport.resume_reading()
-            self.data_received(b"")  # execute what was buffered while paused
+            self.data_received(b"")  # execute what was parsed but not executed while paused
 
     # --- the connection's logic (synchronous) --------------------------------------------
 

@@ -21,6 +21,7 @@ messages are private to the store and deliberately separate from the engine enve
 from __future__ import annotations
 
 import struct
+from collections import deque
 from typing import Annotated, Final, Generic, Literal, TypeVar
 
 import msgspec
@@ -243,9 +244,11 @@ _encoder = msgspec.msgpack.Encoder()
 
 
 def encode_frame(msg: _Msg) -> bytes:
-    """One message as one length-prefixed frame."""
-    body = _encoder.encode(msg)
-    return _HEADER.pack(len(body)) + body
+    """One message as one length-prefixed frame (one buffer: the caller writes it once)."""
+    buf = bytearray(_HEADER.size)
+    _encoder.encode_into(msg, buf, _HEADER.size)
+    _HEADER.pack_into(buf, 0, len(buf) - _HEADER.size)
+    return bytes(buf)
 
 
 M = TypeVar("M")
@@ -254,10 +257,15 @@ M = TypeVar("M")
 class FrameReader(Generic[M]):
     """Incremental frame parser: ``feed`` received bytes, then drain ``next_message``.
 
-    Raises ``RemoteProtocolError`` on an oversized length prefix (before buffering the body)
-    or on a body that is not exactly one message of the expected union. After an error the
-    reader is unusable: a framing error leaves the stream position unknowable, so the caller
-    must close the connection.
+    ``feed`` parses every complete frame of what it is given at once and keeps no reference to
+    it (a driver may hand it a view of a receive buffer that it reuses); only the trailing
+    partial frame is copied. ``next_message`` then hands the parsed messages out in order.
+
+    Raises ``RemoteProtocolError`` (from ``next_message``, after the messages that preceded the
+    bad frame) on an oversized length prefix — detected before any of the body is kept — or on
+    a body that is not exactly one message of the expected union. After an error the reader is
+    unusable: a framing error leaves the stream position unknowable, so the caller must close
+    the connection.
     """
 
     def __init__(self, message_type: type[M], *, max_frame: int = DEFAULT_MAX_FRAME) -> None:
@@ -265,8 +273,11 @@ class FrameReader(Generic[M]):
             raise ValueError(f"max_frame must be in [1, 2**32 - 1], got {max_frame}")
         self._decoder: msgspec.msgpack.Decoder[M] = msgspec.msgpack.Decoder(message_type)
         self._max = max_frame
-        self._buf = bytearray()
-        self._need: int | None = None  # body length of the frame being read, once known
+        self._buf = bytearray()  # the partial frame that the last feed ended with
+        # Parsed, not yet taken. At most one feed's worth (a driver stops feeding while it
+        # stops taking), so this is bounded by the driver's receive size.
+        self._ready: deque[M] = deque()
+        self._error: RemoteProtocolError | None = None  # raised once _ready is drained
         self._broken = False
 
     @property
@@ -274,35 +285,53 @@ class FrameReader(Generic[M]):
         """Bytes held for a partial frame (bounded by ``max_frame + 4`` plus one feed)."""
         return len(self._buf)
 
-    def feed(self, data: bytes) -> None:
-        if self._broken:
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        if self._broken or self._error is not None:
             raise RemoteProtocolError("frame reader used after a framing error")
+        if not self._buf:
+            # The common case: nothing pending, parse straight out of the caller's buffer
+            # (through a view, so that a frame's body is sliced without a copy).
+            view = data if isinstance(data, memoryview) else memoryview(data)
+            used = self._parse(view)
+            if used < len(view):
+                self._buf += view[used:]
+            return
         self._buf += data
+        with memoryview(self._buf) as view:
+            used = self._parse(view)
+        del self._buf[:used]
+
+    def _parse(self, data: memoryview) -> int:
+        """Decode the complete frames at the start of ``data``; bytes consumed."""
+        size = len(data)
+        pos = 0
+        while size - pos >= _HEADER.size:
+            (need,) = _HEADER.unpack_from(data, pos)
+            if need > self._max:
+                self._error = RemoteProtocolError(
+                    f"store frame of {need} bytes exceeds the limit of {self._max} bytes")
+                return size  # the stream position is lost: keep nothing
+            end = pos + _HEADER.size + need
+            if end > size:
+                break
+            try:
+                self._ready.append(self._decoder.decode(data[pos + _HEADER.size: end]))
+            except msgspec.ValidationError as exc:
+                self._error = RemoteProtocolError(f"invalid store message: {exc}")
+                return size
+            except msgspec.DecodeError as exc:
+                self._error = RemoteProtocolError(f"undecodable store frame: {exc}")
+                return size
+            pos = end
+        return pos
 
     def next_message(self) -> M | None:
         """The next complete message, or ``None`` until more bytes arrive."""
+        if self._ready:
+            return self._ready.popleft()
         if self._broken:
             raise RemoteProtocolError("frame reader used after a framing error")
-        if self._need is None:
-            if len(self._buf) < _HEADER.size:
-                return None
-            (need,) = _HEADER.unpack_from(self._buf)
-            if need > self._max:
-                self._broken = True
-                raise RemoteProtocolError(
-                    f"store frame of {need} bytes exceeds the limit of {self._max} bytes")
-            self._need = need
-            del self._buf[: _HEADER.size]
-        if len(self._buf) < self._need:
-            return None
-        body = bytes(self._buf[: self._need])
-        del self._buf[: self._need]
-        self._need = None
-        try:
-            return self._decoder.decode(body)
-        except msgspec.ValidationError as exc:
+        if self._error is not None:
             self._broken = True
-            raise RemoteProtocolError(f"invalid store message: {exc}") from None
-        except msgspec.DecodeError as exc:
-            self._broken = True
-            raise RemoteProtocolError(f"undecodable store frame: {exc}") from None
+            raise self._error
+        return None
