@@ -67,6 +67,7 @@ class Throughput(msgspec.Struct):
     layout: str                        # "mixed" (the demo's layouts) or "aligned"
     engine_s: list[float] = []         # slowest rank's seconds per timed round
     raw_s: list[float] = []
+    raw_copy_s: list[float] = []       # raw + the engine's packing copies, done serially
     bytes_moved: int = 0               # the plan's bytes sent (trainer) / received (worker)
     phases: dict[str, float] = {}      # trainer rank 0's last SyncResult.phases
     mismatched: list[str] = []         # workers: tensors not bit-exact
@@ -74,6 +75,7 @@ class Throughput(msgspec.Struct):
     lag_raw: list[float] = []          # the same during the raw rounds (control)
     cpu: list[tuple[float, float]] = []      # this rank's (user, sys) seconds per engine round
     cpu_raw: list[tuple[float, float]] = []  # the same per raw round
+    copy_mb: float = 0.0               # MB this rank copies (packs or unpacks) per round
 
 
 class RankResult(msgspec.Struct):
@@ -158,6 +160,36 @@ def _raw_exchange(sends: dict[int, Any], recvs: dict[int, Any]) -> None:
         w.wait()
 
 
+def _copy_jobs(plan: Any, rank: int, bucket_bytes: int, bufs: dict[int, Any],
+               tensors: dict[str, Any]) -> list[tuple[Any, Any]]:
+    """The packing copies the engine's Gloo transport makes on this rank per round, as
+    (destination, source) byte views: a trainer packs every message that cannot go zero-copy
+    from its shard into its place in the raw per-peer buffer; a worker copies every message
+    that cannot land in place from the raw buffer into ``tensors``. The same message split
+    (``plan_bucket(split_runs=True)``) and buckets as the engine."""
+    from m2n_async._data._packing import byte_view, plan_bucket
+    from m2n_async._engine._engine import MAX_BUCKET_PARAMS, split_buckets
+
+    sending = rank < TRAINERS
+    names = [p.spec.name for p in plan.params]
+    base = dict.fromkeys(bufs, 0)  # where this bucket's bytes for a peer start in its buffer
+    jobs = []
+    for bucket in split_buckets(plan, plan.buckets(bucket_bytes), MAX_BUCKET_PARAMS):
+        bp = plan_bucket(plan, bucket, rank, split_runs=True)
+        for peer in bp.peers:
+            buf = bufs[peer.peer]
+            for msg in peer.messages:
+                if msg.direct is not None:
+                    continue
+                for seg in msg.segments:
+                    a = base[peer.peer] + seg.offset
+                    flat = buf[a:a + seg.nbytes].view(seg.shape)
+                    local = byte_view(tensors[names[seg.param]])[seg.slices]
+                    jobs.append((flat, local) if sending else (local, flat))
+            base[peer.peer] += peer.nbytes
+    return jobs
+
+
 async def _rank(args: Args, rank: int, out: RankResult) -> None:
     import torch.distributed as dist
 
@@ -212,9 +244,22 @@ async def _part_throughput(args: Args, rank: int, out: Throughput) -> None:
         # control figure for the event-loop lag that CPU contention alone causes.
         await anyio.to_thread.run_sync(_raw_exchange, sends, recvs)
 
+    def exchange_with_copies() -> None:
+        if rank < TRAINERS:
+            for dst, src in copies:
+                dst.copy_(src)
+        _raw_exchange(sends, recvs)
+        if rank >= TRAINERS:
+            for dst, src in copies:
+                dst.copy_(src)
+
+    async def raw_copy() -> None:
+        await anyio.to_thread.run_sync(exchange_with_copies)
+
     if rank < TRAINERS:
         shards = {p.name: base_content(p.name, p.shape, p.dtype, t.spec.layout.box(p.shape, rank))
                   for p, t in zip(params, plan.params, strict=True)}
+        copies = _copy_jobs(plan, rank, config.bucket_bytes, bufs, shards)
         engine: Any = await TrainerEngine.connect(
             args.address, token=args.token, rank=rank, trainer_ranks=TRAINERS,
             world_size=WORLD, params=plan.source_specs(), config=config, timeout=300)
@@ -227,6 +272,10 @@ async def _part_throughput(args: Args, rank: int, out: Throughput) -> None:
                                                                   strict=True)}
         targets = {p.name: torch.zeros([hi - lo for lo, hi in boxes[p.name]],
                                        dtype=getattr(torch, p.dtype)) for p in params}
+        # The raw+copies baseline unpacks into copies of the targets: the real ones are
+        # checked bit-exact after the engine's rounds.
+        copies = _copy_jobs(plan, rank, config.bucket_bytes, bufs,
+                            {n: torch.zeros_like(t) for n, t in targets.items()})
         engine = await WorkerEngine.connect(
             args.address, token=args.token, rank=rank, trainer_ranks=TRAINERS,
             world_size=WORLD, mesh_dims=(1, WORKERS), config=config, timeout=300,
@@ -243,6 +292,8 @@ async def _part_throughput(args: Args, rank: int, out: Throughput) -> None:
             seconds, res = await _timed(op, lag, cpu=out.cpu)
             out.engine_s.append(seconds)
             out.raw_s.append((await _timed(raw, lag_raw, cpu=out.cpu_raw))[0])
+            out.raw_copy_s.append((await _timed(raw_copy, None))[0])
+        out.copy_mb = sum(d.numel() for d, _ in copies) / 1e6
         if rank == 0:
             out.phases = dict(res.phases)
         if rank >= TRAINERS:
@@ -414,6 +465,11 @@ def main(argv: list[str] | None = None) -> int:
               f"(min {min(t0.engine_s):.3f} s)")
         print(f"   raw gloo p2p : median {raw:.3f} s = {moved / raw / 1e9:.2f} GB/s "
               f"(min {min(t0.raw_s):.3f} s)")
+        rc = statistics.median(t0.raw_copy_s)
+        mb = ", ".join(f"{r.throughput[i].copy_mb:.1f}" for r in res)
+        print(f"   raw + the engine's packing copies (serial; MB copied by process: {mb}): "
+              f"median {rc:.3f} s = {moved / rc / 1e9:.2f} GB/s (engine / this: "
+              f"{rc / eng:.2f}x)")
         ph = ", ".join(f"{k} {v:.3f}" for k, v in t0.phases.items())
         print(f"   trainer rank 0, its last round (s; busy times overlap): {ph}")
         cpu = []
