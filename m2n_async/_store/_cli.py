@@ -3,6 +3,11 @@
 Theory of operation: the token comes from a file (never the command line, where ``ps`` would
 show it); the first stdout line is the bound address alone (``host:port``) so scripts can read
 it, e.g. with port 0. Ctrl-C / SIGTERM stop it; clients then see their sessions end.
+
+The event loop: uvloop when it is installed (``pip install m2n_async[fast]``), else asyncio
+(``--loop`` picks one explicitly). The server's per-request cost is mostly the event loop's own
+(readiness wait, receive, send), which uvloop does in C: it roughly halves the server's CPU per
+request. The protocol and every guarantee are the same on both.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from m2n_async._proto.errors import StoreError
 from m2n_async._store._server import StoreServer
 from m2n_async._store._wire import DEFAULT_MAX_FRAME
 
-__all__ = ["add_store_command", "read_token_file", "run_store_command"]
+__all__ = ["add_store_command", "pick_loop", "read_token_file", "run_store_command"]
 
 
 def add_store_command(sub: Any) -> None:
@@ -33,6 +38,8 @@ def add_store_command(sub: Any) -> None:
                    help="file holding the shared secret (surrounding whitespace is ignored)")
     p.add_argument("--max-frame", type=int, default=DEFAULT_MAX_FRAME,
                    help=f"largest frame in bytes (default {DEFAULT_MAX_FRAME})")
+    p.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
+                   help="event loop (default auto: uvloop if installed, else asyncio)")
 
 
 def read_token_file(path: Path) -> str:
@@ -50,11 +57,12 @@ def run_store_command(args: argparse.Namespace) -> int:
     try:
         token = read_token_file(args.token_file)
         server = StoreServer(args.host, args.port, token=token, max_frame=args.max_frame)
+        loop = pick_loop(getattr(args, "loop", "auto"))
     except ValueError as exc:
         print(f"m2n-async store: {exc}", file=sys.stderr)
         return 2
     try:
-        anyio.run(_serve, server)
+        anyio.run(_serve, server, loop, backend_options={"use_uvloop": loop == "uvloop"})
     except KeyboardInterrupt:
         pass
     except (StoreError, OSError) as exc:  # e.g. the port is taken: report, no traceback
@@ -63,11 +71,26 @@ def run_store_command(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _serve(server: StoreServer) -> None:
+def pick_loop(choice: str) -> str:
+    """``"uvloop"`` or ``"asyncio"`` for ``--loop``; ``ValueError`` if uvloop is asked for but
+    missing."""
+    if choice == "asyncio":
+        return "asyncio"
+    try:
+        import uvloop  # noqa: F401  (only probing that it is installed)
+    except ImportError:
+        if choice == "uvloop":
+            raise ValueError("--loop uvloop: uvloop is not installed "
+                             "(pip install m2n_async[fast])") from None
+        return "asyncio"
+    return "uvloop"
+
+
+async def _serve(server: StoreServer, loop: str) -> None:
     async with server:
         print(server.address, flush=True)
-        print(f"m2n-async store: listening on {server.address} (Ctrl-C to stop)",
-              file=sys.stderr, flush=True)
+        print(f"m2n-async store: listening on {server.address} ({loop} event loop; Ctrl-C to "
+              "stop)", file=sys.stderr, flush=True)
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for _ in signals:
                 return

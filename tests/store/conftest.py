@@ -6,7 +6,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Callable, Mapping
 
 import pytest
 import pytest_asyncio
@@ -52,3 +53,28 @@ async def server() -> AsyncIterator[StoreServer]:
         yield await runner.start()
     finally:
         await runner.stop()
+
+
+# The TCP server and client are asyncio protocols and must work on any asyncio loop; the
+# standalone server runs on uvloop when it is installed. These modules' async tests also run on
+# uvloop (the rest only on asyncio, to keep the suite fast); without uvloop they skip visibly.
+UVLOOP_MODULES = frozenset({"test_tcp", "test_conformance", "test_session_end",
+                            "test_crossed_replies"})
+
+
+def _uvloop_factory() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:
+        pytest.skip("uvloop (extra 'fast') is not installed")
+    return uvloop.new_event_loop()
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item
+                                  ) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
+    module = getattr(item, "module", None)
+    factories: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
+        "asyncio": asyncio.new_event_loop}
+    if module is not None and module.__name__ in UVLOOP_MODULES:
+        factories["uvloop"] = _uvloop_factory
+    return factories

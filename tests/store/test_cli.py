@@ -17,11 +17,14 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.asyncio
-async def test_store_command_serves_and_stops(tmp_path: Path) -> None:
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+async def test_store_command_serves_and_stops(tmp_path: Path, loop: str) -> None:
+    if loop == "uvloop":
+        pytest.importorskip("uvloop", reason="uvloop (extra 'fast') is not installed")
     token_file = tmp_path / "token"
     token_file.write_text("s3cret\n")  # trailing newline as editors write it
     cmd = [sys.executable, "-m", "m2n_async.cli", "store", "--host", "127.0.0.1",
-           "--port", "0", "--token-file", str(token_file)]
+           "--port", "0", "--token-file", str(token_file), "--loop", loop]
     async with await anyio.open_process(cmd, env={**os.environ}) as proc:
         assert proc.stdout is not None
         with anyio.fail_after(60):
@@ -39,6 +42,8 @@ async def test_store_command_serves_and_stops(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGTERM)
         with anyio.fail_after(30):
             assert await proc.wait() == 0
+        assert proc.stderr is not None
+        assert f"({loop} event loop".encode() in await proc.stderr.receive()
 
 
 def test_store_command_rejects_missing_or_empty_token_file(tmp_path: Path,
