@@ -10,6 +10,12 @@ Cancellation: a cancelled caller removes its slot; a reply that arrives later fo
 dropped, so the connection is never "one reply behind" (the redis-py CVE-2023-28858 bug). For
 a blocking request the client also writes ``Cancel(rid)`` so the server forgets the waiter.
 
+Unacknowledged sets (``set(..., ack=False)``, TCPStore's ``set`` semantics) are written and not
+waited for; the server answers one only if it fails. Replies of one connection are written in
+request order, so a reply to request ``r`` proves that every unacknowledged set sent before
+``r`` has been applied or its failure has already arrived; that is how the client forgets them
+(bounded: past ``MAX_UNACKED`` outstanding, the next set waits for its acknowledgement).
+
 The connection is the session: closing it (``aclose``, or the process dying) drops the
 session's ephemeral keys on the server. A transport or protocol failure marks the client
 broken: pending calls raise the cause, later calls raise ``StoreError`` naming it.
@@ -19,9 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections import deque
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Self, TypeVar
+from typing import Final, Self, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -67,7 +74,11 @@ from m2n_async._store._wire import (
     encode_frame,
 )
 
-__all__ = ["StoreClient", "parse_address"]
+__all__ = ["MAX_UNACKED", "StoreClient", "parse_address"]
+
+#: Unacknowledged sets one client may have outstanding; the next ``set(ack=False)`` past it
+#: waits for its acknowledgement (which settles every earlier one).
+MAX_UNACKED: Final[int] = 1024
 
 R = TypeVar("R", bound=ServerMessage)
 
@@ -171,6 +182,12 @@ class StoreClient:
         # scopes cancel it like any other await).
         self._pending: dict[int, asyncio.Future[ServerMessage | M2NError]] = {}
         self._rids = itertools.count(1)
+        # Unacknowledged sets not known to be settled: their rids in send order, and their keys
+        # (for the error message). A reply to rid r settles every one below r.
+        self._unacked: deque[int] = deque()
+        self._unacked_keys: dict[int, str] = {}
+        self._deferred: M2NError | None = None  # first unreported failure of one of them
+        self._deferred_more = 0  # further failures while it was unreported
         self._broken: M2NError | None = None
         self._closed = False
         self._loop = asyncio.get_running_loop()
@@ -224,12 +241,49 @@ class StoreClient:
 
     # --- the Store protocol --------------------------------------------------------------
 
-    async def set(self, key: str, value: bytes, *, ephemeral: bool = False) -> None:
+    async def set(self, key: str, value: bytes, *, ephemeral: bool = False, ack: bool = True
+                  ) -> None:
         """Write ``key``.
 
-        Cancellation: the write may or may not have happened; the connection stays usable.
+        ``ack=True`` (the default) returns once the server has applied the write, and raises
+        its failure. ``ack=False`` is TCPStore's ``set``: it returns as soon as the request is
+        handed to the connection, without a round trip. The write is still applied in order —
+        every later call on this client sees it — but other sessions may not see it yet when
+        this returns, and a failure (e.g. ``StaleGenerationError``) is raised later: by the
+        first call on this client that starts after the failure arrived (that call does nothing
+        else), or by ``flush()``, which waits until every earlier write was applied. If the
+        connection breaks, unacknowledged writes since the last reply may or may not have been
+        applied. At most ``MAX_UNACKED`` are outstanding: past that, ``set`` waits for its
+        acknowledgement. ``ack=False`` waits only while the server is not reading our writes
+        (back-pressure), and does not otherwise yield to the event loop.
+
+        Cancellation: with ``ack=True`` the write may or may not have happened; the connection
+        stays usable. With ``ack=False`` a cancelled call sent nothing (it can only be cancelled
+        while waiting for back-pressure); once sent, the write is never withdrawn.
         """
-        await self._call(Set(self._rid(), key, bytes(value), ephemeral), Ok)
+        if ack or len(self._unacked) >= MAX_UNACKED:
+            await self._call(Set(self._rid(), key, bytes(value), ephemeral), Ok)
+            return
+        self._check_usable()
+        writable = self._protocol.writable
+        if writable is not None:  # the server is not draining our writes: wait (nothing sent)
+            await writable.wait()
+            self._check_usable()
+        rid = self._rid()
+        self._unacked.append(rid)
+        self._unacked_keys[rid] = key
+        if not self._transport.is_closing():  # else connection_lost is about to fail us
+            self._transport.write(encode_frame(Set(rid, key, bytes(value), ephemeral, False)))
+
+    async def flush(self) -> None:
+        """Wait until every ``set(..., ack=False)`` made so far has been applied; raise the
+        first failure among them not raised yet (one round trip; none if nothing is pending).
+
+        Cancellation: safe at any point; the writes themselves are not withdrawn.
+        """
+        if self._unacked:
+            await self._call(Wait(self._rid(), (), ()), Ok)  # waits for no key: a no-op
+        self._check_usable()
 
     async def get(self, key: str, *, wait: bool = False, watch: Sequence[str] = ()
                   ) -> bytes | None:
@@ -339,6 +393,12 @@ class StoreClient:
                              f"earlier failure: {self._broken}") from self._broken
         if self._closed:
             raise StoreError(f"store client for {self.address} is closed")
+        if self._deferred is not None:  # an unacknowledged set failed: report it now
+            exc, more = self._deferred, self._deferred_more
+            self._deferred, self._deferred_more = None, 0
+            if more:
+                exc.add_note(f"{more} later unacknowledged set(s) on this client failed too")
+            raise exc
 
     async def _call(self, request: Request, expect: type[R], *, blocking: bool = False) -> R:
         self._check_usable()
@@ -381,11 +441,35 @@ class StoreClient:
             self._break(RemoteProtocolError(
                 f"store at {self.address} sent an unexpected {type(msg).__name__}"))
             return
+        if self._unacked:
+            self._settle_unacked(rid, msg)
         future = self._pending.pop(rid, None)
         if future is None:
             return  # a late reply to a cancelled request: correlated by id, dropped
         if not future.done():  # done: cancelled, and its caller has not run yet to pop it
             future.set_result(msg)
+
+    def _settle_unacked(self, rid: int, msg: ServerMessage) -> None:
+        """``msg`` answers ``rid``: unacknowledged sets sent before it are settled (replies
+        are written in request order); if it is the failure of one, keep it to raise."""
+        unacked = self._unacked
+        while unacked and unacked[0] < rid:
+            del self._unacked_keys[unacked.popleft()]
+        if unacked and unacked[0] == rid:
+            unacked.popleft()
+            key = self._unacked_keys.pop(rid)
+            if isinstance(msg, Error):
+                exc = _error_to_exception(msg, f"store at {self.address}")
+                exc.add_note(f"raised by a later call: the unacknowledged set of {key!r} "
+                             f"(rid {rid}) failed")
+                if self._deferred is None:
+                    self._deferred = exc
+                else:
+                    self._deferred_more += 1
+            else:  # only a failure answers an unacknowledged set
+                self._break(RemoteProtocolError(
+                    f"store at {self.address} answered the unacknowledged set of {key!r} "
+                    f"(rid {rid}, session {self.session}) with {_describe(msg)}"))
 
     def _on_lost(self, exc: BaseException) -> None:
         if self._closed:

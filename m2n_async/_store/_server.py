@@ -337,9 +337,9 @@ class _ServerProtocol(asyncio.BufferedProtocol):
                     return Value(rid, core.get(session, key))
                 return self._blocking(rid, core.begin_get(session, key, watch,
                                                           self._notifier(rid)))
-            case Set(rid, key, value, ephemeral):
+            case Set(rid, key, value, ephemeral, reply):
                 core.set(session, key, value, ephemeral=ephemeral)
-                return Ok(rid)
+                return Ok(rid) if reply else None  # unacknowledged: only a failure is answered
             case Add(rid, key, delta):
                 return Int(rid, core.add(session, key, delta))
             case CompareSet(rid, key, expected, desired):

@@ -7,7 +7,8 @@ hostile prefix cannot make us allocate. ``FrameReader`` is pure (bytes in, messa
 sockets, no clocks) so that the server, the client and the fuzz tests share one parser.
 
 Every request carries a request id (``rid``, a positive int chosen by the client); every reply
-echoes it. The client correlates replies by id, which is what makes cancelling a request safe:
+echoes it (except a ``Set`` sent with ``reply=False``, which is answered only by an ``Error``
+if it fails). The client correlates replies by id, which is what makes cancelling a request safe:
 a late reply for an abandoned id is dropped instead of being handed to the next caller (the
 redis-py CVE-2023-28858 failure mode). ``Cancel(rid)`` tells the server to forget a blocking
 request; it has no reply. ``rid == 0`` in an ``Error`` means the error is about the connection,
@@ -61,7 +62,7 @@ __all__ = [
     "encode_frame",
 ]
 
-STORE_PROTO_VERSION: Final[int] = 1
+STORE_PROTO_VERSION: Final[int] = 2  # 2: Set.reply
 DEFAULT_MAX_FRAME: Final[int] = 16 * 1024 * 1024
 _HEADER = struct.Struct(">I")
 
@@ -105,10 +106,13 @@ class AuthOk(_Msg, frozen=True):
 
 
 class Set(_Msg, frozen=True):
+    """``reply=False``: an unacknowledged set — the server answers only if it fails."""
+
     rid: Rid
     key: str
     value: bytes
     ephemeral: bool = False
+    reply: bool = True
 
 
 class Get(_Msg, frozen=True):

@@ -59,7 +59,7 @@ async def server() -> AsyncIterator[StoreServer]:
 # standalone server runs on uvloop when it is installed. These modules' async tests also run on
 # uvloop (the rest only on asyncio, to keep the suite fast); without uvloop they skip visibly.
 UVLOOP_MODULES = frozenset({"test_tcp", "test_conformance", "test_session_end",
-                            "test_crossed_replies"})
+                            "test_crossed_replies", "test_unacked"})
 
 
 def _uvloop_factory() -> asyncio.AbstractEventLoop:

@@ -107,6 +107,7 @@ class Conn:
         self.next_rid = 0
         self.outstanding: dict[int, type] = {}  # rid -> request type, until answered
         self.cancelled: set[int] = set()  # withdrawn by us: a crossing reply is allowed
+        self.unacked: set[int] = set()  # Set(reply=False): answered only by an Error
         self.unsent = b""
 
     def request(self, rng: random.Random, keys: list[str]) -> None:
@@ -124,7 +125,11 @@ class Conn:
             lambda: Add(rid, "count", 1),
             lambda: Delete(rid, rng.choice(keys)),
         ])()
-        self.outstanding[rid] = type(msg)
+        if rng.random() < 0.1:  # an unacknowledged set instead
+            msg = Set(rid, rng.choice(keys), b"u", rng.random() < 0.2, False)
+            self.unacked.add(rid)
+        else:
+            self.outstanding[rid] = type(msg)
         self.unsent += encode_frame(msg)
 
     def cancel(self, rng: random.Random) -> None:
@@ -151,6 +156,10 @@ class Conn:
         for msg in self.transport.replies:
             rid = getattr(msg, "rid", None)
             assert isinstance(rid, int) and rid > 0, f"{where}: connection-level {msg!r}"
+            if rid in self.unacked:
+                assert isinstance(msg, Error), f"{where}: unacknowledged set answered {msg!r}"
+                self.unacked.discard(rid)
+                continue
             req = self.outstanding.pop(rid, None)
             if req is None:
                 assert rid in self.cancelled, f"{where}: {msg!r} answers nothing outstanding"
