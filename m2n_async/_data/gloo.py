@@ -82,6 +82,8 @@ _FORCE_CLOSE = datetime.timedelta(milliseconds=1)
 #: A bucket whose messages are all zero-copy on the trainer is "packed" (views built) inline
 #: on the event loop when it has at most this many messages.
 _INLINE_MESSAGES = 64
+#: Segments per ``_foreach_copy_`` call when packing or scattering many small tensors.
+_FOREACH_CHUNK = 512
 #: Niceness of the pack/unpack threads: bulk copies give way to the event loop (and to the
 #: latency-bound native/wait threads) when the machine is oversubscribed.
 _BULK_NICE = 5
@@ -333,6 +335,7 @@ class GlooTransport(Transport):
         self._copy_cache: dict[int, _Copies] = {}
         self._parts: dict[int, tuple[int, list[torch.Tensor], list[torch.Tensor]]] = {}
         self._shapes: dict[int, tuple[int, ...]] = {}
+        self._send_need: dict[int, int] = {}  # bucket -> staging bytes (trainer)
         self._names = [p.spec.name for p in ctx.plan.params]
         self._dtypes = [getattr(torch, p.spec.dtype) for p in ctx.plan.params]
         self._closed = False
@@ -404,9 +407,13 @@ class GlooTransport(Transport):
                 hostname=host or "")]
             return torch.distributed.ProcessGroupGloo(adapter, rank, size, opts)
 
+        # Gloo's I/O thread (which does the socket copies) is started by the thread that
+        # creates the group and inherits its niceness: creating it on a thread at
+        # _BULK_NICE puts the bulk copies below the event loop and the latency-bound
+        # native/wait threads when the machine is oversubscribed.
+        builder = NativeThread(f"gloo-connect-r{rank}", nice=_BULK_NICE)
         try:
-            self._pg = await self.ctx.native.run(
-                build, description=f"gloo connect rank {rank}/{size}")
+            self._pg = await builder.run(build, description=f"gloo connect rank {rank}/{size}")
         except BaseException as exc:
             adapter.cancel_all("connect failed or was cancelled")
             if isinstance(exc, (TimeoutError, PeerLostError, TransferError)) or not isinstance(
@@ -414,6 +421,8 @@ class GlooTransport(Transport):
                 raise
             raise TransferError(f"gloo: creating the process group failed at "
                                 f"{self.ctx.where()}: {exc}", rank=rank) from exc
+        finally:
+            builder.close(0.0)  # it has returned (or is abandoned, as a daemon thread)
 
     # -- per bucket ----------------------------------------------------------------------
 
@@ -507,6 +516,25 @@ class GlooTransport(Transport):
         got = self._copy_cache[id(msg)] = _Copies(ptr, dsts, srcs)
         return got
 
+    def _copy_from(self, copies: _Copies, sources: Mapping[str, torch.Tensor],
+                   get: Callable[[int], torch.Tensor],
+                   get_flat: Callable[[int], torch.Tensor]) -> None:
+        """Run ``copies``: one ``_foreach_copy_`` per ``_FOREACH_CHUNK`` segments. Whole
+        shards need no view per round (the engine checked their dtype, shape and contiguity).
+        Chunked because this Python loop holds the GIL and the torch call releases it: the
+        event loop never waits for the GIL behind thousands of tiny parameters."""
+        names = self._names
+        dsts, specs = copies.dsts, copies.srcs
+        for c in range(0, len(specs), _FOREACH_CHUNK):
+            srcs = []
+            for i, span in specs[c:c + _FOREACH_CHUNK]:
+                if span is None:
+                    src = sources.get(names[i])
+                    srcs.append(src if src is not None else get(i))  # get raises PlanError
+                else:
+                    srcs.append(get_flat(i)[span[0]:span[1]])
+            torch._foreach_copy_(dsts[c:c + _FOREACH_CHUNK], srcs)
+
     def _local_shape(self, i: int) -> tuple[int, ...]:
         shape = self._shapes.get(i)
         if shape is None:
@@ -519,8 +547,11 @@ class GlooTransport(Transport):
         t0 = time.perf_counter()
         get, get_flat = self._byte_source(sources)
         staged = GlooStaging(bp.bucket, packing=bp, nbytes_moved=bp.nbytes)
-        arena = self._acquire(staged, _staging_need(bp, lambda m: m.direct is not None))
-        names = self._names
+        need = self._send_need.get(bp.bucket.index)
+        if need is None:
+            need = self._send_need[bp.bucket.index] = _staging_need(
+                bp, lambda m: m.direct is not None)
+        arena = self._acquire(staged, need)
         off = 0
         for peer in bp.peers:
             for msg in peer.messages:
@@ -538,19 +569,7 @@ class GlooTransport(Transport):
                 if copies is None:
                     pack_segments(buf, msg.segments, get, msg.offset, get_flat)
                 else:
-                    # One call for the whole message; whole shards need no view per round
-                    # (the engine checked their dtype, shape and contiguity).
-                    srcs = []
-                    for i, span in copies.srcs:
-                        if span is None:
-                            try:
-                                srcs.append(sources[names[i]])
-                            except KeyError:
-                                get(i)  # raises the PlanError naming the parameter
-                                raise
-                        else:
-                            srcs.append(get_flat(i)[span[0]:span[1]])
-                    torch._foreach_copy_(copies.dsts, srcs)
+                    self._copy_from(copies, sources, get, get_flat)
                 staged.messages.append((peer.peer, msg, buf, False))
         staged.seconds["pack"] = time.perf_counter() - t0
         return staged
@@ -715,7 +734,10 @@ class GlooTransport(Transport):
                 if parts is None or parts[0] != ptr:
                     parts = self._parts[id(msg)] = (ptr, list(torch.split(buf, list(sp.sizes))),
                                                     list(sp.targets))
-                torch._foreach_copy_(parts[2], parts[1])
+                targets, srcs = parts[2], parts[1]
+                for c in range(0, len(srcs), _FOREACH_CHUNK):
+                    torch._foreach_copy_(targets[c:c + _FOREACH_CHUNK],
+                                         srcs[c:c + _FOREACH_CHUNK])
             else:
                 unpack_segments(buf, msg.segments, up.views, msg.offset)
         if up.callbacks:

@@ -40,6 +40,7 @@ from collections.abc import (
 from typing import TYPE_CHECKING, Any, Literal, Self
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 
 from m2n_async._data._native import NativeThread
@@ -647,19 +648,22 @@ class _no_deadline:
 # -- the trainer -----------------------------------------------------------------------------
 
 
-#: Buckets with more parameters than this resolve their sources off the event loop: checking
-#: 10^5 tiny shards inline would stall the loop for a noticeable time.
-_INLINE_PARAMS = 256
+#: A plain dict of sources is resolved on the event loop (a thread hop costs more than the
+#: lookups), this many parameters at a time with a checkpoint between chunks, so that a
+#: bucket of 4,096 tiny shards never holds the loop for more than ~1 ms (other mappings and
+#: callables may compute on lookup and run on a thread instead).
+_INLINE_PARAMS = 512
 
 
 class _Sources:
     """Resolves one bucket's local shards from whatever ``sync_weights`` was given."""
 
     def __init__(self, weights: Weights, plan: TransferPlan, rank: int, device: str,
-                 expect: list[tuple[Any, torch.Size]]) -> None:
+                 expect: list[tuple[Any, torch.Size]], names: Sequence[str]) -> None:
         import torch
 
         self._plan = plan
+        self._names = names  # every param's name, in plan order
         self._rank = rank
         self._device = device
         self._limiter = anyio.CapacityLimiter(1)
@@ -690,12 +694,20 @@ class _Sources:
                 f"{type(weights).__name__}")
 
     async def __call__(self, bucket: Bucket) -> Mapping[str, torch.Tensor]:
-        names = [self._plan.params[i].spec.name for i in range(bucket.start, bucket.stop)]
-        if self.inline and len(names) <= _INLINE_PARAMS:
-            return self._resolve(bucket, names)
+        names = self._names[bucket.start:bucket.stop]
+        if self.inline:
+            if len(names) <= _INLINE_PARAMS:
+                return self._resolve(bucket.start, names)
+            # Chunked rather than on a thread: a thread running this Python loop would hold
+            # the GIL and the loop would wait for it up to the 5 ms switch interval.
+            out: dict[str, torch.Tensor] = {}
+            for a in range(0, len(names), _INLINE_PARAMS):
+                out.update(self._resolve(bucket.start + a, names[a:a + _INLINE_PARAMS]))
+                await anyio.lowlevel.checkpoint()
+            return out
         # abandon_on_cancel: a source that hangs must not hold the round past its deadline
         # (the abandoned thread's result is dropped; the round has failed by then).
-        return await anyio.to_thread.run_sync(self._resolve, bucket, names,
+        return await anyio.to_thread.run_sync(self._resolve, bucket.start, names,
                                               limiter=self._limiter, abandon_on_cancel=True)
 
     def _fetch(self, names: Sequence[str]) -> Mapping[str, torch.Tensor]:
@@ -726,10 +738,11 @@ class _Sources:
             self._pending[name] = tensor
         return {n: self._pending.pop(n) for n in names}
 
-    def _resolve(self, bucket: Bucket, names: Sequence[str]) -> Mapping[str, torch.Tensor]:
+    def _resolve(self, start: int, names: Sequence[str]) -> Mapping[str, torch.Tensor]:
+        """Params ``start, start + 1, ...`` named ``names``: fetched and checked."""
         got = self._fetch(names)
         expect = self._expect
-        for i, n in zip(range(bucket.start, bucket.stop), names, strict=True):
+        for i, n in enumerate(names, start):
             t = got.get(n)
             if t is None:
                 raise PlanError(f"sync_weights: no local shard for parameter {n!r} "
@@ -761,6 +774,7 @@ class TrainerEngine(_Engine):
         super().__init__(**kw)
         self._params = tuple(params)
         self._expect: list[tuple[Any, torch.Size]] = []
+        self._names: list[str] = []
 
     @classmethod
     async def connect(cls, address: str | tuple[str, int] | None = None, *,
@@ -795,6 +809,7 @@ class TrainerEngine(_Engine):
 
     def _check_local(self, plan: TransferPlan) -> None:
         self._expect = _source_expectations(plan, self.rank)
+        self._names = [p.spec.name for p in plan.params]
 
     def _preflight_inputs(self) -> PreflightInputs:
         return PreflightInputs(
@@ -857,7 +872,7 @@ class TrainerEngine(_Engine):
         device = self._transport.ctx.settings.device or "cpu"
 
         async def work() -> PipelineStats:
-            sources = _Sources(weights, plan, rank, device, self._expect)
+            sources = _Sources(weights, plan, rank, device, self._expect, self._names)
             stats = await run_pipeline(transport, self._buckets,
                                        max_inflight=self.config.max_inflight, sources=sources,
                                        progress=progress, total_bytes=plan.send_bytes(rank))
