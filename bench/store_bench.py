@@ -2,10 +2,17 @@
 
 What it measures, in one run, with both servers in their own process:
 
-1. Op latency (one client, sequential): ``set``, ``get``, ``add``. TCPStore's ``set`` is
-   fire-and-forget (its protocol sends no reply), so its ``set`` figure is a send, not a round
-   trip; ours waits for the server's acknowledgement. ``set+get`` (a write then a read of it) is
-   the like-for-like round-trip figure.
+1. Op latency (one client, sequential): ``set``, ``get``, ``add`` and a write then a read of
+   it (``set+get``), TCPStore and ours interleaved round by round (load from elsewhere on the
+   box then hits both alike; the ratio is the median of the rounds' ratios). Round trips per
+   call, as the wire shows them (strace of a TCPStore client, torch 2.13): TCPStore's ``set``
+   sends and waits for nothing; its ``get`` is two round trips (a wait check, then the get);
+   its ``add`` one. Ours: one round trip each, and ``set(..., ack=False)`` — our
+   unacknowledged set, TCPStore's semantics, not the default — none. Our default ``set`` is
+   acknowledged, so the ``set`` and ``set+get`` rows compare an acknowledged write with an
+   unacknowledged one; the ``ack=False`` rows compare like with like. Our client runs on
+   asyncio (anyio's default) and, when uvloop is installed, on uvloop too; our server is the
+   ``m2n-async store`` command (uvloop when installed, ``--server-loop`` picks).
 2. All-gather of a 1 KB envelope across 64 ranks: ours is ``ControlGroup.all_gather`` (one
    server-side gather per rank per call); the baseline is the vLLM ``StatelessProcessGroup``
    pattern on TCPStore — each rank broadcasts its pickled object under its own key and reads
@@ -14,7 +21,7 @@ What it measures, in one run, with both servers in their own process:
    event loop for ours); the figure is wall time per all-gather, the slowest process counted.
 
 Usage: ``python bench/store_bench.py [--ranks 64] [--procs 4] [--rounds 20] [--ops 2000]
-[--repeat 3]``
+[--repeat 3] [--lat-rounds 10] [--server-loop auto|asyncio|uvloop]``
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ from typing import Any
 import anyio
 import msgspec
 
+from m2n_async._store._cli import pick_loop
+
 TOKEN = secrets.token_hex(16)
 PAYLOAD = 1024
 
@@ -50,9 +59,10 @@ class Envelope(msgspec.Struct, frozen=True, tag=True):
 # --- servers -------------------------------------------------------------------------------
 
 
-def start_ours(token_file: str) -> tuple[subprocess.Popen[bytes], str]:
+def start_ours(token_file: str, loop: str = "auto") -> tuple[subprocess.Popen[bytes], str]:
     proc = subprocess.Popen([sys.executable, "-m", "m2n_async.cli", "store", "--port", "0",
-                             "--token-file", token_file], stdout=subprocess.PIPE)
+                             "--token-file", token_file, "--loop", loop],
+                            stdout=subprocess.PIPE)
     assert proc.stdout is not None
     address = proc.stdout.readline().decode().strip()
     if not address:
@@ -85,62 +95,82 @@ def tcp_client(port: int) -> Any:
 
 # --- op latency ----------------------------------------------------------------------------
 
-
-def timed(fn: Callable[[], object], n: int) -> float:
-    """Median over 5 batches of n/5 calls, in microseconds per call."""
-    per: list[float] = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(n // 5):
-            fn()
-        per.append((time.perf_counter() - t0) / (n // 5) * 1e6)
-    return statistics.median(per)
+OPS = ("set", "set ack=False", "get", "add", "set+get", "set ack=False+get")
+# TCPStore's set is always unacknowledged: its figure stands for both kinds of set.
+TCP_OP = {"set": "set", "set ack=False": "set", "get": "get", "add": "add",
+          "set+get": "set+get", "set ack=False+get": "set+get"}
 
 
-async def atimed(fn: Callable[[], Coroutine[Any, Any, object]], n: int) -> float:
-    per: list[float] = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(n // 5):
-            await fn()
-        per.append((time.perf_counter() - t0) / (n // 5) * 1e6)
-    return statistics.median(per)
+def batch(fn: Callable[[], object], n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n * 1e6
 
 
-def latency_tcpstore(port: int, n: int) -> dict[str, float]:
-    c = tcp_client(port)
-    value = b"v" * 64
-    c.set("warm", value)
-    c.get("warm")
-
-    def set_get() -> None:
-        c.set("sg", value)
-        c.get("sg")
-
-    return {"set": timed(lambda: c.set("k", value), n), "get": timed(lambda: c.get("warm"), n),
-            "add": timed(lambda: c.add("n", 1), n), "set+get": timed(set_get, n)}
+async def abatch(fn: Callable[[], Coroutine[Any, Any, object]], n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        await fn()
+    return (time.perf_counter() - t0) / n * 1e6
 
 
-def latency_ours(address: str, n: int) -> dict[str, float]:
+def latency(address: str, port: int, n: int, rounds: int, loop: str
+            ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """Interleaved: each round times a batch of TCPStore calls, then the same op on ours, so
+    that load from elsewhere on the box hits both sides alike. Returns the medians over the
+    rounds for TCPStore and ours (us per call) and the median of the per-round ratios."""
     from m2n_async import StoreClient
 
-    async def main() -> dict[str, float]:
+    tcp = tcp_client(port)
+    value = b"v" * 64
+    tcp.set("warm", value)
+
+    def tcp_set_get() -> None:
+        tcp.set("sg", value)
+        tcp.get("sg")
+
+    tcp_fns: dict[str, Callable[[], object]] = {
+        "set": lambda: tcp.set("k", value), "get": lambda: tcp.get("warm"),
+        "add": lambda: tcp.add("n", 1), "set+get": tcp_set_get}
+
+    async def main() -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
         c = await StoreClient.connect(address, token=TOKEN)
-        value = b"v" * 64
         await c.set("warm", value)
 
         async def set_get() -> None:
             await c.set("sg", value)
             await c.get("sg")
 
-        out = {"set": await atimed(lambda: c.set("k", value), n),
-               "get": await atimed(lambda: c.get("warm"), n),
-               "add": await atimed(lambda: c.add("n", 1), n),
-               "set+get": await atimed(set_get, n)}
-        await c.aclose()
-        return out
+        async def post_get() -> None:
+            await c.set("sg", value, ack=False)
+            await c.get("sg")
 
-    return anyio.run(main)
+        ours: dict[str, Callable[[], Coroutine[Any, Any, object]]] = {
+            "set": lambda: c.set("k", value), "set ack=False": lambda: c.set("k", value,
+                                                                            ack=False),
+            "get": lambda: c.get("warm"), "add": lambda: c.add("n", 1), "set+get": set_get,
+            "set ack=False+get": post_get}
+        per = max(n // rounds, 1)
+        theirs_t: dict[str, list[float]] = {op: [] for op in tcp_fns}
+        ours_t: dict[str, list[float]] = {op: [] for op in OPS}
+        ratios: dict[str, list[float]] = {op: [] for op in OPS}
+        for _ in range(rounds + 1):  # the first round warms up and is dropped
+            for op in OPS:
+                t = batch(tcp_fns[TCP_OP[op]], per)
+                o = await abatch(ours[op], per)
+                await c.flush()
+                if op == TCP_OP[op]:
+                    theirs_t[op].append(t)
+                ours_t[op].append(o)
+                ratios[op].append(o / t)
+        await c.aclose()
+        med = statistics.median
+        return ({op: med(v[1:]) for op, v in theirs_t.items()},
+                {op: med(v[1:]) for op, v in ours_t.items()},
+                {op: med(v[1:]) for op, v in ratios.items()})
+
+    return anyio.run(main, backend_options={"use_uvloop": loop == "uvloop"})
 
 
 # --- all-gather ----------------------------------------------------------------------------
@@ -254,23 +284,40 @@ def main() -> None:
     ap.add_argument("--procs", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--ops", type=int, default=2000)
-    ap.add_argument("--repeat", type=int, default=3, help="all-gather runs per side")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="all-gather runs per side (0: latency only)")
+    ap.add_argument("--lat-rounds", type=int, default=10,
+                    help="interleaved latency rounds (--ops calls per op and side in all)")
+    ap.add_argument("--server-loop", choices=("auto", "asyncio", "uvloop"), default="auto",
+                    help="event loop of our store server (m2n-async store --loop)")
     args = ap.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
 
     with tempfile.NamedTemporaryFile("w", suffix=".token", delete=False) as f:
         f.write(TOKEN)
-    ours, address = start_ours(f.name)
+    server_loop = pick_loop(args.server_loop)
+    ours, address = start_ours(f.name, server_loop)
     theirs, port = start_tcpstore()
     try:
         print(f"# store bench: {os.cpu_count()} CPUs, python {sys.version.split()[0]}, "
               f"ranks={args.ranks} procs={args.procs} rounds={args.rounds} ops={args.ops}")
-        lt = latency_tcpstore(port, args.ops)
-        lo = latency_ours(address, args.ops)
-        print("\n| op | TCPStore (us) | m2n_async store (us) | ours / TCPStore |")
-        print("|---|---:|---:|---:|")
-        for op in ("set", "get", "add", "set+get"):
-            print(f"| {op} | {lt[op]:.1f} | {lo[op]:.1f} | {lo[op] / lt[op]:.2f}x |")
+        loops = ["asyncio"] + (["uvloop"] if pick_loop("auto") == "uvloop" else [])
+        results = {loop: latency(address, port, args.ops, args.lat_rounds, loop)
+                   for loop in loops}
+        print(f"\nOp latency, us per call (one client, sequential); median of "
+              f"{args.lat_rounds} interleaved rounds of {args.ops // args.lat_rounds} calls per "
+              f"op and side; ratio = median of the rounds' ours/TCPStore. Our server: "
+              f"{server_loop} event loop.")
+        head = " | ".join(f"ours, {loop} client | ratio" for loop in loops)
+        print(f"\n| op | TCPStore | {head} |")
+        print("|---|---:|" + "---:|---:|" * len(loops))
+        for op in OPS:
+            tcp_us = results[loops[0]][0][TCP_OP[op]]
+            cells = " | ".join(f"{results[loop][1][op]:.1f} | {results[loop][2][op]:.2f}x"
+                               for loop in loops)
+            print(f"| {op} | {tcp_us:.1f} | {cells} |")
+        if args.repeat < 1:
+            return
         runs: list[tuple[float, float]] = []
         for _ in range(args.repeat):  # alternate, so load changes hit both sides alike
             runs.append((all_gather("tcpstore", port, args.ranks, args.procs, args.rounds),

@@ -79,6 +79,7 @@ __all__ = ["MAX_UNACKED", "StoreClient", "parse_address"]
 #: Unacknowledged sets one client may have outstanding; the next ``set(ack=False)`` past it
 #: waits for its acknowledgement (which settles every earlier one).
 MAX_UNACKED: Final[int] = 1024
+_CORK_LIMIT = 64 * 1024  # held-back unacknowledged sets are written once they reach this
 
 R = TypeVar("R", bound=ServerMessage)
 
@@ -188,6 +189,8 @@ class StoreClient:
         self._unacked_keys: dict[int, str] = {}
         self._deferred: M2NError | None = None  # first unreported failure of one of them
         self._deferred_more = 0  # further failures while it was unreported
+        self._corked = bytearray()  # frames held back to go out in one write (see set)
+        self._uncork_scheduled = False
         self._broken: M2NError | None = None
         self._closed = False
         self._loop = asyncio.get_running_loop()
@@ -246,8 +249,10 @@ class StoreClient:
         """Write ``key``.
 
         ``ack=True`` (the default) returns once the server has applied the write, and raises
-        its failure. ``ack=False`` is TCPStore's ``set``: it returns as soon as the request is
-        handed to the connection, without a round trip. The write is still applied in order —
+        its failure. ``ack=False`` is TCPStore's ``set``: it returns at once, without a round
+        trip; the request goes out with this client's next request or when this task next
+        yields to the event loop, whichever is first (so a set and the call after it share one
+        write). The write is still applied in order —
         every later call on this client sees it — but other sessions may not see it yet when
         this returns, and a failure (e.g. ``StaleGenerationError``) is raised later: by the
         first call on this client that starts after the failure arrived (that call does nothing
@@ -272,8 +277,15 @@ class StoreClient:
         rid = self._rid()
         self._unacked.append(rid)
         self._unacked_keys[rid] = key
-        if not self._transport.is_closing():  # else connection_lost is about to fail us
-            self._transport.write(encode_frame(Set(rid, key, bytes(value), ephemeral, False)))
+        # Held back until this task yields or the next request goes out, so that a set and
+        # the call after it travel in one write (one syscall and one server wakeup, not two).
+        corked = self._corked
+        corked += encode_frame(Set(rid, key, bytes(value), ephemeral, False))
+        if len(corked) >= _CORK_LIMIT:
+            self._uncork()
+        elif not self._uncork_scheduled:
+            self._uncork_scheduled = True
+            self._loop.call_soon(self._uncork)
 
     async def flush(self) -> None:
         """Wait until every ``set(..., ack=False)`` made so far has been applied; raise the
@@ -356,17 +368,22 @@ class StoreClient:
     async def aclose(self) -> None:
         """Close the connection; the server ends the session (ephemeral keys vanish).
 
+        Unacknowledged sets are handed to the socket first, but one that the socket could not
+        take at once is lost: ``await flush()`` before closing to know they landed.
+
         Cancellation: the close completes (it does not wait for the server).
         """
         if self._closed:
             return
+        self._uncork()
         self._closed = True
         self._fail_all(StoreError(f"store client for {self.address} was closed"))
         # Abort, not close: a graceful close stops reading at once but waits for our write
         # buffer to drain, and a server that stopped reading us (we had not read its replies)
         # never drains it, so the connection — and the session's ephemeral keys, which peers
-        # watch — would outlive the close until the process exits. Whatever is still unsent
-        # belongs to calls that were just failed, so there is nothing to flush.
+        # watch — would outlive the close until the process exits. What the socket already
+        # took is still delivered; the rest belongs to calls that were just failed, or to
+        # unacknowledged sets, which promise nothing without a flush.
         self._transport.abort()
         await anyio.lowlevel.checkpoint()
 
@@ -409,7 +426,10 @@ class StoreClient:
         rid = request.rid
         future: asyncio.Future[ServerMessage | M2NError] = self._loop.create_future()
         self._pending[rid] = future
-        if not self._transport.is_closing():  # else connection_lost is about to fail us
+        if self._corked:
+            self._corked += encode_frame(request)
+            self._uncork()
+        elif not self._transport.is_closing():  # else connection_lost is about to fail us
             self._transport.write(encode_frame(request))
         try:
             reply = await future
@@ -429,8 +449,19 @@ class StoreClient:
         raise _fresh(self._broken)  # type: ignore[arg-type]
 
     def _write(self, msg: _Msg) -> None:
+        self._corked += encode_frame(msg)
+        self._uncork()
+
+    def _uncork(self) -> None:
+        """Write what is held back (unacknowledged sets, and the frame that joined them)."""
+        self._uncork_scheduled = False
+        if not self._corked:
+            return
+        # A new buffer rather than clear(): the transport may keep a view of what it could
+        # not send yet.
+        data, self._corked = self._corked, bytearray()
         if self._broken is None and not self._closed and not self._transport.is_closing():
-            self._transport.write(encode_frame(msg))
+            self._transport.write(data)
 
     def _on_message(self, msg: ServerMessage) -> None:
         if isinstance(msg, Error) and msg.rid == 0:

@@ -163,3 +163,18 @@ async def test_unacked_set_cancelled_under_back_pressure_sent_nothing() -> None:
             await client.aclose()
             stop.set()
             tg.cancel_scope.cancel()
+
+
+async def test_held_back_set_goes_out_when_the_task_yields_or_closes(server: StoreServer
+                                                                      ) -> None:
+    """An unacknowledged set waits for company (the next request) only until its task yields;
+    ``aclose`` hands it to the socket before closing."""
+    async with await StoreClient.connect(server.address, token=TOKEN) as other:
+        c = await StoreClient.connect(server.address, token=TOKEN)
+        await c.set("alone", b"1", ack=False)
+        with anyio.fail_after(DEADLINE):
+            # No flush and no other call on c: the set goes out once this task waits here.
+            assert await other.get("alone", wait=True) == b"1"
+            await c.set("last", b"2", ack=False)
+            await c.aclose()
+            assert await other.get("last", wait=True) == b"2"
