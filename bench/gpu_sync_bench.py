@@ -81,7 +81,8 @@ async def bench_rank(ctx: _world.RankCtx) -> dict[str, Any]:
         out[name] = times[1:]
 
     t = await _world.open_transport(ctx, "m2n", plan, bucket_bytes=case["bucket_bytes"],
-                                    max_inflight=case["max_inflight"], tag="bench-m2n")
+                                    max_inflight=case["max_inflight"],
+                                    max_cta=case.get("max_cta"), tag="bench-m2n")
     out["grouping"] = t.grouping_reason
     m2n = t._m2n
     stream = torch.cuda.Stream()
@@ -197,6 +198,9 @@ async def bench_rank(ctx: _world.RankCtx) -> dict[str, Any]:
         for tag, env, bb, mi in (
                 ("m2n_blocking_events", {"M2N_ASYNC_CUDA_EVENT": "blocking",
                                          "M2N_ASYNC_CUDA_COMPLETION": "watch"}, None, None),
+                ("m2n_poll_events", {"M2N_ASYNC_CUDA_COMPLETION": "poll"}, None, None),
+                ("m2n_bucket_64MiB", {}, 64 << 20, None),
+                ("m2n_bucket_1GiB", {}, 1 << 30, None),
                 ("m2n_one_bucket", {}, 1 << 40, 1)):
             saved = {k: os.environ.get(k) for k in env}
             os.environ.update(env)
@@ -414,7 +418,9 @@ def summarize(run: dict[str, Any], trainer_ranks: int = 2,
                                                  if "error" in v}}
     names = [n for n in ("raw", "raw_after_default_stream_event", "raw_transfer_stream",
                          "raw_build_descs", "per_param", "m2n", "m2n_blocking_events",
-                         "m2n_one_bucket", "nccl", "m2n_cast", "pack_only", "broadcast")
+                         "m2n_poll_events", "m2n_bucket_64MiB", "m2n_bucket_1GiB",
+                         "m2n_one_bucket",
+                         "nccl", "m2n_cast", "pack_only", "broadcast")
              if n in res[0]]
     names += sorted((n for n in res[0] if n.startswith("sweep_") and n[6:].isdigit()),
                     key=lambda n: int(n[6:]))
@@ -482,8 +488,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="moe")
     ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--bucket-bytes", type=int, default=64 << 20)
+    ap.add_argument("--bucket-bytes", type=int, default=256 << 20)
     ap.add_argument("--max-inflight", type=int, default=3)
+    ap.add_argument("--max-cta", type=int, default=None,
+                    help="M2N max_cta of the raw, per_param and m2n figures (default: M2N's)")
     ap.add_argument("--trainers", type=int, default=2, help="trainer ranks (mesh 1 x T)")
     ap.add_argument("--workers", type=int, default=2, help="worker ranks (mesh 1 x N)")
     ap.add_argument("--link-gbps", type=float, default=NVLINK_GBPS,
@@ -498,13 +506,20 @@ def main() -> int:
                     help="also time the packed-broadcast baseline (vLLM-style)")
     ap.add_argument("--sweep", action="store_true",
                     help="m2n over bucket_bytes x max_inflight x max_cta (1 iteration each)")
+    ap.add_argument("--sweep-bucket-mb", default="16,64,256",
+                    help="bucket sizes of the sweep (MiB, comma-separated)")
+    ap.add_argument("--sweep-inflight", default="1,3", help="max_inflight values of the sweep")
+    ap.add_argument("--sweep-cta", default="none",
+                    help="max_cta values of the sweep ('none' = M2N's default)")
     ap.add_argument("--out", default=None, help="append the JSON summary to this file")
     args = ap.parse_args()
     case = {"model": args.model, "iters": args.iters, "bucket_bytes": args.bucket_bytes,
-            "max_inflight": args.max_inflight, "diagnose": args.diagnose,
+            "max_inflight": args.max_inflight, "max_cta": args.max_cta, "diagnose": args.diagnose,
             "timeline": bool(args.timeline), "broadcast": args.broadcast,
-            "sweep": [[bb << 20, mi, cta] for bb in (16, 64, 256) for mi in (1, 3)
-                      for cta in (None,)] + [[64 << 20, 3, 4]] if args.sweep else []}
+            "sweep": [[int(bb) << 20, int(mi), None if cta == "none" else int(cta)]
+                      for bb in args.sweep_bucket_mb.split(",")
+                      for mi in args.sweep_inflight.split(",")
+                      for cta in args.sweep_cta.split(",")] if args.sweep else []}
     t0 = time.time()
     run = _world.run_world("gpu_sync_bench:bench_rank", case, trainer_ranks=args.trainers,
                            world_size=args.trainers + args.workers, timeout=args.timeout)

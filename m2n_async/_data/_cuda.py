@@ -15,17 +15,24 @@ with an older libnccl the import dies on an undefined symbol, which says nothing
 *Completion.* The event loop never blocks on CUDA. Work is ordered on three streams per
 transport (pack, transfer, unpack); the transfer stream waits on the pack stream through an
 event, the pack stream waits on the producer (the caller's current stream). The end of a
-bucket's transfer is a CUDA event; the loop learns of it by polling ``Event.query()`` with
-exponential backoff (20 µs doubling to 1 ms), and a thread-safe ``Signal`` carries errors and
-aborts: ``abort`` fires every pending signal, so a waiter returns even when the GPU work never
-will (a dead peer in the middle of an M2N kernel, DEVELOPERS "GPU notes").
+bucket's transfer is a CUDA event; one watcher thread per transport waits on the events in
+order (``Event.synchronize()``, GIL released) and wakes the loop once per bucket; a thread-safe
+``Signal`` carries errors and aborts: ``abort`` fires every pending signal, so a waiter returns
+even when the GPU work never will (a dead peer in the middle of an M2N kernel, DEVELOPERS "GPU
+notes").
 
-Why polling and plain events by default: on the H200, recording a *blocking-sync* event
-(``cudaEventBlockingSync``) after a bucket of M2N reshards made that bucket complete ~3x later
-(1024 small reshards: 1.88 s instead of 0.65 s, same with a watcher thread or polling), while
-plain events cost nothing measurable (BENCHMARKS "GPU sync"). The alternative — blocking-sync
-events waited on by one watcher thread per transport, so no core polls at all — stays
-available: ``M2N_ASYNC_CUDA_EVENT=blocking M2N_ASYNC_CUDA_COMPLETION=watch``.
+Why a watcher on plain events by default: measured on H200s with one rank per GPU (x2 and x4
+hosts, BENCHMARKS "Multi-GPU"), the watcher made the m2n pipeline 12-33 % faster than
+polling ``Event.query()`` from the loop, whatever the polling cap (1 ms, 200 µs or 50 µs: the
+loop's polling competes for the GIL with the native thread that submits reshards, while the
+watcher wakes the loop once per bucket). Plain events, because recording a *blocking-sync*
+event (``cudaEventBlockingSync``) after a bucket of M2N reshards made the bucket complete up to
+3x later on one GPU shared by four ranks (1024 small reshards: 1.88 s instead of 0.65 s). The
+cost: while a bucket is in flight the watcher spins in the CUDA driver (one core per rank), and
+a watcher stuck on a kernel that never ends (dead peer) keeps spinning until the process exits.
+Hosts short of cores can choose ``M2N_ASYNC_CUDA_COMPLETION=poll`` (``Event.query()`` from the
+loop with backoff from 20 µs to ``M2N_ASYNC_CUDA_POLL_MAX``, default 1 ms) or blocking-sync
+events (``M2N_ASYNC_CUDA_EVENT=blocking``: the watcher sleeps).
 
 *Native calls.* Everything that enters NCCL runs on the engine's ``NativeThread`` (thread
 affinity of M2N groups, plan order). Communicator abort/destroy and M2N handle destroy run on a
@@ -94,11 +101,27 @@ M2N_LIBNCCL_HINT = (
 #: Our own switch for M2N grouping: "auto" (probe once after the communicator exists and
 #: agree on every rank), "on" (group; a failure is an error) or "off" (ordered single calls).
 GROUPING_ENV = "M2N_ASYNC_M2N_GROUPING"
-#: "poll" (``Event.query()`` with backoff on the loop, default) or "watch" (a watcher thread
-#: waits on the events; pair it with blocking-sync events or it spins a core).
+#: "watch" (default: a watcher thread waits on the events, spinning while one is pending
+#: unless they are blocking-sync) or "poll" (``Event.query()`` with backoff on the loop).
 COMPLETION_ENV = "M2N_ASYNC_CUDA_COMPLETION"
 #: "plain" (default) or "blocking" (``cudaEventBlockingSync``; slows M2N, see module doc).
 EVENT_ENV = "M2N_ASYNC_CUDA_EVENT"
+#: Longest gap, in seconds, between two ``Event.query()`` polls (the backoff's cap).
+POLL_MAX_ENV = "M2N_ASYNC_CUDA_POLL_MAX"
+_POLL_MAX_DEFAULT = 1e-3
+
+
+def _poll_max() -> float:
+    raw = os.environ.get(POLL_MAX_ENV, "").strip()
+    if not raw:
+        return _POLL_MAX_DEFAULT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 1e-6 <= value <= 1.0:
+        raise ValueError(f"{POLL_MAX_ENV}={raw!r}: expected seconds in [1e-6, 1], e.g. 2e-4")
+    return value
 
 
 # -- lazy imports -----------------------------------------------------------------------------
@@ -321,7 +344,7 @@ class Signal:
 
 
 class _Watcher:
-    """A daemon thread waiting on blocking-sync CUDA events in FIFO order.
+    """A daemon thread waiting on CUDA events in FIFO order.
 
     FIFO is right because a transport records its events on one transfer stream (or one
     unpack stream) in submission order, so they complete in that order anyway. A watcher
@@ -351,7 +374,7 @@ class _Watcher:
             if signal.done():  # aborted meanwhile: do not wait on work that may never end
                 continue
             try:
-                event.synchronize()  # blocking-sync event: sleeps; releases the GIL
+                event.synchronize()  # releases the GIL; spins unless blocking-sync
             except BaseException as exc:
                 signal.fire(exc)
             else:
@@ -488,7 +511,8 @@ class CudaCompletion(Completion):
                 self.signal.fire(None)
             return self.signal.done()
 
-        await poll_until(ready, first=20e-6, maximum=1e-3)
+        cap = self._t._poll_max
+        await poll_until(ready, first=min(20e-6, cap), maximum=cap)
 
 
 class GpuTransportBase(Transport):
@@ -505,7 +529,11 @@ class GpuTransportBase(Transport):
         self.comm: Any = None
         self._nc: ModuleType | None = None
         self._watcher: _Watcher | None = None
-        self._poll = os.environ.get(COMPLETION_ENV, "poll").strip().lower() != "watch"
+        completion = os.environ.get(COMPLETION_ENV, "watch").strip().lower()
+        if completion not in ("watch", "poll"):
+            raise ValueError(f"{COMPLETION_ENV}={completion!r}: expected 'watch' or 'poll'")
+        self._poll = completion == "poll"
+        self._poll_max = _poll_max()
         self._pending: set[Signal] = set()
         self._pending_lock = threading.Lock()
         self._teardown_lock = threading.Lock()

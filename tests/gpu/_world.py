@@ -253,18 +253,19 @@ def _rank_entry(rank: int, world_size: int, trainer_ranks: int, scenario: str,
                 case: dict[str, Any], addr_q: Any, out_q: Any) -> None:
     os.environ.update(case.get("env", {}))
     result: dict[str, Any]
+    gpu = -1
     try:
         import anyio
         import torch
 
-        torch.cuda.set_device(gpu_of(rank, trainer_ranks, world_size))
+        gpu = gpu_of(rank, trainer_ranks, world_size)
+        torch.cuda.set_device(gpu)
         result = anyio.run(_rank_async, rank, world_size, trainer_ranks, scenario, case,
                            addr_q)
-        result.setdefault("gpu", torch.cuda.current_device())
     except BaseException as exc:
         result = {"error": f"{type(exc).__name__}: {exc}",
                   "traceback": traceback.format_exc()[-3000:]}
-    out_q.put((rank, json.loads(json.dumps(result, default=repr))))
+    out_q.put((rank, json.loads(json.dumps(result, default=repr)), gpu))
     out_q.close()
     out_q.join_thread()
     os._exit(0)
@@ -323,10 +324,11 @@ def run_world(scenario: str, case: dict[str, Any], *, trainer_ranks: int, world_
     for p in procs:
         p.start()
     results: dict[int, dict[str, Any]] = {}
+    gpus: dict[int, int] = {}  # rank -> the CUDA device it ran on
     deadline = t0 + timeout
     while len(results) < world_size and time.monotonic() < deadline:
         try:
-            rank, res = out_q.get(timeout=0.5)
+            rank, res, gpus[rank] = out_q.get(timeout=0.5)
             results[rank] = res
         except Exception:
             if all(not p.is_alive() for p in procs) and out_q.empty():
@@ -336,5 +338,5 @@ def run_world(scenario: str, case: dict[str, Any], *, trainer_ranks: int, world_
         if p.is_alive():
             p.kill()
             p.join(5)
-    return {"results": results, "exitcodes": [p.exitcode for p in procs],
+    return {"results": results, "gpus": gpus, "exitcodes": [p.exitcode for p in procs],
             "seconds": round(time.monotonic() - t0, 2)}
