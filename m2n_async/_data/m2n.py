@@ -20,7 +20,9 @@ Per bucket:
   ``nccl.m2n.group()`` of the bucket's reshards (split so that no group carries more than
   ``GROUP_MAX_BYTES`` of global tensor bytes: a PACK bin over 2 GiB fails unless
   ``NCCL_RESHARD_PACK_BUFFSIZES`` is raised everywhere) or the same reshards one by one, in
-  the same order. Then a blocking-sync event; the completion fires when it completed.
+  the same order. Then an event; the completion fires when it completed. The ``DistTensor``
+  descriptors are built on the loop thread and reused across rounds where that is safe
+  (``_descriptors``): between GPUs, building them cost as much as the small reshards.
 * ``unpack`` (worker): copies staged tensors into their targets on the unpack stream (after
   the transfer event) and calls load callbacks once the bytes are there.
 
@@ -40,6 +42,7 @@ handle on a daemon thread, bounded by ``close``.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
@@ -97,6 +100,8 @@ class M2NStaging(Staging):
     ready: Any = None          # event: pack done (trainer) / targets free (worker)
     transferred: Any = None    # event recorded after the bucket's reshards
     zero_copy: int = 0
+    #: per buffer: the caller's own tensor (zero-copy), so its descriptor may be reused
+    caller_owned: list[bool] = field(default_factory=list)
 
 
 
@@ -113,6 +118,11 @@ class M2NTransport(GpuTransportBase):
         self.grouping_reason = "not decided yet (connect has not run)"
         self._params: dict[int, tuple[_Param, ...]] = {}
         self._moved: dict[int, int] = {}
+        # Descriptor reuse across rounds (module doc, "Descriptors"): the side this rank
+        # does not take part in, per param; the side it does, for tensors seen twice.
+        self._absent_side: dict[int, Any] = {}
+        self._own_side: dict[int, tuple[Any, int, Any]] = {}
+        self._seen_once: dict[int, tuple[weakref.ref[Any], int]] = {}
 
     @classmethod
     def check_plan(cls, plan: TransferPlan) -> None:
@@ -303,6 +313,7 @@ class M2NTransport(GpuTransportBase):
                     t = _lookup(sources, p.name, self.ctx.where(bucket=bucket.index))
                     if self._zero_copy_ok(t, p, p.src_shape):
                         st.buffers.append(t)
+                        st.caller_owned.append(True)
                         st.zero_copy += 1
                         continue
                     if tuple(t.shape) != p.src_shape:
@@ -312,6 +323,7 @@ class M2NTransport(GpuTransportBase):
                     buf = t.to(device=self.device, dtype=p.dtype,
                                non_blocking=True).contiguous()
                     st.buffers.append(buf)
+                    st.caller_owned.append(False)
                     st.nbytes += buf.numel() * buf.element_size()
             st.ready = streams.record(streams.pack)
         else:
@@ -323,10 +335,12 @@ class M2NTransport(GpuTransportBase):
                     sink = _lookup(sinks, p.name, self.ctx.where(bucket=bucket.index))
                     if self._zero_copy_ok(sink, p, p.dst_shape):
                         st.buffers.append(sink)
+                        st.caller_owned.append(True)
                         st.zero_copy += 1
                         continue
                     buf = torch.empty(p.dst_shape, dtype=p.dtype, device=self.device)
                     st.buffers.append(buf)
+                    st.caller_owned.append(False)
                     st.staged.append(k)
                     st.nbytes += buf.numel() * buf.element_size()
             # Targets are written in place: the transfer must follow any queued reader.
@@ -351,16 +365,46 @@ class M2NTransport(GpuTransportBase):
 
     def _descriptors(self, st: M2NStaging) -> list[tuple[Any, Any]]:
         """(src, dst) ``DistTensor`` pairs of the bucket, built on the loop thread so that the
-        native thread does nothing but the native calls, in plan order."""
+        native thread does nothing but the native calls, in plan order.
+
+        Building a ``DistTensor`` costs tens of µs of Python, as much as an M2N call between
+        GPUs moves in a small tensor, so descriptors are reused across rounds: the absent side
+        (``None`` buffer) always; the own side when the caller's tensor is the very object of
+        the previous round with the same storage pointer. A descriptor holds its tensor, so a
+        tensor is kept only once it was seen in two consecutive rounds — proof the caller
+        keeps it anyway; a fresh tensor per round (a lazy cast) is never retained."""
         m2n = self._m2n
         trainer = self.ctx.role == "trainer"
         out = []
-        for p, buf in zip(st.params, st.buffers, strict=True):
-            out.append((m2n.DistTensor(buf if trainer else None, p.src_shape, p.dtype,
-                                       mesh=p.src_mesh, placements=p.src_placements),
-                        m2n.DistTensor(None if trainer else buf, p.dst_shape, p.dtype,
-                                       mesh=p.dst_mesh, placements=p.dst_placements)))
+        for p, buf, owned in zip(st.params, st.buffers, st.caller_owned, strict=True):
+            i = p.param
+            absent = self._absent_side.get(i)
+            if absent is None:
+                shape, mesh, pl = ((p.dst_shape, p.dst_mesh, p.dst_placements) if trainer
+                                   else (p.src_shape, p.src_mesh, p.src_placements))
+                absent = m2n.DistTensor(None, shape, p.dtype, mesh=mesh, placements=pl)
+                self._absent_side[i] = absent
+            own = self._own_side_of(p, buf, owned, trainer)
+            out.append((own, absent) if trainer else (absent, own))
         return out
+
+    def _own_side_of(self, p: _Param, buf: Any, owned: bool, trainer: bool) -> Any:
+        ptr = buf.data_ptr()
+        if owned:
+            hit = self._own_side.get(p.param)
+            if hit is not None and hit[0] is buf and hit[1] == ptr:
+                return hit[2]
+        shape, mesh, pl = ((p.src_shape, p.src_mesh, p.src_placements) if trainer
+                           else (p.dst_shape, p.dst_mesh, p.dst_placements))
+        desc = self._m2n.DistTensor(buf, shape, p.dtype, mesh=mesh, placements=pl)
+        self._own_side.pop(p.param, None)
+        if owned:
+            seen = self._seen_once.pop(p.param, None)
+            if seen is not None and seen[0]() is buf and seen[1] == ptr:
+                self._own_side[p.param] = (buf, ptr, desc)
+            else:
+                self._seen_once[p.param] = (weakref.ref(buf), ptr)
+        return desc
 
     def transfer(self, staging: Staging) -> Completion:
         """Submit the bucket's reshards on the native thread (grouped or one by one, in plan
@@ -440,6 +484,8 @@ class M2NTransport(GpuTransportBase):
             staging.ready = staging.transferred = None
 
     def _release_native_resources(self) -> list[Any]:
+        self._own_side.clear()  # the caller's tensors are theirs again
+        self._seen_once.clear()
         handle, self.handle = self.handle, None
         if handle is None:
             return []

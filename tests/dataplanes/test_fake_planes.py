@@ -21,7 +21,16 @@ from m2n_async._data._transport import Transport
 from m2n_async._proto.errors import LocalProtocolError, TransferError
 
 from . import fake_nccl
-from ._world import R, expected, make_plan, raise_first, run_world, sources, targets
+from ._world import (
+    R,
+    drive,
+    expected,
+    make_plan,
+    raise_first,
+    run_world,
+    sources,
+    targets,
+)
 
 pytestmark = pytest.mark.asyncio
 
@@ -202,6 +211,64 @@ async def test_abort_wakes_a_rank_waiting_on_a_silent_peer(fake_world, name):
     results = await run_world(name, plan, body=body)
     raise_first(results)
     assert all(res.transport.aborted for res in results if res.rank >= 2)
+
+
+async def test_m2n_reuses_descriptors_only_of_tensors_the_caller_keeps(fake_world):
+    # Building DistTensor descriptors costs as much as a small reshard between GPUs, so the
+    # m2n transport reuses them across rounds, but it must never hold on to a tensor the
+    # caller dropped (a lazy cast per round) nor use a stale storage pointer.
+    import gc
+    import weakref
+
+    plan = make_plan([("w", (32, 16), torch.bfloat16, (R, 0), (R, 1)),
+                      ("v", (16,), torch.bfloat16, None, (R, 0))], (1, 2), (1, 2))
+    names = [p.spec.name for p in plan.params]
+
+    async def round_(t: Transport, rank: int, rnd: int, mine: dict) -> None:
+        trainer = rank < plan.trainer_ranks
+        await drive(t, round=rnd, deadline=time.monotonic() + 30,
+                    sources=mine if trainer else None, sinks=None if trainer else mine,
+                    max_inflight=2)
+        if not trainer:
+            for k, v in expected(plan, rank, rnd).items():
+                assert torch.equal(mine[k].view(torch.uint8), v.view(torch.uint8)), (rank, k)
+
+    async def body(rank: int, t: Transport) -> None:
+        trainer = rank < plan.trainer_ranks
+        mine = sources(plan, rank, 0) if trainer else targets(plan, rank)
+        kept = []
+        for rnd in range(4):
+            if trainer:
+                for k, v in sources(plan, rank, rnd).items():
+                    mine[k].copy_(v)  # new weights in place: the same tensor objects
+            await round_(t, rank, rnd, mine)
+            kept.append({i: e[2] for i, e in t._own_side.items()})
+        # seen once after round 0, kept from round 1 on, the same descriptors since
+        assert kept[0] == {}
+        assert sorted(kept[1]) == [0, 1]
+        assert all(kept[r][i] is kept[1][i] for r in (2, 3) for i in (0, 1))
+        # new storage behind the same tensor object: the old descriptor is not used again
+        if trainer:
+            for k, v in sources(plan, rank, 4).items():
+                mine[k].data = v.clone()
+        else:
+            for k in names:
+                mine[k].data = torch.zeros_like(mine[k])
+        await round_(t, rank, 4, mine)
+        assert t._own_side == {}
+        # a fresh tensor every round (a lazy cast) is never retained
+        refs = []
+        for rnd in range(5, 8):
+            fresh = sources(plan, rank, rnd) if trainer else targets(plan, rank)
+            refs.append([weakref.ref(x) for x in fresh.values()])
+            await round_(t, rank, rnd, fresh)
+            del fresh
+            gc.collect()
+            assert all(r() is None for rs in refs for r in rs), (rank, rnd)
+            assert t._own_side == {}
+
+    results = await run_world("m2n", plan, body=body)
+    raise_first(results)
 
 
 async def test_round_deadline_raises_timeout(fake_world):
