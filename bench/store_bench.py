@@ -21,7 +21,7 @@ What it measures, in one run, with both servers in their own process:
    event loop for ours); the figure is wall time per all-gather, the slowest process counted.
 
 Usage: ``python bench/store_bench.py [--ranks 64] [--procs 4] [--rounds 20] [--ops 2000]
-[--repeat 3] [--lat-rounds 10] [--server-loop auto|asyncio|uvloop]``
+[--repeat 3] [--lat-rounds 20] [--server-loop auto|asyncio|uvloop]``
 """
 
 from __future__ import annotations
@@ -286,7 +286,7 @@ def main() -> None:
     ap.add_argument("--ops", type=int, default=2000)
     ap.add_argument("--repeat", type=int, default=3,
                     help="all-gather runs per side (0: latency only)")
-    ap.add_argument("--lat-rounds", type=int, default=10,
+    ap.add_argument("--lat-rounds", type=int, default=20,
                     help="interleaved latency rounds (--ops calls per op and side in all)")
     ap.add_argument("--server-loop", choices=("auto", "asyncio", "uvloop"), default="auto",
                     help="event loop of our store server (m2n-async store --loop)")
@@ -304,18 +304,18 @@ def main() -> None:
         loops = ["asyncio"] + (["uvloop"] if pick_loop("auto") == "uvloop" else [])
         results = {loop: latency(address, port, args.ops, args.lat_rounds, loop)
                    for loop in loops}
-        print(f"\nOp latency, us per call (one client, sequential); median of "
-              f"{args.lat_rounds} interleaved rounds of {args.ops // args.lat_rounds} calls per "
-              f"op and side; ratio = median of the rounds' ours/TCPStore. Our server: "
+        print(f"\nOp latency, us per call (one client, sequential): median of "
+              f"{args.lat_rounds} rounds, each timing {args.ops // args.lat_rounds} calls on "
+              "TCPStore then on ours; ratio = median of the rounds' ours/TCPStore. Our server: "
               f"{server_loop} event loop.")
-        head = " | ".join(f"ours, {loop} client | ratio" for loop in loops)
-        print(f"\n| op | TCPStore | {head} |")
-        print("|---|---:|" + "---:|---:|" * len(loops))
-        for op in OPS:
-            tcp_us = results[loops[0]][0][TCP_OP[op]]
-            cells = " | ".join(f"{results[loop][1][op]:.1f} | {results[loop][2][op]:.2f}x"
-                               for loop in loops)
-            print(f"| {op} | {tcp_us:.1f} | {cells} |")
+        for loop in loops:
+            tcp_us, our_us, ratio = results[loop]
+            print(f"\nOur client on {loop}:\n")
+            print("| op | TCPStore (us) | m2n_async store (us) | ours / TCPStore |")
+            print("|---|---:|---:|---:|")
+            for op in OPS:
+                print(f"| {op} | {tcp_us[TCP_OP[op]]:.1f} | {our_us[op]:.1f} | "
+                      f"{ratio[op]:.2f}x |")
         if args.repeat < 1:
             return
         runs: list[tuple[float, float]] = []

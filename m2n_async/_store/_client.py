@@ -251,16 +251,16 @@ class StoreClient:
         ``ack=True`` (the default) returns once the server has applied the write, and raises
         its failure. ``ack=False`` is TCPStore's ``set``: it returns at once, without a round
         trip; the request goes out with this client's next request or when this task next
-        yields to the event loop, whichever is first (so a set and the call after it share one
-        write). The write is still applied in order —
-        every later call on this client sees it — but other sessions may not see it yet when
-        this returns, and a failure (e.g. ``StaleGenerationError``) is raised later: by the
-        first call on this client that starts after the failure arrived (that call does nothing
-        else), or by ``flush()``, which waits until every earlier write was applied. If the
-        connection breaks, unacknowledged writes since the last reply may or may not have been
-        applied. At most ``MAX_UNACKED`` are outstanding: past that, ``set`` waits for its
-        acknowledgement. ``ack=False`` waits only while the server is not reading our writes
-        (back-pressure), and does not otherwise yield to the event loop.
+        yields to the event loop, whichever comes first (a set and the call after it share one
+        write). The write is still applied in order — every later call on this client sees it —
+        but other sessions may not see it yet when this returns, and a failure (e.g.
+        ``StaleGenerationError``) is raised later: by the first call on this client that starts
+        after the failure arrived (that call does nothing else), or by ``flush()``, which waits
+        until every earlier write was applied. If the connection breaks, unacknowledged writes
+        since the last reply may or may not have been applied. At most 1024 are outstanding:
+        past that, ``set`` waits for its acknowledgement. ``ack=False`` waits only while the
+        server is not reading our writes (back-pressure), and does not otherwise yield to the
+        event loop.
 
         Cancellation: with ``ack=True`` the write may or may not have happened; the connection
         stays usable. With ``ack=False`` a cancelled call sent nothing (it can only be cancelled
