@@ -75,6 +75,7 @@ class Throughput(msgspec.Struct):
     lag_raw: list[float] = []          # the same during the raw rounds (control)
     cpu: list[tuple[float, float]] = []      # this rank's (user, sys) seconds per engine round
     cpu_raw: list[tuple[float, float]] = []  # the same per raw round
+    cpu_copy: list[tuple[float, float]] = []  # the same per raw + copies round
     copy_mb: float = 0.0               # MB this rank copies (packs or unpacks) per round
 
 
@@ -292,7 +293,7 @@ async def _part_throughput(args: Args, rank: int, out: Throughput) -> None:
             seconds, res = await _timed(op, lag, cpu=out.cpu)
             out.engine_s.append(seconds)
             out.raw_s.append((await _timed(raw, lag_raw, cpu=out.cpu_raw))[0])
-            out.raw_copy_s.append((await _timed(raw_copy, None))[0])
+            out.raw_copy_s.append((await _timed(raw_copy, None, cpu=out.cpu_copy))[0])
         out.copy_mb = sum(d.numel() for d, _ in copies) / 1e6
         if rank == 0:
             out.phases = dict(res.phases)
@@ -477,8 +478,9 @@ def main(argv: list[str] | None = None) -> int:
             t = r.throughput[i]
             u, sy = (statistics.median(x[j] for x in t.cpu) * 1e3 for j in (0, 1))
             ru, rs = (statistics.median(x[j] for x in t.cpu_raw) * 1e3 for j in (0, 1))
-            cpu.append(f"{r.rank}: {u:.0f}+{sy:.0f} vs {ru:.0f}+{rs:.0f}")
-        print(f"   CPU ms per round, user+sys, engine vs raw (median), by process: "
+            cu, cs = (statistics.median(x[j] for x in t.cpu_copy) * 1e3 for j in (0, 1))
+            cpu.append(f"{r.rank}: {u:.0f}+{sy:.0f} / {ru:.0f}+{rs:.0f} / {cu:.0f}+{cs:.0f}")
+        print(f"   CPU ms per round, user+sys, engine / raw / raw+copies (median), by process: "
               f"{'; '.join(cpu)}")
         ratio = raw / eng
         print(f"   sync_weights / raw gloo ({t0.layout}): {ratio:.2f}x  (goal >= 0.9x) "

@@ -635,13 +635,39 @@ class GlooTransport(Transport):
         with self._lock:
             self.check_usable()  # under the lock: abort() cannot miss an op issued now
             try:
-                for peer, _, buf, _ in staged.messages:
+                for peer, buf in self._issue_order(staged):
                     issued.append((op([buf], peer, tag), peer))
             except Exception as exc:
                 raise self._translate(exc, staged, None) from exc
             finally:
                 self._pending.extend(issued)
         return issued
+
+    @staticmethod
+    def _issue_order(staged: GlooStaging) -> list[tuple[int, torch.Tensor]]:
+        """The bucket's messages interleaved across peers, always next from the peer with
+        the fewest bytes posted so far; each peer's own order is kept (Gloo matches a pair's
+        messages in order). Why: Gloo writes a send in the calling thread for as long as the
+        socket takes it, so posting all of one peer's messages first left the other pairs
+        idle for tens of milliseconds per bucket on the CPU bench."""
+        queues: dict[int, list[torch.Tensor]] = {}
+        for peer, _, buf, _ in staged.messages:
+            queues.setdefault(peer, []).append(buf)
+        if len(queues) == 1:
+            ((peer, bufs),) = queues.items()
+            return [(peer, b) for b in bufs]
+        posted = dict.fromkeys(queues, 0)
+        nxt = dict.fromkeys(queues, 0)
+        out: list[tuple[int, torch.Tensor]] = []
+        while posted:
+            peer = min(posted, key=posted.__getitem__)
+            buf = queues[peer][nxt[peer]]
+            out.append((peer, buf))
+            posted[peer] += buf.numel()
+            nxt[peer] += 1
+            if nxt[peer] == len(queues[peer]):
+                del posted[peer]
+        return out
 
     def _wait_bucket(self, staged: GlooStaging, issue: NativeCall[list[tuple[Any, int]]]
                      ) -> None:
