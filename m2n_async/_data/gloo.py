@@ -50,14 +50,11 @@ from m2n_async._data._packing import (
     DIRECT_MIN_BYTES,
     BucketPacking,
     Message,
-    ScatterPlan,
     Segment,
     byte_view,
     copy_out,
     flat_bytes,
-    pack_segments,
     plan_bucket,
-    scatter_plan,
     unpack_segments,
 )
 from m2n_async._data._transport import (
@@ -260,15 +257,19 @@ class _Arenas:
 
 
 class _Copies(NamedTuple):
-    """One packed message's copies as one ``torch._foreach_copy_``: destinations fixed (views
-    of the arena, built once per message and arena), sources per round."""
+    """One packed message's copies as ``torch._foreach_copy_`` calls: destinations fixed
+    (views of the arena, built once per message and arena), sources per round."""
 
     ptr: int                                   # data_ptr of the message's buffer
     dsts: list[torch.Tensor]
-    #: per segment: (param, byte span or None). None: the source is the local shard itself
-    #: (whole segment; the destination is typed and shaped like it); else its flat bytes
-    #: [a:b] (the destination is flat bytes).
-    srcs: list[tuple[int, tuple[int, int] | None]]
+    #: per segment: (param, how, arg). _WHOLE: the source is the local shard itself (the
+    #: destination is typed and shaped like it); _SPAN: its flat bytes [arg[0]:arg[1]];
+    #: _STRIDED: its byte view [arg] (a tuple of slices; the destination has the region's
+    #: shape).
+    srcs: list[tuple[int, int, Any]]
+
+
+_WHOLE, _SPAN, _STRIDED = 0, 1, 2
 
 
 @dataclass(eq=False)
@@ -281,7 +282,9 @@ class GlooStaging(Staging):
 
 
 class _UnpackPlan(NamedTuple):
-    scatters: dict[int, ScatterPlan]  # message id -> one-call scatter into tensor targets
+    #: message id -> its segments' destinations (flat bytes, or the region of the target's
+    #: byte view for a strided segment), when every segment goes to a tensor target
+    scatters: dict[int, list[torch.Tensor]]
     views: dict[int, torch.Tensor]  # param -> byte view of its target (other messages)
     callbacks: dict[int, Callable[[str, torch.Tensor], None]]  # param -> load callback
 
@@ -333,7 +336,7 @@ class GlooTransport(Transport):
         # Per message (by id: messages live as long as the cached packings): the arena views
         # of packed messages, reused while the message's buffer address stays the same.
         self._copy_cache: dict[int, _Copies] = {}
-        self._parts: dict[int, tuple[int, list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._parts: dict[int, tuple[int, list[torch.Tensor]]] = {}
         self._shapes: dict[int, tuple[int, ...]] = {}
         self._send_need: dict[int, int] = {}  # bucket -> staging bytes (trainer)
         self._names = [p.spec.name for p in ctx.plan.params]
@@ -490,29 +493,29 @@ class GlooTransport(Transport):
         staged.nbytes = arena.numel()
         return arena
 
-    def _copies(self, msg: Message, buf: torch.Tensor) -> _Copies | None:
-        """The cached ``_Copies`` of a packed message whose segments are all contiguous in
-        the local shard, for its buffer ``buf`` (rebuilt when the buffer moved); None for a
-        message with a strided segment (``pack_segments`` does those)."""
+    def _copies(self, msg: Message, buf: torch.Tensor) -> _Copies:
+        """The cached ``_Copies`` of a packed message for its buffer ``buf`` (rebuilt when
+        the buffer moved, which per-bucket arena slots make rare)."""
         ptr = buf.data_ptr()
         got = self._copy_cache.get(id(msg))
         if got is not None and got.ptr == ptr:
             return got
-        if any(seg.span is None for seg in msg.segments):
-            return None
         dsts: list[torch.Tensor] = []
-        srcs: list[tuple[int, tuple[int, int] | None]] = []
+        srcs: list[tuple[int, int, Any]] = []
         for seg in msg.segments:
             rel = seg.offset - msg.offset
             piece = buf[rel:rel + seg.nbytes]
             dtype = self._dtypes[seg.param]
-            if seg.whole and (ptr + rel) % dtype.itemsize == 0:
+            if seg.span is None:
+                dsts.append(piece.view(seg.shape))
+                srcs.append((seg.param, _STRIDED, seg.slices))
+            elif seg.whole and (ptr + rel) % dtype.itemsize == 0:
                 # Typed like the shard: the shard itself is the source, no view per round.
                 dsts.append(piece.view(dtype).view(self._local_shape(seg.param)))
-                srcs.append((seg.param, None))
+                srcs.append((seg.param, _WHOLE, None))
             else:
                 dsts.append(piece)
-                srcs.append((seg.param, seg.span))
+                srcs.append((seg.param, _SPAN, seg.span))
         got = self._copy_cache[id(msg)] = _Copies(ptr, dsts, srcs)
         return got
 
@@ -527,12 +530,14 @@ class GlooTransport(Transport):
         dsts, specs = copies.dsts, copies.srcs
         for c in range(0, len(specs), _FOREACH_CHUNK):
             srcs = []
-            for i, span in specs[c:c + _FOREACH_CHUNK]:
-                if span is None:
+            for i, how, arg in specs[c:c + _FOREACH_CHUNK]:
+                if how == _WHOLE:
                     src = sources.get(names[i])
                     srcs.append(src if src is not None else get(i))  # get raises PlanError
+                elif how == _SPAN:
+                    srcs.append(get_flat(i)[arg[0]:arg[1]])
                 else:
-                    srcs.append(get_flat(i)[span[0]:span[1]])
+                    srcs.append(get(i)[arg])
             torch._foreach_copy_(dsts[c:c + _FOREACH_CHUNK], srcs)
 
     def _local_shape(self, i: int) -> tuple[int, ...]:
@@ -565,11 +570,7 @@ class GlooTransport(Transport):
                 assert arena is not None
                 buf = arena[off:off + msg.nbytes]
                 off += msg.nbytes
-                copies = self._copies(msg, buf)
-                if copies is None:
-                    pack_segments(buf, msg.segments, get, msg.offset, get_flat)
-                else:
-                    self._copy_from(copies, sources, get, get_flat)
+                self._copy_from(self._copies(msg, buf), sources, get, get_flat)
                 staged.messages.append((peer.peer, msg, buf, False))
         staged.seconds["pack"] = time.perf_counter() - t0
         return staged
@@ -751,16 +752,18 @@ class GlooTransport(Transport):
         for _, msg, buf, direct in staged.messages:
             if direct:
                 continue
-            sp = up.scatters.get(id(msg))
-            if sp is not None:
-                # The split of the buffer is cached per message and buffer address (the
-                # bucket's arena is the same every round): one call per message.
+            targets = up.scatters.get(id(msg))
+            if targets is not None:
+                # The message's views of the buffer are cached per message and buffer
+                # address (the bucket's arena is the same every round): no view per round.
                 ptr = buf.data_ptr()
                 parts = self._parts.get(id(msg))
                 if parts is None or parts[0] != ptr:
-                    parts = self._parts[id(msg)] = (ptr, list(torch.split(buf, list(sp.sizes))),
-                                                    list(sp.targets))
-                targets, srcs = parts[2], parts[1]
+                    parts = self._parts[id(msg)] = (ptr, [
+                        buf[seg.offset - msg.offset:seg.offset - msg.offset + seg.nbytes]
+                        .view(seg.shape if seg.span is None else (seg.nbytes,))
+                        for seg in msg.segments])
+                srcs = parts[1]
                 for c in range(0, len(srcs), _FOREACH_CHUNK):
                     torch._foreach_copy_(targets[c:c + _FOREACH_CHUNK],
                                          srcs[c:c + _FOREACH_CHUNK])
@@ -785,6 +788,7 @@ class GlooTransport(Transport):
             return up
         names = self._names
         flat: dict[int, torch.Tensor] = {}
+        shaped: dict[int, torch.Tensor] = {}
         callbacks: dict[int, Callable[[str, torch.Tensor], None]] = {}
         for i in bp.params:
             sink = sinks.get(names[i])
@@ -792,21 +796,25 @@ class GlooTransport(Transport):
                 raise PlanError(f"parameter {names[i]!r}: no target or load callback on "
                                 f"rank {self.ctx.rank}")
             if isinstance(sink, torch.Tensor):
-                flat[i] = flat_bytes(sink)
+                shaped[i] = byte_view(sink)
+                flat[i] = shaped[i].view(-1)
             else:
                 callbacks[i] = sink
-        scatters: dict[int, ScatterPlan] = {}
+        scatters: dict[int, list[torch.Tensor]] = {}
         views: dict[int, torch.Tensor] = {}
         for peer in bp.peers:
             for msg in peer.messages:
-                sp = scatter_plan(msg.segments, flat) if len(msg.segments) > 1 else None
-                if sp is not None:
-                    scatters[id(msg)] = sp
+                if msg.direct is not None and msg.direct.param in flat:
+                    continue  # lands in place (or in staging only for a load callback)
+                if all(seg.param in flat for seg in msg.segments):
+                    scatters[id(msg)] = [
+                        shaped[seg.param][seg.slices] if seg.span is None
+                        else flat[seg.param][seg.span[0]:seg.span[1]]
+                        for seg in msg.segments]
                     continue
                 for seg in msg.segments:
-                    sink = sinks.get(names[seg.param])
-                    if isinstance(sink, torch.Tensor) and seg.param not in views:
-                        views[seg.param] = byte_view(sink)
+                    if seg.param in shaped:
+                        views[seg.param] = shaped[seg.param]
         up = _UnpackPlan(scatters, views, callbacks)
         self._unpack_cache[bp.bucket.index] = up
         return up
