@@ -1,0 +1,81 @@
+"""The trainer's source resolution (``_Sources``): a plain dict is checked on the event loop
+in chunks, every parameter still checked; other mappings, callables and iterators go off the
+loop. Errors name the parameter."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+
+import anyio
+import pytest
+import torch
+
+from m2n_async._engine._engine import _INLINE_PARAMS, _source_expectations, _Sources
+from m2n_async._proto.errors import PlanError
+from m2n_async._proto.plan import Bucket, TransferPlan
+
+from ._plans import make_plan, source_shards
+
+N = 2 * _INLINE_PARAMS + 7  # three chunks, the last one partial
+
+
+@functools.cache
+def _plan() -> TransferPlan:
+    defs = [(f"p{i}", (4,), torch.float32, None, None) for i in range(N - 1)]
+    defs.append(("last", (2, 6), torch.bfloat16, (-1, 1), None))
+    return make_plan(defs, (1, 2), (1, 1))
+
+
+def _sources(plan: TransferPlan, weights: object, device: str = "cpu") -> _Sources:
+    names = [p.spec.name for p in plan.params]
+    return _Sources(weights, plan, 0, device, _source_expectations(plan, 0), names)
+
+
+def _resolve(src: _Sources, bucket: Bucket) -> Mapping[str, torch.Tensor]:
+    async def main() -> Mapping[str, torch.Tensor]:
+        return await src(bucket)
+    return anyio.run(main)
+
+
+def test_plain_dict_checked_in_chunks_and_returned_as_is() -> None:
+    plan = _plan()
+    shards = source_shards(plan, 0)
+    src = _sources(plan, shards)
+    assert src.inline
+    bucket = Bucket(0, 0, N, 0)
+    assert _resolve(src, bucket) is shards
+    # a second bucket starting mid-plan checks its own params against their own specs
+    assert _resolve(src, Bucket(1, N - 3, N, 0)) is shards
+
+
+@pytest.mark.parametrize("where", [0, _INLINE_PARAMS, N - 2, N - 1])
+@pytest.mark.parametrize("fault", ["dtype", "shape", "noncontiguous", "missing"])
+def test_every_param_is_checked(where: int, fault: str) -> None:
+    plan = _plan()
+    shards = source_shards(plan, 0)
+    name = plan.params[where].spec.name
+    t = shards[name]
+    if fault == "dtype":
+        shards[name] = t.to(torch.float64)
+    elif fault == "shape":
+        shards[name] = torch.cat([t.reshape(-1), t.reshape(-1)])
+    elif fault == "noncontiguous":
+        shards[name] = torch.stack([t, t], dim=-1)[..., 0]
+        assert not shards[name].is_contiguous()
+    else:
+        del shards[name]
+    with pytest.raises(PlanError, match=repr(name)):
+        _resolve(_sources(plan, shards), Bucket(0, 0, N, 0))
+    # the same through a callable (resolved on a thread)
+    with pytest.raises(PlanError, match=repr(name)):
+        _resolve(_sources(plan, lambda names: {n: shards[n] for n in names if n in shards}),
+                 Bucket(0, 0, N, 0))
+
+
+def test_device_mismatch_is_reported() -> None:
+    plan = _plan()
+    shards = source_shards(plan, 0)
+    for device in ("cuda", "cuda:1", "meta"):
+        with pytest.raises(PlanError, match="device"):
+            _resolve(_sources(plan, shards, device), Bucket(0, 0, N, 0))
