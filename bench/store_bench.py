@@ -12,7 +12,12 @@ What it measures, in one run, with both servers in their own process:
    acknowledged, so the ``set`` and ``set+get`` rows compare an acknowledged write with an
    unacknowledged one; the ``ack=False`` rows compare like with like. Our client runs on
    asyncio (anyio's default) and, when uvloop is installed, on uvloop too; our server is the
-   ``m2n-async store`` command (uvloop when installed, ``--server-loop`` picks).
+   ``m2n-async store`` command (uvloop when installed, ``--server-loop`` picks). Where the
+   scheduler puts the processes moves the figures more than anything else on a small box:
+   a client and a server on one CPU hand over without a cross-CPU wake-up (TCPStore's ``add``
+   ~12 us), on two CPUs they pay one per message (~26-35 us). ``--pin same|split`` fixes the
+   placement for the latency phase, for both stores alike; the default leaves it to the
+   scheduler.
 2. All-gather of a 1 KB envelope across 64 ranks: ours is ``ControlGroup.all_gather`` (one
    server-side gather per rank per call); the baseline is the vLLM ``StatelessProcessGroup``
    pattern on TCPStore — each rank broadcasts its pickled object under its own key and reads
@@ -21,7 +26,8 @@ What it measures, in one run, with both servers in their own process:
    event loop for ours); the figure is wall time per all-gather, the slowest process counted.
 
 Usage: ``python bench/store_bench.py [--ranks 64] [--procs 4] [--rounds 20] [--ops 2000]
-[--repeat 3] [--lat-rounds 20] [--server-loop auto|asyncio|uvloop]``
+[--repeat 3] [--lat-rounds 20] [--server-loop auto|asyncio|uvloop]
+[--pin none|same|split]``
 """
 
 from __future__ import annotations
@@ -278,6 +284,15 @@ def all_gather(kind: str, target: Any, world: int, procs: int, rounds: int) -> f
     return max(times) / rounds * 1e3  # ms per all-gather
 
 
+def set_affinity(pid: int, cpus: set[int]) -> None:
+    """Pin every thread of process ``pid`` (TCPStore's server runs several) to ``cpus``."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", type=int, default=64)
@@ -288,6 +303,9 @@ def main() -> None:
                     help="all-gather runs per side (0: latency only)")
     ap.add_argument("--lat-rounds", type=int, default=20,
                     help="interleaved latency rounds (--ops calls per op and side in all)")
+    ap.add_argument("--pin", choices=("none", "same", "split"), default="none",
+                    help="latency phase only: 'same' puts the client and both servers on one "
+                    "CPU, 'split' the client on one CPU and both servers on another")
     ap.add_argument("--server-loop", choices=("auto", "asyncio", "uvloop"), default="auto",
                     help="event loop of our store server (m2n-async store --loop)")
     args = ap.parse_args()
@@ -302,12 +320,21 @@ def main() -> None:
         print(f"# store bench: {os.cpu_count()} CPUs, python {sys.version.split()[0]}, "
               f"ranks={args.ranks} procs={args.procs} rounds={args.rounds} ops={args.ops}")
         loops = ["asyncio"] + (["uvloop"] if pick_loop("auto") == "uvloop" else [])
+        everywhere = os.sched_getaffinity(0)
+        if args.pin != "none":
+            first, second = sorted(everywhere)[:2]
+            servers = {second} if args.pin == "split" else {first}
+            set_affinity(os.getpid(), {first})
+            set_affinity(ours.pid, servers)
+            set_affinity(theirs.pid, servers)
         results = {loop: latency(address, port, args.ops, args.lat_rounds, loop)
                    for loop in loops}
+        for pid in (os.getpid(), ours.pid, theirs.pid):
+            set_affinity(pid, everywhere)
         print(f"\nOp latency, us per call (one client, sequential): median of "
               f"{args.lat_rounds} rounds, each timing {args.ops // args.lat_rounds} calls on "
               "TCPStore then on ours; ratio = median of the rounds' ours/TCPStore. Our server: "
-              f"{server_loop} event loop.")
+              f"{server_loop} event loop. CPU placement: {args.pin}.")
         for loop in loops:
             tcp_us, our_us, ratio = results[loop]
             print(f"\nOur client on {loop}:\n")

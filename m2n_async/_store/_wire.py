@@ -247,12 +247,15 @@ ServerMessage = ServerHello | AuthOk | Ok | Value | Int | Swapped | Flag | Count
 _encoder = msgspec.msgpack.Encoder()
 
 
+_encode = _encoder.encode
+_pack_header = _HEADER.pack
+_unpack_header = _HEADER.unpack_from
+
+
 def encode_frame(msg: _Msg) -> bytes:
     """One message as one length-prefixed frame (one buffer: the caller writes it once)."""
-    buf = bytearray(_HEADER.size)
-    _encoder.encode_into(msg, buf, _HEADER.size)
-    _HEADER.pack_into(buf, 0, len(buf) - _HEADER.size)
-    return bytes(buf)
+    body = _encode(msg)
+    return _pack_header(len(body)) + body  # measured faster than encode_into for small frames
 
 
 M = TypeVar("M")
@@ -296,8 +299,17 @@ class FrameReader(Generic[M]):
             # The common case: nothing pending, parse straight out of the caller's buffer
             # (through a view, so that a frame's body is sliced without a copy).
             view = data if isinstance(data, memoryview) else memoryview(data)
+            size = len(view)
+            if size > _HEADER.size:  # fast path: exactly one whole frame (a request, a reply)
+                (need,) = _unpack_header(view)
+                if need + _HEADER.size == size and need <= self._max:
+                    try:
+                        self._ready.append(self._decoder.decode(view[_HEADER.size:]))
+                        return
+                    except (msgspec.ValidationError, msgspec.DecodeError):
+                        pass  # the general path below reports it
             used = self._parse(view)
-            if used < len(view):
+            if used < size:
                 self._buf += view[used:]
             return
         self._buf += data
