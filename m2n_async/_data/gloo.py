@@ -242,6 +242,12 @@ class _Arenas:
             else:
                 self._free.add(slot)
 
+    def owns(self, buf: torch.Tensor) -> bool:
+        """``buf`` is one of the slots' arenas (not a temporary extra one): views of it may
+        be cached, they never keep memory alive beyond the bound."""
+        slot = self._slot_of.get(buf.data_ptr())
+        return slot is not None and self._arenas.get(slot) is buf
+
     def warm(self, n: int) -> None:
         """Allocate and touch the first ``n`` slots' arenas up front."""
         bufs = [self.acquire(self.size, i) for i in range(min(n, self.slots))]
@@ -493,9 +499,10 @@ class GlooTransport(Transport):
         staged.nbytes = arena.numel()
         return arena
 
-    def _copies(self, msg: Message, buf: torch.Tensor) -> _Copies:
-        """The cached ``_Copies`` of a packed message for its buffer ``buf`` (rebuilt when
-        the buffer moved, which per-bucket arena slots make rare)."""
+    def _copies(self, msg: Message, buf: torch.Tensor, cache: bool) -> _Copies:
+        """The ``_Copies`` of a packed message for its buffer ``buf``, cached when ``cache``
+        (``buf`` lies in a slot arena; rebuilt when the buffer moved, which per-bucket arena
+        slots make rare)."""
         ptr = buf.data_ptr()
         got = self._copy_cache.get(id(msg))
         if got is not None and got.ptr == ptr:
@@ -516,7 +523,9 @@ class GlooTransport(Transport):
             else:
                 dsts.append(piece)
                 srcs.append((seg.param, _SPAN, seg.span))
-        got = self._copy_cache[id(msg)] = _Copies(ptr, dsts, srcs)
+        got = _Copies(ptr, dsts, srcs)
+        if cache:
+            self._copy_cache[id(msg)] = got
         return got
 
     def _copy_from(self, copies: _Copies, sources: Mapping[str, torch.Tensor],
@@ -557,6 +566,7 @@ class GlooTransport(Transport):
             need = self._send_need[bp.bucket.index] = _staging_need(
                 bp, lambda m: m.direct is not None)
         arena = self._acquire(staged, need)
+        cacheable = arena is not None and self._arenas is not None and self._arenas.owns(arena)
         off = 0
         for peer in bp.peers:
             for msg in peer.messages:
@@ -570,7 +580,7 @@ class GlooTransport(Transport):
                 assert arena is not None
                 buf = arena[off:off + msg.nbytes]
                 off += msg.nbytes
-                self._copy_from(self._copies(msg, buf), sources, get, get_flat)
+                self._copy_from(self._copies(msg, buf, cacheable), sources, get, get_flat)
                 staged.messages.append((peer.peer, msg, buf, False))
         staged.seconds["pack"] = time.perf_counter() - t0
         return staged
@@ -749,6 +759,8 @@ class GlooTransport(Transport):
         bp = staged.packing
         assert bp is not None
         up = self._unpack_plan(bp, sinks)
+        arenas, arena = self._arenas, staged.arena
+        cacheable = arena is not None and arenas is not None and arenas.owns(arena)
         for _, msg, buf, direct in staged.messages:
             if direct:
                 continue
@@ -759,10 +771,12 @@ class GlooTransport(Transport):
                 ptr = buf.data_ptr()
                 parts = self._parts.get(id(msg))
                 if parts is None or parts[0] != ptr:
-                    parts = self._parts[id(msg)] = (ptr, [
+                    parts = (ptr, [
                         buf[seg.offset - msg.offset:seg.offset - msg.offset + seg.nbytes]
                         .view(seg.shape if seg.span is None else (seg.nbytes,))
                         for seg in msg.segments])
+                    if cacheable:
+                        self._parts[id(msg)] = parts
                 srcs = parts[1]
                 for c in range(0, len(srcs), _FOREACH_CHUNK):
                     torch._foreach_copy_(targets[c:c + _FOREACH_CHUNK],
@@ -886,5 +900,10 @@ class GlooTransport(Transport):
             await anyio.to_thread.run_sync(t.close, 5.0, abandon_on_cancel=True)
         if self._arenas is not None:
             self._arenas.clear()
+        # the cached views hold the arenas and the targets
+        self._copy_cache.clear()
+        self._parts.clear()
+        self._recv_cache.clear()
+        self._unpack_cache.clear()
         self._pg = None
         self._adapter = None

@@ -83,6 +83,19 @@ def _wire(send: dict[int, GlooStaging], recv: dict[int, GlooStaging]) -> None:
     assert all(not v for v in out.values()), "unreceived messages"
 
 
+def _check_cached_views(world: _World) -> None:
+    """Cached views only ever point into slot arenas: a temporary extra arena (a busy slot)
+    must not be kept alive by a cache beyond the max_inflight bound."""
+    for tr in world.tr.values():
+        assert tr._arenas is not None
+        slots = [(a.data_ptr(), a.data_ptr() + a.numel()) for a in tr._arenas._arenas.values()]
+        assert tr._arenas.allocated == len(slots)  # every extra arena was released
+        views = [d for c in tr._copy_cache.values() for d in c.dsts]
+        views += [p for _, parts in tr._parts.values() for p in parts]
+        for v in views:
+            assert any(lo <= v.data_ptr() < hi for lo, hi in slots), "cached view of an extra"
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
@@ -118,6 +131,7 @@ def _run(plan: TransferPlan, bucket_bytes: int, max_inflight: int,
                     for k, v in source_shards(plan, r, version=3).items():
                         sources[r][k].copy_(v)
             world.round(sources, sinks)
+            _check_cached_views(world)
             for r in range(t, n):
                 for name, want in expected_shards(plan, r, version=version).items():
                     have = got[r][name] if callable(sinks[r][name]) else targets[r][name]
