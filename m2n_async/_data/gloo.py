@@ -11,14 +11,26 @@ loopback store).
 Per bucket, each rank moves its bytes for each peer as a few messages (``_packing``): large
 pieces alone, runs of small ones packed together. The trainer packs on a pack thread, the
 native thread issues every send/recv of the bucket (tag = bucket index; Gloo matches messages
-of one pair and tag in order) without blocking, a wait thread waits for them in order with
-the round deadline as timeout (so the next bucket's messages are queued while this one
-moves), and the worker scatters on an unpack thread into its targets or hands shards to load
-callbacks. A message that is one contiguous range of the local shard moves zero-copy: sent
-straight from the trainer's shard, received straight into the worker's target. Staging comes
-from a pool of at most ``max_inflight`` equal arenas (sized once from this rank's largest
-bucket; the trainer's are allocated and touched in ``prepare``), so pages are faulted in
-once, not every round.
+of one pair and tag in order) without blocking, interleaved across peers by bytes posted (Gloo
+writes a send in the calling thread while the socket takes it, so posting one peer's messages
+first would leave the other pairs idle), a wait thread waits for them with the round deadline
+as timeout — each peer's last message first, one wake-up per peer — (so the next bucket's
+messages are queued while this one moves), and the worker scatters on an unpack thread into
+its targets or hands shards to load callbacks. A message that is one contiguous range of the
+local shard moves zero-copy: sent straight from the trainer's shard, received straight into
+the worker's target.
+
+Staging comes from ``max_inflight`` equal arenas (sized once from this rank's largest bucket;
+the trainer's are allocated and touched in ``prepare``), so pages are faulted in once, not
+every round; bucket i takes arena slot i mod ``max_inflight``, so it gets the same arena
+every round. That is what makes the per-round work small: the views of a packed message in
+its arena (and the worker's target views) are built once and cached, and a message is packed
+or scattered with one ``torch._foreach_copy_`` per 512 segments — whole shards are copied from
+the tensors the caller passed, with no view per round. Torch releases the GIL inside those
+calls, so the Python between them stays short and the event loop never waits long for the
+GIL. The group is created on a thread at nice +5, so Gloo's I/O thread (which inherits it and
+does the socket copies) gives way to the event loop on an oversubscribed machine, like the
+pack/unpack threads.
 
 Abort. Gloo has no way to cancel a pending point-to-point op, and ``ProcessGroup.abort`` /
 ``shutdown`` do not wake a blocked ``wait``. What does: a second ``wait`` on the same op with a
