@@ -42,6 +42,7 @@ handle on a daemon thread, bounded by ``close``.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -67,6 +68,8 @@ if TYPE_CHECKING:
     from m2n_async._proto.plan import Bucket, TransferPlan
 
 __all__ = ["GROUP_MAX_BYTES", "M2NStaging", "M2NTransport"]
+
+log = logging.getLogger(__name__)
 
 #: Largest global tensor bytes in one ``nccl.m2n.group()``: M2N's default PACK slot is 2 GiB
 #: per rank and a fused bin over it fails. Global bytes bound every rank's share.
@@ -181,7 +184,15 @@ class M2NTransport(GpuTransportBase):
             self._moved[bucket.index] = moved
         return got
 
+    @property
+    def detail(self) -> str:
+        return f"m2n submission: {self.grouping_reason}"
+
     async def _after_connect(self, rendezvous: Rendezvous) -> None:
+        await self._decide_grouping(rendezvous)
+        log.info("rank %d: %s", self.ctx.rank, self.detail)
+
+    async def _decide_grouping(self, rendezvous: Rendezvous) -> None:
         mode = grouping_mode()
         if mode == "off":
             self.grouped = False

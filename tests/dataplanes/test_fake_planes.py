@@ -125,6 +125,7 @@ async def test_m2n_groups_when_supported(fake_world):
     for res in results:
         assert res.transport.grouped is True
         assert "succeeded on every rank" in res.transport.grouping_reason
+        assert res.transport.detail == f"m2n submission: {res.transport.grouping_reason}"
     # probe group (2 per rank) + one group of 6 per rank
     assert sorted(set(fake_world.group_sizes)) == [2, 6]
 
@@ -138,6 +139,7 @@ async def test_m2n_falls_back_on_gin_less_host(fake_world):
     reasons = {res.transport.grouping_reason for res in results}
     assert len(reasons) == 1, reasons  # decided identically on every rank
     assert "fails on this host" in reasons.pop()
+    assert all("ordered single reshards" in res.transport.detail for res in results)
     assert all(res.transport.grouped is False for res in results)
     assert fake_world.group_sizes == []
 
