@@ -674,7 +674,8 @@ class _Sources:
         elif kind == "cuda" and not index:
             self._on_device = lambda t: bool(t.is_cuda)
         elif kind == "cuda" and index.isdigit():
-            self._on_device = lambda t: bool(t.is_cuda) and t.get_device() == int(index)
+            want = int(index)
+            self._on_device = lambda t: bool(t.is_cuda) and t.get_device() == want
         else:
             self._on_device = lambda t: t.device.type == device
         self._limiter = anyio.CapacityLimiter(1)
