@@ -17,7 +17,9 @@ What it measures, in one run, with both servers in their own process:
    a client and a server on one CPU hand over without a cross-CPU wake-up (TCPStore's ``add``
    ~12 us), on two CPUs they pay one per message (~26-35 us). ``--pin same|split`` fixes the
    placement for the latency phase, for both stores alike; the default leaves it to the
-   scheduler.
+   scheduler. The ``echo (floor)`` row is a bare 16-byte round trip between the same client
+   loop and an echo server on our server's loop — no store code at all — against TCPStore's
+   one-round-trip ``add``: the least that any Python asyncio store pays on this box.
 2. All-gather of a 1 KB envelope across 64 ranks: ours is ``ControlGroup.all_gather`` (one
    server-side gather per rank per call); the baseline is the vLLM ``StatelessProcessGroup``
    pattern on TCPStore — each rank broadcasts its pickled object under its own key and reads
@@ -33,6 +35,7 @@ Usage: ``python bench/store_bench.py [--ranks 64] [--procs 4] [--rounds 20] [--o
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
 import multiprocessing as mp
 import os
@@ -101,9 +104,13 @@ def tcp_client(port: int) -> Any:
 
 # --- op latency ----------------------------------------------------------------------------
 
-OPS = ("set", "set ack=False", "get", "add", "set+get", "set ack=False+get")
+OPS = ("set", "set ack=False", "get", "add", "set+get", "set ack=False+get", "echo (floor)")
 # TCPStore's set is always unacknowledged: its figure stands for both kinds of set.
+# "echo (floor)": a bare round trip of 16 bytes to an echo server on the same event loop as
+# our server, from the same client loop as ours — no store code at all — against TCPStore's
+# one-round-trip add: what any Python asyncio design pays at least on this box.
 TCP_OP = {"set": "set", "set ack=False": "set", "get": "get", "add": "add",
+          "echo (floor)": "add",
           "set+get": "set+get", "set ack=False+get": "set+get"}
 
 
@@ -121,7 +128,49 @@ async def abatch(fn: Callable[[], Coroutine[Any, Any, object]], n: int) -> float
     return (time.perf_counter() - t0) / n * 1e6
 
 
-def latency(address: str, port: int, n: int, rounds: int, loop: str
+ECHO_SERVER = """
+import asyncio, sys
+class Echo(asyncio.BufferedProtocol):
+    def connection_made(self, transport):
+        self.transport = transport
+        self.view = memoryview(bytearray(65536))
+    def get_buffer(self, sizehint):
+        return self.view
+    def buffer_updated(self, nbytes):
+        self.transport.write(bytes(self.view[:nbytes]))
+async def main():
+    server = await asyncio.get_running_loop().create_server(Echo, "127.0.0.1", 0)
+    print(server.sockets[0].getsockname()[1], flush=True)
+    await asyncio.sleep(1e9)
+if sys.argv[1] == "uvloop":
+    import uvloop
+    uvloop.run(main())
+else:
+    asyncio.run(main())
+"""
+
+
+def start_echo(loop: str) -> tuple[subprocess.Popen[bytes], int]:
+    proc = subprocess.Popen([sys.executable, "-c", ECHO_SERVER, loop], stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    return proc, int(proc.stdout.readline())
+
+
+class _EchoClient(asyncio.BufferedProtocol):
+    def __init__(self) -> None:
+        self.view = memoryview(bytearray(65536))
+        self.waiter: asyncio.Future[None] | None = None
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.view
+
+    def buffer_updated(self, nbytes: int) -> None:  # 16 bytes on loopback: one read
+        waiter, self.waiter = self.waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+def latency(address: str, port: int, echo_port: int, n: int, rounds: int, loop: str
             ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
     """Interleaved: each round times a batch of TCPStore calls, then the same op on ours, so
     that load from elsewhere on the box hits both sides alike. Returns the medians over the
@@ -142,6 +191,14 @@ def latency(address: str, port: int, n: int, rounds: int, loop: str
 
     async def main() -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
         c = await StoreClient.connect(address, token=TOKEN)
+        aloop = asyncio.get_running_loop()
+        echo_transport, echo = await aloop.create_connection(_EchoClient, "127.0.0.1",
+                                                             echo_port)
+
+        async def echo_once() -> None:
+            echo.waiter = aloop.create_future()
+            echo_transport.write(b"x" * 16)
+            await echo.waiter
         await c.set("warm", value)
 
         async def set_get() -> None:
@@ -156,7 +213,7 @@ def latency(address: str, port: int, n: int, rounds: int, loop: str
             "set": lambda: c.set("k", value), "set ack=False": lambda: c.set("k", value,
                                                                             ack=False),
             "get": lambda: c.get("warm"), "add": lambda: c.add("n", 1), "set+get": set_get,
-            "set ack=False+get": post_get}
+            "set ack=False+get": post_get, "echo (floor)": echo_once}
         per = max(n // rounds, 1)
         theirs_t: dict[str, list[float]] = {op: [] for op in tcp_fns}
         ours_t: dict[str, list[float]] = {op: [] for op in OPS}
@@ -171,6 +228,7 @@ def latency(address: str, port: int, n: int, rounds: int, loop: str
                 ours_t[op].append(o)
                 ratios[op].append(o / t)
         await c.aclose()
+        echo_transport.close()
         med = statistics.median
         return ({op: med(v[1:]) for op, v in theirs_t.items()},
                 {op: med(v[1:]) for op, v in ours_t.items()},
@@ -316,6 +374,7 @@ def main() -> None:
     server_loop = pick_loop(args.server_loop)
     ours, address = start_ours(f.name, server_loop)
     theirs, port = start_tcpstore()
+    echo_server, echo_port = start_echo(server_loop)
     try:
         print(f"# store bench: {os.cpu_count()} CPUs, python {sys.version.split()[0]}, "
               f"ranks={args.ranks} procs={args.procs} rounds={args.rounds} ops={args.ops}")
@@ -327,7 +386,7 @@ def main() -> None:
             set_affinity(os.getpid(), {first})
             set_affinity(ours.pid, servers)
             set_affinity(theirs.pid, servers)
-        results = {loop: latency(address, port, args.ops, args.lat_rounds, loop)
+        results = {loop: latency(address, port, echo_port, args.ops, args.lat_rounds, loop)
                    for loop in loops}
         for pid in (os.getpid(), ours.pid, theirs.pid):
             set_affinity(pid, everywhere)
@@ -360,10 +419,10 @@ def main() -> None:
         ratio = statistics.median(t / o for t, o in runs)
         print(f"| speed-up, median of the runs' ratios ({ratios}) | {ratio:.1f}x |")
     finally:
-        ours.terminate()
-        theirs.terminate()
-        ours.wait()
-        theirs.wait()
+        for proc in (ours, theirs, echo_server):
+            proc.terminate()
+        for proc in (ours, theirs, echo_server):
+            proc.wait()
         os.unlink(f.name)
 
 
