@@ -73,6 +73,7 @@ class Throughput(msgspec.Struct):
     mismatched: list[str] = []         # workers: tensors not bit-exact
     lag: list[float] = []              # trainer rank 0: overshoot of 1 ms sleeps, seconds
     lag_raw: list[float] = []          # the same during the raw rounds (control)
+    lag_copy: list[float] = []         # the same during the raw + copies rounds (control)
     cpu: list[tuple[float, float]] = []      # this rank's (user, sys) seconds per engine round
     cpu_raw: list[tuple[float, float]] = []  # the same per raw round
     cpu_copy: list[tuple[float, float]] = []  # the same per raw + copies round
@@ -239,6 +240,7 @@ async def _part_throughput(args: Args, rank: int, out: Throughput) -> None:
     sends, recvs = (bufs, {}) if rank < TRAINERS else ({}, bufs)
     lag = out.lag if rank == 0 else None
     lag_raw = out.lag_raw if rank == 0 else None
+    lag_copy = out.lag_copy if rank == 0 else None
 
     async def raw() -> None:
         # On a thread (Gloo waits release the GIL) so the lag probe runs meanwhile: the
@@ -293,7 +295,7 @@ async def _part_throughput(args: Args, rank: int, out: Throughput) -> None:
             seconds, res = await _timed(op, lag, cpu=out.cpu)
             out.engine_s.append(seconds)
             out.raw_s.append((await _timed(raw, lag_raw, cpu=out.cpu_raw))[0])
-            out.raw_copy_s.append((await _timed(raw_copy, None, cpu=out.cpu_copy))[0])
+            out.raw_copy_s.append((await _timed(raw_copy, lag_copy, cpu=out.cpu_copy))[0])
         out.copy_mb = sum(d.numel() for d, _ in copies) / 1e6
         if rank == 0:
             out.phases = dict(res.phases)
@@ -486,7 +488,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"   sync_weights / raw gloo ({t0.layout}): {ratio:.2f}x  (goal >= 0.9x) "
               f"{'OK' if ratio >= 0.9 else 'MISSED'}")
         lags += [(f"part 1{'ab'[i]} sync_weights rounds", t0.lag),
-                 (f"part 1{'ab'[i]} raw rounds (control: Gloo on a thread)", t0.lag_raw)]
+                 (f"part 1{'ab'[i]} raw rounds (control: Gloo on a thread)", t0.lag_raw),
+                 (f"part 1{'ab'[i]} raw + copies rounds (control: on a thread)", t0.lag_copy)]
 
     if "tiny" in ns.parts.split(","):
         n = ns.tiny_params

@@ -91,6 +91,13 @@ _FORCE_CLOSE = datetime.timedelta(milliseconds=1)
 #: A bucket whose messages are all zero-copy on the trainer is "packed" (views built) inline
 #: on the event loop when it has at most this many messages.
 _INLINE_MESSAGES = 64
+#: A thread posting many ops in a row releases the GIL inside each call but takes it back
+#: before the event loop thread, woken, gets it: the loop then waits for CPython's 5 ms
+#: switch interval. Sleeping briefly every few ops hands the GIL over. Measured on the CPU
+#: bench (mixed rounds, 113 messages): lag p99 above the control +1.5 ms -> +0.4 ms (median
+#: of 5 alternating runs), throughput unchanged.
+_HANDOFF_EVERY = 16
+_HANDOFF_SECONDS = 100e-6
 #: Segments per ``_foreach_copy_`` call when packing or scattering many small tensors.
 _FOREACH_CHUNK = 512
 #: Niceness of the pack/unpack threads: bulk copies give way to the event loop (and to the
@@ -658,8 +665,10 @@ class GlooTransport(Transport):
         with self._lock:
             self.check_usable()  # under the lock: abort() cannot miss an op issued now
             try:
-                for peer, buf in self._issue_order(staged):
+                for j, (peer, buf) in enumerate(self._issue_order(staged), 1):
                     issued.append((op([buf], peer, tag), peer))
+                    if j % _HANDOFF_EVERY == 0:
+                        time.sleep(_HANDOFF_SECONDS)
             except Exception as exc:
                 raise self._translate(exc, staged, None) from exc
             finally:
