@@ -19,7 +19,6 @@ from m2n_async._proto.errors import PlanError
 
 __all__ = ["EngineConfig", "EngineState", "SyncResult"]
 
-_MIB = 1 << 20
 
 
 class EngineState(enum.Enum):
@@ -39,7 +38,9 @@ class EngineConfig:
     - ``transport``: ``"auto"`` (m2n > nccl > gloo: the best one every rank can run and that
       can express the plan), or ``"m2n"``, ``"nccl"``, ``"gloo"``. Must match on every rank.
     - ``bucket_bytes``: bytes of staging per bucket (per rank, both directions); bucket
-      boundaries derive from it and the plan, so it must match on every rank.
+      boundaries derive from it and the plan, so it must match on every rank. None (default):
+      the agreed transport's default — 64 MiB for ``gloo``, 256 MiB for ``m2n``/``nccl``,
+      where a bucket's fixed costs matter on NVLink (BENCHMARKS "Multi-GPU").
     - ``max_inflight``: buckets between pack and release at once (pack i+1 ‖ transfer i ‖
       unpack i-1 needs 3). Extra memory is bounded by ``max_inflight x bucket_bytes`` (a
       single parameter larger than ``bucket_bytes`` gets a bucket of its own).
@@ -58,7 +59,7 @@ class EngineConfig:
     """
 
     transport: str = "auto"
-    bucket_bytes: int = 64 * _MIB
+    bucket_bytes: int | None = None
     max_inflight: int = 3
     max_cta: int | None = None
     phase_timeout: float = 60.0
@@ -73,8 +74,9 @@ class EngineConfig:
         if self.transport not in ("auto", "m2n", "nccl", "gloo"):
             raise PlanError(f"EngineConfig.transport must be 'auto', 'm2n', 'nccl' or 'gloo', "
                             f"got {self.transport!r}")
-        if type(self.bucket_bytes) is not int or self.bucket_bytes < 1:
-            raise PlanError(f"EngineConfig.bucket_bytes must be an int >= 1, got "
+        if self.bucket_bytes is not None and (type(self.bucket_bytes) is not int
+                                              or self.bucket_bytes < 1):
+            raise PlanError(f"EngineConfig.bucket_bytes must be None or an int >= 1, got "
                             f"{self.bucket_bytes!r}")
         if type(self.max_inflight) is not int or self.max_inflight < 1:
             raise PlanError(f"EngineConfig.max_inflight must be an int >= 1, got "

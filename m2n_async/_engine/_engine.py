@@ -224,34 +224,41 @@ class _Engine:
         assert address is not None
         return await StoreClient.connect(address, token=token), True
 
-    def _settings(self) -> TransportSettings:
+    def _bucket_bytes(self, transport: str) -> int:
+        """The config's ``bucket_bytes``, or the transport's default when it is None: a pure
+        function of the agreed transport, so every rank derives the same buckets."""
+        if self.config.bucket_bytes is not None:
+            return self.config.bucket_bytes
+        return transport_class(transport).default_bucket_bytes
+
+    def _settings(self, transport: str = "gloo") -> TransportSettings:
         c = self.config
         host = c.host
         if host is None and isinstance(self._store, StoreClient) and (
                 self._store.address.startswith(("127.", "localhost", "[::1]", "::1"))):
             host = "127.0.0.1"
-        return TransportSettings(bucket_bytes=c.bucket_bytes, max_inflight=c.max_inflight,
+        return TransportSettings(bucket_bytes=self._bucket_bytes(transport),
+                                 max_inflight=c.max_inflight,
                                  max_cta=c.max_cta, device=c.device,
                                  connect_timeout=c.phase_timeout, host=host)
 
     def _capabilities(self) -> list[str]:
-        settings = self._settings()
         out = []
         for name in AUTO_ORDER:
             try:
-                if transport_class(name).unavailable_reason(settings) is None:
+                if transport_class(name).unavailable_reason(self._settings(name)) is None:
                     out.append(name)
             except M2NError as exc:
                 log.debug("transport %s unavailable on rank %d: %s", name, self.rank, exc)
         return out
 
     def _identity(self, name: str) -> DataPlaneIdentity:
-        facts = dict(transport_class(name).identity(self._settings()))
+        facts = dict(transport_class(name).identity(self._settings(name)))
         libnccl = facts.pop("libnccl_version", None)
         facts.pop("max_cta", None)
         # Bucket boundaries derive from bucket_bytes: a mismatch would misalign every
         # bucket's sends and receives, so it is compared like an NCCL variable.
-        facts["m2n_async.bucket_bytes"] = str(self.config.bucket_bytes)
+        facts["m2n_async.bucket_bytes"] = str(self._bucket_bytes(name))
         facts["m2n_async.bucket_params"] = str(MAX_BUCKET_PARAMS)
         return DataPlaneIdentity(libnccl_version=libnccl, max_cta=self.config.max_cta,
                                  env=tuple(sorted(facts.items())))
@@ -261,10 +268,11 @@ class _Engine:
         assert self._native is not None
         plan = agreed.plan
         self._plan = plan
-        self._buckets = split_buckets(plan, plan.buckets(self.config.bucket_bytes),
+        self._buckets = split_buckets(plan, plan.buckets(self._bucket_bytes(agreed.transport)),
                                       MAX_BUCKET_PARAMS)
         self._check_local(plan)
-        ctx = TransportContext(plan, self.rank, self._generation, self._settings(),
+        ctx = TransportContext(plan, self.rank, self._generation,
+                               self._settings(agreed.transport),
                                self._native, self._buckets, self.config.job)
         self._transport = create_transport(agreed.transport, ctx)
         await self._transport.prepare()

@@ -1,0 +1,36 @@
+"""``EngineConfig.bucket_bytes=None`` resolves to the agreed transport's default."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from m2n_async import EngineConfig, TrainerEngine
+from m2n_async._data._transport import transport_class
+from m2n_async._proto.errors import PlanError
+
+
+def _resolve(cfg: EngineConfig, transport: str) -> int:
+    # The resolution reads nothing but the config: call it without building an engine.
+    return TrainerEngine._bucket_bytes(SimpleNamespace(config=cfg), transport)  # type: ignore[arg-type]
+
+
+def test_default_bucket_bytes_follow_the_transport() -> None:
+    cfg = EngineConfig()
+    assert cfg.bucket_bytes is None
+    assert _resolve(cfg, "gloo") == 64 << 20
+    assert _resolve(cfg, "nccl") == _resolve(cfg, "m2n") == 256 << 20
+    assert all(_resolve(cfg, t) == transport_class(t).default_bucket_bytes
+               for t in ("gloo", "nccl", "m2n"))
+
+
+def test_explicit_bucket_bytes_win_everywhere() -> None:
+    cfg = EngineConfig(bucket_bytes=1 << 20)
+    assert {_resolve(cfg, t) for t in ("gloo", "nccl", "m2n")} == {1 << 20}
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "64MiB", True])
+def test_bad_bucket_bytes_are_refused(bad: object) -> None:
+    with pytest.raises(PlanError, match="bucket_bytes must be None or an int >= 1"):
+        EngineConfig(bucket_bytes=bad)  # type: ignore[arg-type]
