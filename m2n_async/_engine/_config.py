@@ -107,7 +107,9 @@ class SyncResult:
     time, overlapped), ``pipeline`` (wall time of all buckets), ``commit`` (outcome gather).
     ``efficiency`` is the plan's lower bound over ``seconds`` when
     ``EngineConfig.link_bytes_per_second`` is set. ``peak_extra_bytes`` is the peak staging
-    held by the pipeline (≤ ``max_inflight x bucket_bytes``).
+    held by the pipeline (≤ ``max_inflight x bucket_bytes``). ``transport`` is the agreed data
+    plane and ``reason`` why it was chosen, followed by how it runs when it says more (``m2n``:
+    grouped submission or ordered single reshards, and why).
     """
 
     version: int

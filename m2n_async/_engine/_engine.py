@@ -199,8 +199,11 @@ class _Engine:
 
     @property
     def transport_reason(self) -> str:
-        """Why that transport was chosen (what ruled out the better ones)."""
-        return self._outcome.reason if self._outcome is not None else ""
+        """Why that transport was chosen (what ruled out the better ones), and once connected
+        how it runs (``m2n``: grouped or ordered single reshards, and why)."""
+        reason = self._outcome.reason if self._outcome is not None else ""
+        detail = self._transport.detail if self._transport is not None else ""
+        return f"{reason}; {detail}" if reason and detail else reason or detail
 
     @property
     def preflight(self) -> PreflightOutcome | None:
