@@ -172,4 +172,7 @@ async def test_sigkilled_rank_is_named_at_once(tmp_path: Path) -> None:
         assert res["type"] == "PeerLostError", res
         assert res["ranks"] == [2]
         assert "preflight phase 'destination'" in res["message"]
-        assert res["done"] - killed_at < 3.0, res["done"] - killed_at
+        # PeerLostError already says the session end was seen, not the deadline; the bound
+        # only rules out waiting for the 30 s deadline, with room for a loaded 2-core box
+        # (3 s failed there twice while other jobs ran).
+        assert res["done"] - killed_at < 10.0, res["done"] - killed_at
