@@ -17,10 +17,11 @@ message of the request union, a request before authentication — gets a connect
 ``Error`` frame and closes that connection only; its session's ephemeral keys are then lost as
 for any disconnect.
 
-Bounded memory per connection: at most one partial frame (``max_frame`` plus one read) is
-buffered, and when the client stops reading its replies (the transport's write buffer passes its
-high-water mark) the server stops reading and executing that client's requests until the buffer
-drains, so replies cannot pile up. Pending waiters are capped per session by the core.
+Bounded memory per connection: a receive buffer (1 KiB until the connection authenticates,
+64 KiB after) and at most one partial frame (``max_frame`` plus one read) are held, and when
+the client stops reading its replies (the transport's write buffer passes its high-water mark)
+the server stops reading and executing that client's requests until the buffer drains, so
+replies cannot pile up. Pending waiters are capped per session by the core.
 """
 
 from __future__ import annotations
@@ -74,6 +75,10 @@ _log = logging.getLogger("m2n_async.store")
 _CLOSE_GRACE = 5.0  # seconds a failed connection gets to flush its error frame
 # Receive buffer per connection. Requests are small; a large value just takes several reads.
 _RECV_SIZE = 64 * 1024
+# Until a connection has authenticated it gets only this much (the handshake frame is ~120
+# bytes), so that connections which never authenticate cost little while they wait to be
+# dropped.
+_AUTH_RECV_SIZE = 1024
 
 
 def format_address(host: str, port: int) -> str:
@@ -218,7 +223,7 @@ class _ServerProtocol(asyncio.BufferedProtocol):
         self._paused = False  # the client is not reading: stop executing its requests
         self._closing = False
         self._deadline: asyncio.TimerHandle | None = None
-        self._recv = memoryview(bytearray(_RECV_SIZE))
+        self._recv = memoryview(bytearray(_AUTH_RECV_SIZE))
 
     # --- asyncio callbacks ---------------------------------------------------------------
 
@@ -323,6 +328,8 @@ class _ServerProtocol(asyncio.BufferedProtocol):
         if self._deadline is not None:
             self._deadline.cancel()
         self._session = self._core.open_session()
+        # Safe to swap here: the reader has consumed or copied everything it was fed.
+        self._recv = memoryview(bytearray(_RECV_SIZE))
         self._write(AuthOk(_auth.server_proof(key, self._nonce, msg.nonce), self._session.id))
 
     def _auth_expired(self) -> None:

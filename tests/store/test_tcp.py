@@ -30,6 +30,7 @@ from m2n_async._store._wire import (
     Error,
     FrameReader,
     Get,
+    Ok,
     ServerHello,
     ServerMessage,
     Set,
@@ -178,6 +179,24 @@ async def test_silent_client_is_dropped_after_auth_deadline() -> None:
         await healthy(server)
     finally:
         await runner.stop()
+
+
+async def test_unauthenticated_connections_hold_a_small_buffer(server: StoreServer) -> None:
+    """Connections that never authenticate cost ~1 KiB of receive buffer each, not the 64 KiB
+    an authenticated session reads into; a large frame still arrives through the small one."""
+    waiting = [await RawPeer.connect(server, authenticate=False) for _ in range(3)]
+    authed = await RawPeer.connect(server, authenticate=True)
+    sizes = sorted(p._recv.nbytes for p in server._protocols)
+    assert sizes == [1024, 1024, 1024, 64 * 1024]
+    big = b"b" * 300_000  # many reads on either side
+    await authed.stream.send(encode_frame(Set(1, "big", big)))
+    assert isinstance(await authed.read(), Ok)
+    await authed.stream.send(encode_frame(Get(2, "big")))
+    reply = await authed.read()
+    assert isinstance(reply, Value) and reply.value == big
+    for peer in [*waiting, authed]:
+        await peer.stream.aclose()
+    await healthy(server)
 
 
 async def test_request_before_authentication_is_refused(server: StoreServer) -> None:
