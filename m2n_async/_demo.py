@@ -70,8 +70,9 @@ Placements = tuple[int, int] | None
 R = REPLICATE
 _MB = 1_000_000
 # After the first failure, how long the other ranks get to report theirs (the engine's own
-# abort path takes up to a few abort_grace steps of 5 s) before every child is killed.
-_FAIL_GRACE = 12.0
+# abort path takes up to a few abort_grace steps of 5 s; 12 s once ran out on a loaded
+# 2-core box) before every child is killed.
+_FAIL_GRACE = 20.0
 
 
 # -- the model -------------------------------------------------------------------------------
@@ -686,6 +687,10 @@ async def _monitor(args: DemoArgs, procs: Sequence[Any], events: Any, total: int
                 _print_round(args, reports[current], total, bar)
                 current += 1
     if failures:
+        for r in sorted(set(range(args.world)) - finished - failures.keys()):
+            # Still running when the grace ran out: killed with the rest, say so.
+            failures[r] = (f"no report within {_FAIL_GRACE:.0f} s of the first failure "
+                           f"(killed)")
         # Every rank of a failed round raises the same error: say it once, naming them all.
         by_message: dict[str, list[int]] = {}
         for r, m in sorted(failures.items()):

@@ -78,7 +78,7 @@ async def _child_main(address: str, rank: int, t: int, n: int, fault: str,
             # A truly hung process keeps its session; this one only timed out itself. Leaving
             # now could beat the peers' own deadlines, and they would (rightly) report it
             # lost instead of late — not the case under test.
-            await anyio.sleep(phase_timeout)
+            await anyio.sleep(phase_timeout + 5.0)
         with anyio.move_on_after(2):
             await client.aclose()
 
@@ -157,7 +157,8 @@ async def test_processes_name_a_hanging_rank(tmp_path: Path) -> None:
         assert "rank(s) [2] did not arrive" in res["message"]
     fault_at = results[2]["fault_at"]  # the hanging rank timed out too, and reported
     for r in (0, 1):
-        assert results[r]["done"] - fault_at <= timeout + 1.0, (r, results)
+        # bounded by the phase deadline, not the hung rank (slack for a loaded box)
+        assert results[r]["done"] - fault_at <= timeout + 3.0, (r, results)
     assert results[0]["done"] - started < 30
 
 
