@@ -1,7 +1,11 @@
 """GPU sync benchmark: the engine's bucket pipeline vs per-parameter M2N vs raw M2N, side by side.
 
-One spawned world (2 trainer + 2 worker ranks by default, several ranks per GPU allowed with
-libnccl >= 2.30) runs, on the same communicator and the same tensors, in one process run:
+One spawned world (``--trainers`` + ``--workers`` ranks, 2 + 2 by default; trainers
+``Shard(0)`` on mesh (1,T) → workers ``Shard(1)`` on mesh (1,N)) runs, on the same
+communicator and the same tensors, in one process run. On one GPU every rank shares it
+(libnccl >= 2.30); on several, trainers take the first half of the GPUs and workers the second
+half (``tests/gpu/_world.gpu_of``), and the summary adds GB/s per receiving GPU and the
+efficiency against ``--link-gbps`` (370 GB/s, NCCL's effective NVLink rate on H200):
 
 * ``raw``       — the same ``nccl.m2n`` reshards back to back on one stream, one sync at the end
                   (zero-copy buffers prepared up front): the floor the engine is measured against;
@@ -16,8 +20,10 @@ libnccl >= 2.30) runs, on the same communicator and the same tensors, in one pro
 Each figure is the median over ``--iters`` timed iterations (after one warm-up) of the slowest
 rank's wall time from a common store barrier to its own completion. On one GPU shared by all
 ranks the absolute GB/s mean little (DEVELOPERS "GPU notes"); the ratios are the point.
+Buckets default to 256 MiB (the GPU transports' default ``bucket_bytes``).
 
     python bench/gpu_sync_bench.py --model moe --out bench-gpu.json
+    python bench/gpu_sync_bench.py --model large --trainers 2 --workers 2 --diagnose --broadcast
 """
 
 from __future__ import annotations
