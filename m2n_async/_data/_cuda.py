@@ -52,15 +52,15 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import anyio
 
 from m2n_async._data._native import poll_until, wait_threadsafe
-from m2n_async._data._transport import Completion, Transport, TransportSettings
-from m2n_async._proto.errors import LocalProtocolError, TransferError
+from m2n_async._data._transport import Completion, Staging, Transport, TransportSettings
+from m2n_async._proto.errors import LocalProtocolError, PlanError, TransferError
 
 if TYPE_CHECKING:
     import torch
@@ -81,6 +81,7 @@ __all__ = [
     "gpu_unavailable_reason",
     "grouping_mode",
     "libnccl_version",
+    "lookup_tensor",
     "m2n_module",
     "nccl_core",
     "reset_import_cache",
@@ -239,6 +240,15 @@ def resolve_device(settings: TransportSettings) -> torch.device:
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev  # type: ignore[no-any-return]
+
+
+def lookup_tensor(mapping: Mapping[str, Any], name: str, where: str) -> Any:
+    """``mapping[name]``, or a ``PlanError`` naming the parameter and where it was needed."""
+    try:
+        return mapping[name]
+    except KeyError:
+        raise PlanError(f"parameter {name!r} is missing from this rank's tensors at "
+                        f"{where}") from None
 
 
 def gpu_unavailable_reason(transport: str, settings: TransportSettings) -> str | None:
@@ -667,6 +677,31 @@ class GpuTransportBase(Transport):
     def completion_of(self, event: Any, keep: object, what: str) -> CudaCompletion:
         """A completion for an event recorded on the loop thread (pack/unpack streams)."""
         return CudaCompletion(self, keep, what, event=event)
+
+    def begin_transfer(self, ready: Any, where: str) -> tuple[Any, Any, int]:
+        """Native thread, first thing of a bucket's transfer: ``(comm, stream, stream
+        pointer)`` of the transfer stream, made to wait on ``ready`` (the bucket's pack /
+        targets-free event). Refuses an aborted transport or a missing communicator."""
+        self.check_usable()
+        comm = self.comm
+        if comm is None:
+            raise TransferError(f"{self.name}: no communicator (connect did not run) at "
+                                f"{where}", rank=self.ctx.rank)
+        streams = self.streams
+        assert streams is not None
+        stream = streams.transfer
+        streams.wait(stream, ready)
+        return comm, stream, streams.ptr(stream)
+
+    async def finish_unpack(self, staging: Staging, copied: bool,
+                            callbacks: list[tuple[str, Any, Any]]) -> None:
+        """End of a worker's unpack: wait for the unpack stream when it ``copied`` anything,
+        then hand the received tensors to load callbacks (they must see the bytes)."""
+        if copied:
+            assert self.streams is not None
+            await self.completion_of(self.streams.record(self.streams.unpack), staging,
+                                     f"bucket {staging.bucket.index} unpack").wait()
+        await self.run_load_callbacks(callbacks)
 
     async def run_load_callbacks(self, callbacks: list[tuple[str, Any, Any]]) -> None:
         """Hand received tensors to load callbacks, in plan order, off the event loop.

@@ -55,6 +55,7 @@ from m2n_async._data._cuda import (
     _torch,
     grouping_mode,
     is_tensor,
+    lookup_tensor,
     m2n_module,
     torch_dtype,
 )
@@ -321,7 +322,7 @@ class M2NTransport(GpuTransportBase):
             streams.wait(streams.pack, producer)
             with streams.on(streams.pack):
                 for p in params:
-                    t = _lookup(sources, p.name, self.ctx.where(bucket=bucket.index))
+                    t = lookup_tensor(sources, p.name, self.ctx.where(bucket=bucket.index))
                     if self._zero_copy_ok(t, p, p.src_shape):
                         st.buffers.append(t)
                         st.caller_owned.append(True)
@@ -343,7 +344,7 @@ class M2NTransport(GpuTransportBase):
                                          f"{self.ctx.where(bucket=bucket.index)}")
             with streams.on(streams.pack):
                 for k, p in enumerate(params):
-                    sink = _lookup(sinks, p.name, self.ctx.where(bucket=bucket.index))
+                    sink = lookup_tensor(sinks, p.name, self.ctx.where(bucket=bucket.index))
                     if self._zero_copy_ok(sink, p, p.dst_shape):
                         st.buffers.append(sink)
                         st.caller_owned.append(True)
@@ -384,20 +385,25 @@ class M2NTransport(GpuTransportBase):
         the previous round with the same storage pointer. A descriptor holds its tensor, so a
         tensor is kept only once it was seen in two consecutive rounds — proof the caller
         keeps it anyway; a fresh tensor per round (a lazy cast) is never retained."""
-        m2n = self._m2n
         trainer = self.ctx.role == "trainer"
         out = []
         for p, buf, owned in zip(st.params, st.buffers, st.caller_owned, strict=True):
             i = p.param
             absent = self._absent_side.get(i)
             if absent is None:
-                shape, mesh, pl = ((p.dst_shape, p.dst_mesh, p.dst_placements) if trainer
-                                   else (p.src_shape, p.src_mesh, p.src_placements))
-                absent = m2n.DistTensor(None, shape, p.dtype, mesh=mesh, placements=pl)
+                absent = self._side(None, p, src=not trainer)
                 self._absent_side[i] = absent
             own = self._own_side_of(p, buf, owned, trainer)
             out.append((own, absent) if trainer else (absent, own))
         return out
+
+    def _side(self, buf: Any, p: _Param, *, src: bool) -> Any:
+        """The ``DistTensor`` of ``p``'s source (``src``) or destination side over ``buf``."""
+        if src:
+            return self._m2n.DistTensor(buf, p.src_shape, p.dtype, mesh=p.src_mesh,
+                                        placements=p.src_placements)
+        return self._m2n.DistTensor(buf, p.dst_shape, p.dtype, mesh=p.dst_mesh,
+                                    placements=p.dst_placements)
 
     def _own_side_of(self, p: _Param, buf: Any, owned: bool, trainer: bool) -> Any:
         ptr = buf.data_ptr()
@@ -405,9 +411,7 @@ class M2NTransport(GpuTransportBase):
             hit = self._own_side.get(p.param)
             if hit is not None and hit[0] is buf and hit[1] == ptr:
                 return hit[2]
-        shape, mesh, pl = ((p.src_shape, p.src_mesh, p.src_placements) if trainer
-                           else (p.dst_shape, p.dst_mesh, p.dst_placements))
-        desc = self._m2n.DistTensor(buf, shape, p.dtype, mesh=mesh, placements=pl)
+        desc = self._side(buf, p, src=trainer)
         self._own_side.pop(p.param, None)
         if owned:
             seen = self._seen_once.pop(p.param, None)
@@ -430,14 +434,7 @@ class M2NTransport(GpuTransportBase):
         names = [p.name for p in st.params]
 
         def run() -> Any:
-            self.check_usable()
-            comm = self.comm
-            if comm is None:
-                raise TransferError(f"m2n: no communicator (connect did not run) at {where}",
-                                    rank=self.ctx.rank)
-            stream = streams.transfer
-            streams.wait(stream, st.ready)
-            sptr = streams.ptr(stream)
+            comm, stream, sptr = self.begin_transfer(st.ready, where)
             k = 0
             try:
                 for a, b in runs:
@@ -484,10 +481,7 @@ class M2NTransport(GpuTransportBase):
                     copies = True
                 else:
                     callbacks.append((p.name, sink, st.buffers[k]))
-        if copies:
-            await self.completion_of(streams.record(streams.unpack), st,
-                                     f"bucket {st.bucket.index} unpack").wait()
-        await self.run_load_callbacks(callbacks)
+        await self.finish_unpack(st, copies, callbacks)
 
     def release(self, staging: Staging) -> None:
         if isinstance(staging, M2NStaging):
@@ -501,12 +495,3 @@ class M2NTransport(GpuTransportBase):
         if handle is None:
             return []
         return [handle.destroy]
-
-
-def _lookup(mapping: Mapping[str, Any], name: str, where: str) -> Any:
-    try:
-        return mapping[name]
-    except KeyError:
-        raise PlanError(f"parameter {name!r} is missing from this rank's tensors at "
-                        f"{where}") from None
-

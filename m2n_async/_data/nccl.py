@@ -34,7 +34,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from m2n_async._data._cuda import GpuTransportBase, _torch, is_tensor, torch_dtype
+from m2n_async._data._cuda import (
+    GpuTransportBase,
+    _torch,
+    is_tensor,
+    lookup_tensor,
+    torch_dtype,
+)
 from m2n_async._data._packing import BucketPacking, byte_view, pack_peer, plan_bucket, unpack_peer
 from m2n_async._data._transport import Completion, Sink, Staging
 from m2n_async._proto.errors import LocalProtocolError, PlanError, TransferError
@@ -124,7 +130,7 @@ class NcclTransport(GpuTransportBase):
                 local: dict[int, Any] = {}
                 for i in pk.params:
                     spec = plan.params[i].spec
-                    t = _lookup(sources, spec.name, where)
+                    t = lookup_tensor(sources, spec.name, where)
                     shape = tuple(spec.layout.shard_shape(tuple(spec.shape)))
                     buf, copied = self._local(i, t, shape, where)
                     if copied:
@@ -160,7 +166,7 @@ class NcclTransport(GpuTransportBase):
                 p = plan.params[i]
                 spec = p.spec
                 shape = tuple(p.dst.shard_shape(tuple(spec.shape)))
-                sink = _lookup(sinks, spec.name, where)
+                sink = lookup_tensor(sinks, spec.name, where)
                 dtype = torch_dtype(spec.dtype)
                 if (is_tensor(sink) and sink.device == self.device and sink.dtype == dtype
                         and sink.is_contiguous() and tuple(sink.shape) == shape):
@@ -209,14 +215,7 @@ class NcclTransport(GpuTransportBase):
         where = self.ctx.where(round=self.round, bucket=st.bucket.index)
 
         def run() -> Any:
-            self.check_usable()
-            comm = self.comm
-            if comm is None:
-                raise TransferError(f"nccl: no communicator (connect did not run) at {where}",
-                                    rank=self.ctx.rank)
-            stream = streams.transfer
-            streams.wait(stream, st.ready)
-            sptr = streams.ptr(stream)
+            comm, stream, sptr = self.begin_transfer(st.ready, where)
             peer = -1
             try:
                 with nc.group():
@@ -263,10 +262,7 @@ class NcclTransport(GpuTransportBase):
                     sink.copy_(tmp, non_blocking=True)  # type: ignore[union-attr]
                 else:
                     callbacks.append((name, sink, tmp))
-        if st.scatter or st.temps:
-            await self.completion_of(streams.record(streams.unpack), st,
-                                     f"bucket {st.bucket.index} unpack").wait()
-        await self.run_load_callbacks(callbacks)
+        await self.finish_unpack(st, bool(st.scatter or st.temps), callbacks)
 
     def release(self, staging: Staging) -> None:
         if isinstance(staging, NcclStaging):
@@ -275,12 +271,3 @@ class NcclTransport(GpuTransportBase):
             staging.temps = []
             staging.dst_bytes = {}
             staging.ready = staging.transferred = None
-
-
-def _lookup(mapping: Mapping[str, Any], name: str, where: str) -> Any:
-    try:
-        return mapping[name]
-    except KeyError:
-        raise PlanError(f"parameter {name!r} is missing from this rank's tensors at "
-                        f"{where}") from None
-
