@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -25,6 +26,25 @@ def make_plan(defs: Sequence[ParamDef], src_dims: tuple[int, int],
                             Layout(dmesh, dp))
               for name, shape, dtype, sp, dp in defs]
     return TransferPlan(params, trainer_ranks=t, world_size=t + n)
+
+
+def random_defs(draw: Any, dtypes: Any, placements: Any, *, params: tuple[int, int],
+                ndims: tuple[int, int] = (1, 3)) -> list[ParamDef]:
+    """For hypothesis strategies: ``params`` (min, max) parameters of ``ndims`` dimensions of
+    size 6 or 12, each with a dtype drawn from ``dtypes`` and source and destination
+    placements drawn from ``placements`` that name existing dimensions."""
+    from hypothesis import strategies as st
+
+    defs: list[ParamDef] = []
+    for k in range(draw(st.integers(*params))):
+        nd = draw(st.integers(*ndims))
+        shape = tuple(draw(st.sampled_from([6, 12])) for _ in range(nd))
+
+        def fits(p: tuple[int, int] | None, nd: int = nd) -> bool:
+            return p is None or max(p) < nd
+        defs.append((f"p{k}", shape, draw(dtypes), draw(placements.filter(fits)),
+                     draw(placements.filter(fits))))
+    return defs
 
 
 def global_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype,

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from m2n_async._proto.plan import TransferPlan
 from m2n_async.testing import MemoryStore
 
-from ._plans import R, make_plan, source_shards
+from ._plans import R, make_plan, random_defs, source_shards
 from .test_engine_local import CFG, _check, _close, _connect_all, _round
 
 _PLACEMENTS = st.sampled_from([None, (R, 0), (R, 1), (R, 2), (0, R), (1, R)])
@@ -22,15 +22,7 @@ _DTYPES = st.sampled_from([torch.float32, torch.bfloat16, torch.int8, torch.bool
 def _plans(draw: st.DrawFn) -> tuple[TransferPlan, int]:
     src_dims = draw(st.sampled_from([(1, 1), (1, 2), (2, 1)]))
     dst_dims = draw(st.sampled_from([(1, 1), (1, 2), (2, 1), (1, 3)]))
-    defs = []
-    for k in range(draw(st.integers(1, 3))):
-        nd = draw(st.integers(1, 3))
-        shape = tuple(draw(st.sampled_from([6, 12])) for _ in range(nd))
-
-        def fits(p: tuple[int, int] | None, nd: int = nd) -> bool:
-            return p is None or max(p) < nd
-        defs.append((f"p{k}", shape, draw(_DTYPES), draw(_PLACEMENTS.filter(fits)),
-                     draw(_PLACEMENTS.filter(fits))))
+    defs = random_defs(draw, _DTYPES, _PLACEMENTS, params=(1, 3))
     return make_plan(defs, src_dims, dst_dims), draw(st.sampled_from([64, 1 << 20]))
 
 

@@ -18,7 +18,7 @@ from m2n_async._data.gloo import GlooStaging, GlooTransport, _Arenas
 from m2n_async._engine._engine import MAX_BUCKET_PARAMS, split_buckets
 from m2n_async._proto.plan import TransferPlan
 
-from ._plans import R, expected_shards, make_plan, source_shards
+from ._plans import R, expected_shards, make_plan, random_defs, source_shards
 
 
 class _World:
@@ -183,15 +183,7 @@ _DTYPES = st.sampled_from([torch.float32, torch.bfloat16, torch.int8, torch.bool
 def _cases(draw: st.DrawFn) -> tuple[TransferPlan, int, int, int]:
     src_dims = draw(st.sampled_from([(1, 1), (1, 2), (2, 1), (1, 3)]))
     dst_dims = draw(st.sampled_from([(1, 1), (1, 2), (2, 1), (2, 2)]))
-    defs = []
-    for k in range(draw(st.integers(1, 6))):
-        nd = draw(st.integers(0, 3))
-        shape = tuple(draw(st.sampled_from([6, 12])) for _ in range(nd))
-
-        def ok(p: tuple[int, int] | None, nd: int = nd) -> bool:
-            return p is None or max(p) < nd
-        defs.append((f"p{k}", shape, draw(_DTYPES), draw(_PLACEMENTS.filter(ok)),
-                     draw(_PLACEMENTS.filter(ok))))
+    defs = random_defs(draw, _DTYPES, _PLACEMENTS, params=(1, 6), ndims=(0, 3))
     return (make_plan(defs, src_dims, dst_dims), draw(st.sampled_from([64, 512, 1 << 20])),
             draw(st.integers(1, 3)), draw(st.sampled_from([0, 2])))
 

@@ -17,7 +17,7 @@ from m2n_async._data._packing import (
 )
 from m2n_async._proto.plan import TransferPlan
 
-from ._plans import R, expected_shards, make_plan, source_shards
+from ._plans import R, expected_shards, make_plan, random_defs, source_shards
 
 
 def _simulate(plan: TransferPlan, bucket_bytes: int, direct_min: int) -> int:
@@ -111,15 +111,7 @@ _DTYPES = st.sampled_from([torch.float32, torch.bfloat16, torch.int8, torch.bool
 def _plans(draw: st.DrawFn) -> tuple[TransferPlan, int, int]:
     src_dims = draw(st.sampled_from([(1, 1), (1, 2), (2, 1), (2, 2), (1, 3)]))
     dst_dims = draw(st.sampled_from([(1, 1), (1, 2), (2, 1), (2, 2), (3, 1)]))
-    defs = []
-    for k in range(draw(st.integers(1, 4))):
-        nd = draw(st.integers(1, 3))
-        shape = tuple(draw(st.sampled_from([6, 12])) for _ in range(nd))
-
-        def ok(p: tuple[int, int] | None, nd: int = nd) -> bool:
-            return p is None or max(p) < nd
-        defs.append((f"p{k}", shape, draw(_DTYPES), draw(_PLACEMENTS.filter(ok)),
-                     draw(_PLACEMENTS.filter(ok))))
+    defs = random_defs(draw, _DTYPES, _PLACEMENTS, params=(1, 4))
     return (make_plan(defs, src_dims, dst_dims), draw(st.sampled_from([1, 256, 1 << 20])),
             draw(st.sampled_from([1, 6, 24, 48, 1 << 20])))
 
