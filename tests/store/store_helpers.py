@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
 
 from m2n_async import Store, StoreServer
 from m2n_async._store._core import StoreCore
@@ -68,3 +71,15 @@ class RunningServer:
         self._stop.set()
         if self._task is not None:
             await self._task
+
+
+async def wait_ready(proc: Any) -> None:
+    """Read a spawned helper's stdout until it prints READY (its client is connected)."""
+    assert proc.stdout is not None
+    with anyio.fail_after(60):  # interpreter start-up on a busy box
+        seen = b""
+        async for chunk in proc.stdout:
+            seen += chunk
+            if b"READY" in seen:
+                break
+    assert b"READY" in seen

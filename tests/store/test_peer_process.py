@@ -14,7 +14,7 @@ import time
 
 import anyio
 import pytest
-from store_helpers import TOKEN, RunningServer
+from store_helpers import TOKEN, RunningServer, wait_ready
 
 from m2n_async import ControlGroup, PeerLostError, StoreClient
 
@@ -44,14 +44,7 @@ async def test_sigkilled_peer_fails_waiters_fast() -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         async with await anyio.open_process(
                 [sys.executable, "-c", VICTIM, server.address, TOKEN], env=env) as proc:
-            assert proc.stdout is not None
-            with anyio.fail_after(60):  # interpreter start-up on a busy box
-                seen = b""
-                async for chunk in proc.stdout:
-                    seen += chunk
-                    if b"READY" in seen:
-                        break
-            assert b"READY" in seen
+            await wait_ready(proc)
             a = await StoreClient.connect(server.address, token=TOKEN)
             b = await StoreClient.connect(server.address, token=TOKEN)
             groups = [ControlGroup(a, 0, 3, "job/1/g"), ControlGroup(b, 2, 3, "job/1/g")]

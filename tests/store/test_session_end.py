@@ -15,7 +15,7 @@ import time
 import anyio
 import anyio.abc
 import pytest
-from store_helpers import TOKEN
+from store_helpers import TOKEN, wait_ready
 
 from m2n_async import (
     M2NError,
@@ -153,14 +153,8 @@ async def test_process_exit_without_close_ends_its_session(server: StoreServer) 
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     async with await anyio.open_process(
             [sys.executable, "-c", VICTIM, server.address, TOKEN], env=env) as proc:
-        assert proc.stdout is not None and proc.stdin is not None
-        with anyio.fail_after(60):  # interpreter start-up on a busy box
-            seen = b""
-            async for chunk in proc.stdout:
-                seen += chunk
-                if b"READY" in seen:
-                    break
-        assert b"READY" in seen
+        assert proc.stdin is not None
+        await wait_ready(proc)
         async with anyio.create_task_group() as tg:
             tg.start_soon(watcher.run)
             with anyio.fail_after(10):
