@@ -84,7 +84,8 @@ class ControlGroup:
     async def all_gather_bytes(self, payload: bytes) -> list[bytes]:
         """Every rank's ``payload``, indexed by rank.
 
-        Raises ``PeerLostError(ranks=(r,))`` if rank r's session ends first.
+        Raises ``PeerLostError(ranks=(r,))`` if rank r's session ends before r contributed;
+        a rank that contributed and then left does not fail the call.
 
         Cancellation: this rank's contribution may already be visible to the others, and the
         group's call sequence has advanced: a group whose call was cancelled is out of step with
@@ -168,7 +169,7 @@ class ControlGroup:
                 if self._previous_key is not None:
                     await store.delete(self._previous_key)
         except PeerLostError as exc:
-            raise self._peer_lost(exc, kind, seq) from None
+            items = await self._wait_past_departures(exc, prefix, kind, seq)
         self._previous_key = own_key
         out: list[bytes | None] = [None] * self.world_size
         for key, value in items.items():
@@ -180,6 +181,35 @@ class ControlGroup:
                 f"0..{self.world_size - 1}, got {sorted(items)}")
         return [v for v in out if v is not None]
 
+    async def _wait_past_departures(self, exc: PeerLostError, prefix: str, kind: str,
+                                    seq: int) -> dict[str, bytes]:
+        # A watched rank whose session ended is only lost to this call if it never
+        # contributed. One that did and then left (its own deadline fired first because it
+        # entered the phase earlier, or it failed elsewhere and exited) is not why this rank
+        # waits: blaming it would give this rank a different diagnosis (PeerLostError naming
+        # a rank that arrived) from its peers (TimeoutError naming the rank that did not).
+        # So keep waiting without watching it; the caller's deadline still bounds the wait.
+        watch = list(self._watch)
+        while True:
+            lost = self._lost_rank(exc)
+            if lost is None or self.alive_key(lost) not in watch:
+                raise self._peer_lost(exc, kind, seq) from None
+            present = await self.store.gather(prefix, 0)
+            if lost not in {self._rank_of(key, prefix) for key in present}:
+                raise self._peer_lost(exc, kind, seq) from None
+            watch.remove(self.alive_key(lost))
+            try:
+                return await self.store.gather(prefix, self.world_size, watch=tuple(watch))
+            except PeerLostError as again:
+                exc = again
+
+    def _lost_rank(self, exc: PeerLostError) -> int | None:
+        key = exc.key or ""
+        head = f"{self.namespace}/{_ALIVE}/"
+        if key.startswith(head) and key[len(head):].isdigit():
+            return int(key[len(head):])
+        return None
+
     def _rank_of(self, key: str, prefix: str) -> int:
         suffix = key[len(prefix):]
         if suffix.isascii() and suffix.isdigit() and int(suffix) < self.world_size:
@@ -188,11 +218,9 @@ class ControlGroup:
                                   f"collective's prefix")
 
     def _peer_lost(self, exc: PeerLostError, kind: str, seq: int) -> PeerLostError:
+        lost = self._lost_rank(exc)
+        ranks: Sequence[int] = () if lost is None else (lost,)
         key = exc.key or ""
-        head = f"{self.namespace}/{_ALIVE}/"
-        ranks: Sequence[int] = ()
-        if key.startswith(head) and key[len(head):].isdigit():
-            ranks = (int(key[len(head):]),)
         who = f"rank {ranks[0]}" if ranks else f"the owner of {key!r}"
         return PeerLostError(
             f"{kind} call {seq} in group {self.namespace!r} (rank {self.rank} of "

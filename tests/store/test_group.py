@@ -164,6 +164,53 @@ async def test_peer_lost_names_the_rank_fast(world: World) -> None:
         assert t_fail[r] - t0 < 2.0
 
 
+@pytest.mark.parametrize("plain", [False, True])
+async def test_a_rank_that_contributed_then_left_is_not_lost(world: World, plain: bool) -> None:
+    # Rank 0 contributes and its session ends (its own deadline fired first: it entered the
+    # phase earlier). Rank 1 waits for rank 2, which is merely late: rank 1 must not blame
+    # rank 0 — that diagnosis would differ from its peers' — and must complete when rank 2
+    # arrives. The CI run of stop 10 failed on exactly this race in the preflight.
+    groups = await make_groups(world, 3, plain=plain)
+    got: dict[int, list[bytes]] = {}
+
+    async def one(g: ControlGroup) -> None:
+        got[g.rank] = await g.all_gather_bytes(bytes([g.rank]))
+
+    with anyio.fail_after(DEADLINE):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one, groups[1])
+            with anyio.move_on_after(0.2):
+                await groups[0].all_gather_bytes(b"\x00")
+            await groups[0].store.aclose()  # contributed, then the session ended
+            await anyio.sleep(0.2)  # rank 1 has seen the loss and must still be waiting
+            assert 1 not in got
+            tg.start_soon(one, groups[2])
+    assert got[1] == got[2] == [b"\x00", b"\x01", b"\x02"]
+
+
+async def test_a_non_contributor_is_lost_even_after_a_contributor_left(world: World) -> None:
+    groups = await make_groups(world, 4)
+    errors: dict[int, PeerLostError] = {}
+
+    async def survivor(g: ControlGroup) -> None:
+        try:
+            await g.all_gather_bytes(b"x")
+        except PeerLostError as exc:
+            errors[g.rank] = exc
+
+    with anyio.fail_after(DEADLINE):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(survivor, groups[1])
+            tg.start_soon(survivor, groups[2])
+            with anyio.move_on_after(0.2):
+                await groups[0].all_gather_bytes(b"x")
+            await groups[0].store.aclose()  # contributed, then left: not lost
+            await anyio.sleep(0.2)
+            await groups[3].store.aclose()  # never contributed: lost
+    assert sorted(errors) == [1, 2]
+    assert all(e.ranks == (3,) for e in errors.values()), errors
+
+
 async def test_missing_ranks_and_skipped_call_isolation(world: World) -> None:
     groups = await make_groups(world, 3)
     assert await groups[0].missing_ranks() == []
