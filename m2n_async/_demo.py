@@ -22,10 +22,12 @@ piece that did not move) fails the check, and the hash makes misplaced pieces fa
 
 Between rounds the trainers wait (through the store, bounded) until every worker has verified
 the previous round, so a round's time measures the transfer, not the verification. Children
-report to the parent as msgspec-encoded events on a multiprocessing queue (typed; no pickle of
-our own objects); the parent draws the progress bar on stderr, prints per-round time and GB/s,
-and exits non-zero naming the rank on any mismatch, error, dead child or deadline. Children
-are always reaped: on failure the survivors get ``abort_grace`` to report, then are killed.
+report to the parent as msgspec-encoded events, each child on its own pipe (typed; no pickle
+at all): a child that dies mid-write can only garble its own pipe, where a shared
+``multiprocessing.Queue`` would keep its lock forever and silence every other child. The
+parent draws the progress bar on stderr, prints per-round time and GB/s, and exits non-zero
+naming the rank on any mismatch, error, dead child or deadline. Children are always reaped:
+on failure the survivors get a grace period (``_FAIL_GRACE``) to report, then are killed.
 """
 
 from __future__ import annotations
@@ -34,13 +36,14 @@ import argparse
 import math
 import multiprocessing as mp
 import os
-import queue
 import secrets
 import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from multiprocessing import connection as mp_connection
+from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -275,7 +278,7 @@ def shard_content(p: DemoParam, box: Box, round_: int) -> torch.Tensor:
     return t
 
 
-# -- events: children -> parent (msgspec on a queue) -----------------------------------------
+# -- events: children -> parent (msgspec, one pipe per child) --------------------------------
 
 
 class Ready(msgspec.Struct, tag=True, frozen=True):
@@ -338,8 +341,14 @@ class DemoArgs:
         return self.trainers + self.workers
 
 
-def _child(args: DemoArgs, rank: int, events: Any) -> None:
+#: This child's event pipe (set in ``_child``; only the ``torn`` fault writes it directly).
+_events: Connection | None = None
+
+
+def _child(args: DemoArgs, rank: int, events: Connection) -> None:
     """Process entry of one rank: run it, report any failure, exit non-zero on failure."""
+    global _events
+    _events = events
     import warnings
 
     # torch warns at import when NumPy is absent (a fresh `tox -e demo` env); the demo never
@@ -348,7 +357,9 @@ def _child(args: DemoArgs, rank: int, events: Any) -> None:
     import torch
 
     torch.set_num_threads(1)  # 2 cores shared by T + N processes: no intra-op pools
-    send: Callable[[Event], None] = lambda ev: events.put(_encoder.encode(ev))  # noqa: E731
+    # A synchronous write on the caller's thread: no feeder thread that an abrupt exit (the
+    # 'exit' fault, a crash) could kill halfway through a message.
+    send: Callable[[Event], None] = lambda ev: events.send_bytes(_encoder.encode(ev))  # noqa: E731
     try:
         anyio.run(_rank_main, args, rank, send)
     except BaseException as exc:
@@ -387,7 +398,8 @@ def _fault(rank: int, round_: int) -> str | None:
     """The fault ``M2N_DEMO_FAULT=kind:rank:round`` injects here, if any.
 
     A test hook, so that the demo's own checks are shown to fail: ``exit`` ends the process
-    abruptly (``os._exit``) as round ``round`` begins on that rank; ``corrupt`` (a worker)
+    abruptly (``os._exit``) as round ``round`` begins on that rank; ``torn`` does the same
+    after writing half an event to its pipe (a child killed mid-report); ``corrupt`` (a worker)
     flips one received byte before verifying; ``exit_verify`` (a worker) ends the process
     after receiving, before it reports the round verified.
     """
@@ -400,7 +412,11 @@ def _fault(rank: int, round_: int) -> str | None:
     except ValueError:
         raise ValueError(f"M2N_DEMO_FAULT must be 'KIND:RANK:ROUND', got {spec!r}"
                          ) from None
-    if hit and kind == "exit":
+    if hit and kind == "torn" and _events is not None:
+        # A length header promising 1000 bytes, then 3 of them: the parent must read EOF on
+        # this pipe, count the rank as dead, and still hear every other rank.
+        os.write(_events.fileno(), (1000).to_bytes(4, "big") + b"abc")
+    if hit and kind in ("exit", "torn"):
         os._exit(9)
     return kind if hit else None
 
@@ -595,18 +611,23 @@ async def _parent(trainers: int, workers: int, rounds: int, size_mb: float, tran
                         f"demo-{secrets.token_hex(4)}", round_timeout,
                         phase_timeout=min(60.0, round_timeout), bucket_mb=bucket_mb)
         ctx = mp.get_context("spawn")
-        events = ctx.Queue()
-        procs = [ctx.Process(target=_child, args=(args, r, events), daemon=True,
+        pipes = [ctx.Pipe(duplex=False) for _ in range(args.world)]
+        procs = [ctx.Process(target=_child, args=(args, r, pipes[r][1]), daemon=True,
                              name=f"m2n-demo-rank{r}") for r in range(args.world)]
         try:
-            for p in procs:
+            for p, (_, writer) in zip(procs, pipes, strict=True):
                 p.start()
-            await _monitor(args, procs, events, total, limit_s, _Bar(err, out))
+                writer.close()  # the child holds its own copy; EOF here once the child is gone
+            await _monitor(args, procs, [reader for reader, _ in pipes], total, limit_s,
+                           _Bar(err, out))
         except DemoFailed as exc:
             return str(exc)
         finally:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(_reap, procs)
+            for reader, writer in pipes:
+                reader.close()
+                writer.close()
     return None
 
 
@@ -622,8 +643,8 @@ def _reap(procs: Sequence[Any]) -> None:
             p.join(5)
 
 
-async def _monitor(args: DemoArgs, procs: Sequence[Any], events: Any, total: int,
-                   limit_s: float, bar: _Bar) -> None:
+async def _monitor(args: DemoArgs, procs: Sequence[Any], readers: list[Connection],
+                   total: int, limit_s: float, bar: _Bar) -> None:
     started = time.monotonic()
     deadline = started + limit_s
     ready: dict[int, Ready] = {}
@@ -634,12 +655,17 @@ async def _monitor(args: DemoArgs, procs: Sequence[Any], events: Any, total: int
     current = 1
     fail_by: float | None = None  # after the first failure: time left for the others to report
 
-    def get() -> bytes | None:
-        try:
-            raw: bytes = events.get(timeout=0.1)
-        except queue.Empty:
-            return None
-        return raw
+    open_readers = list(readers)
+
+    def get() -> list[bytes]:
+        batch = []
+        for conn in mp_connection.wait(open_readers, timeout=0.1):
+            assert isinstance(conn, Connection)
+            try:
+                batch.append(conn.recv_bytes())
+            except (EOFError, OSError):  # the child exited (a torn last message included)
+                open_readers.remove(conn)
+        return batch
 
     while len(finished) + len(failures) < args.world:
         now = time.monotonic()
@@ -649,43 +675,44 @@ async def _monitor(args: DemoArgs, procs: Sequence[Any], events: Any, total: int
             missing = sorted(set(range(args.world)) - finished - failures.keys())
             raise DemoFailed(f"the demo did not finish within {deadline - started:.0f} s; "
                              f"rank(s) {missing} still running (killed)")
-        raw = await anyio.to_thread.run_sync(get)
-        if raw is None:
-            # Only when the queue is idle: a child that reported and exited may still have
-            # events in flight.
+        batch = await anyio.to_thread.run_sync(get)
+        if not batch:
+            # Only when the pipes are idle: a child that reported and exited may still have
+            # events in its pipe.
             for r, p in enumerate(procs):
                 if (r not in finished and r not in failures and p.exitcode is not None):
                     failures[r] = (f"process exited with code {p.exitcode} without reporting "
                                    f"an error (killed or crashed)")
                     fail_by = fail_by or time.monotonic() + _FAIL_GRACE
             continue
-        ev = _decoder.decode(raw)
-        if isinstance(ev, Failure):
-            failures[ev.rank] = ev.message
-            fail_by = fail_by or time.monotonic() + _FAIL_GRACE
-            continue
-        if isinstance(ev, Finished):
-            finished.add(ev.rank)
-        elif isinstance(ev, Ready):
-            ready[ev.rank] = ev
-            if len(ready) == args.world:
-                t = ready[0]
-                bar.line(f"connected in {time.monotonic() - started:.1f} s: generation "
-                         f"{t.generation}, transport {t.transport} ({t.reason})")
-        elif isinstance(ev, Progress) and ev.rank >= args.trainers and ev.round == current:
-            progress.setdefault(ev.round, {})[ev.rank] = ev.done
-            done = sum(progress[ev.round].values())
-            bar.draw(f"round {ev.round}/{args.rounds}", done / total if total else 1.0)
-        elif isinstance(ev, RoundReport):
-            reports.setdefault(ev.round, {})[ev.rank] = ev
-            if ev.mismatched:
-                failures[ev.rank] = (f"round {ev.round}: {len(ev.mismatched)} of {ev.checked} "
-                                     f"tensors differ from the recomputation, e.g. "
-                                     f"{list(ev.mismatched[:5])}")
+        for raw in batch:
+            ev = _decoder.decode(raw)
+            if isinstance(ev, Failure):
+                failures[ev.rank] = ev.message
                 fail_by = fail_by or time.monotonic() + _FAIL_GRACE
-            while len(reports.get(current, {})) == args.world:
-                _print_round(args, reports[current], total, bar)
-                current += 1
+                continue
+            if isinstance(ev, Finished):
+                finished.add(ev.rank)
+            elif isinstance(ev, Ready):
+                ready[ev.rank] = ev
+                if len(ready) == args.world:
+                    t = ready[0]
+                    bar.line(f"connected in {time.monotonic() - started:.1f} s: generation "
+                             f"{t.generation}, transport {t.transport} ({t.reason})")
+            elif isinstance(ev, Progress) and ev.rank >= args.trainers and ev.round == current:
+                progress.setdefault(ev.round, {})[ev.rank] = ev.done
+                done = sum(progress[ev.round].values())
+                bar.draw(f"round {ev.round}/{args.rounds}", done / total if total else 1.0)
+            elif isinstance(ev, RoundReport):
+                reports.setdefault(ev.round, {})[ev.rank] = ev
+                if ev.mismatched:
+                    failures[ev.rank] = (f"round {ev.round}: {len(ev.mismatched)} of "
+                                         f"{ev.checked} tensors differ from the "
+                                         f"recomputation, e.g. {list(ev.mismatched[:5])}")
+                    fail_by = fail_by or time.monotonic() + _FAIL_GRACE
+                while len(reports.get(current, {})) == args.world:
+                    _print_round(args, reports[current], total, bar)
+                    current += 1
     if failures:
         for r in sorted(set(range(args.world)) - finished - failures.keys()):
             # Still running when the grace ran out: killed with the rest, say so.

@@ -343,8 +343,18 @@ class _Engine:
         return f"round {round_} of generation {self._generation}"
 
     async def _wait_start(self, round_: int) -> RoundStart:
-        raw = await self._store.get(_RoundKeys(self._namespace, round_).start, wait=True,
-                                    watch=self._watch)
+        try:
+            raw = await self._store.get(_RoundKeys(self._namespace, round_).start, wait=True,
+                                        watch=self._watch)
+        except PeerLostError as exc:
+            # The store only knows a key; say which rank, in which role, and where we stood.
+            lost = self._lost_rank(exc)
+            who = ("a peer" if lost is None else
+                   f"rank {lost} ({'trainer' if lost < self.trainer_ranks else 'worker'})")
+            raise PeerLostError(f"rank {self.rank} ({self._role}), waiting for "
+                                f"{self._where(round_)} to start: {who} was lost (its store "
+                                f"session ended: process died or disconnected)",
+                                ranks=() if lost is None else (lost,), key=exc.key) from None
         assert raw is not None
         start = decode_as(raw, RoundStart)
         if (start.generation, start.round) != (self._generation, round_):

@@ -18,6 +18,7 @@ from m2n_async import (
     EnginePoisonedError,
     LoadTarget,
     LocalProtocolError,
+    PeerLostError,
     TrainerEngine,
     TransferError,
     WorkerEngine,
@@ -492,5 +493,36 @@ async def test_many_small_params_split_into_overlapping_buckets(
                            lambda e: e.sync_weights(source_shards(plan, e.rank, 1)))
         assert {r.buckets for r in res} == {3}
         _check(plan, workers, 1)
+    finally:
+        await _close(*trainers, *workers)
+
+
+@pytest.mark.asyncio
+async def test_worker_waiting_for_a_round_names_the_lost_rank() -> None:
+    # The store's own error names only a key; the engine must say which rank (and role) died
+    # and where this rank stood.
+    plan = make_plan(DEFS[:1], (1, 2), (1, 2))
+    store = MemoryStore()
+    trainers, workers = await _connect_all(store, plan)
+    errors: dict[int, BaseException] = {}
+
+    async def wait(e: WorkerEngine) -> None:
+        try:
+            await e.receive(timeout=20)
+        except PeerLostError as exc:
+            errors[e.rank] = exc
+
+    try:
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                for e in workers:
+                    tg.start_soon(wait, e)
+                await anyio.sleep(0.05)
+                await trainers[0]._store.aclose()  # the trainer's process "died"
+        assert sorted(errors) == [e.rank for e in workers]
+        for r, exc in errors.items():
+            assert isinstance(exc, PeerLostError) and exc.ranks == (0,), exc
+            assert (f"rank {r} (worker), waiting for round 1 of generation "
+                    f"{workers[0].generation} to start: rank 0 (trainer) was lost") in str(exc)
     finally:
         await _close(*trainers, *workers)
