@@ -61,6 +61,7 @@ class Args:
     pg_file: str
     profile: str | None = None
     parts: tuple[str, ...] = ("mixed", "aligned", "tiny")
+    max_inflight: int = 3
 
 
 class Throughput(msgspec.Struct):
@@ -69,7 +70,7 @@ class Throughput(msgspec.Struct):
     raw_s: list[float] = []
     raw_copy_s: list[float] = []       # raw + the engine's packing copies, done serially
     bytes_moved: int = 0               # the plan's bytes sent (trainer) / received (worker)
-    phases: dict[str, float] = {}      # trainer rank 0's last SyncResult.phases
+    phases: dict[str, float] = {}      # this rank's last SyncResult.phases
     mismatched: list[str] = []         # workers: tensors not bit-exact
     lag: list[float] = []              # trainer rank 0: overshoot of 1 ms sleeps, seconds
     lag_raw: list[float] = []          # the same during the raw rounds (control)
@@ -226,7 +227,8 @@ async def _part_throughput(args: Args, rank: int, out: Throughput) -> None:
         params = [dataclasses.replace(p, dst=p.src) for p in params]
     plan = demo_plan(params, TRAINERS, WORKERS)
     config = EngineConfig(transport="gloo", bucket_bytes=int(args.bucket_mb * (1 << 20)),
-                          round_timeout=120, job=f"bench-{out.layout}")
+                          max_inflight=args.max_inflight, round_timeout=120,
+                          job=f"bench-{out.layout}")
     # Raw baseline buffers: per peer, the bytes the plan moves between us, as one buffer.
     pair = {peer: 0 for peer in range(WORLD)}
     for i in range(len(plan.params)):
@@ -297,8 +299,7 @@ async def _part_throughput(args: Args, rank: int, out: Throughput) -> None:
             out.raw_s.append((await _timed(raw, lag_raw, cpu=out.cpu_raw))[0])
             out.raw_copy_s.append((await _timed(raw_copy, lag_copy, cpu=out.cpu_copy))[0])
         out.copy_mb = sum(d.numel() for d, _ in copies) / 1e6
-        if rank == 0:
-            out.phases = dict(res.phases)
+        out.phases = dict(res.phases)
         if rank >= TRAINERS:
             base = {p.name: _bytes_2d(base_content(p.name, p.shape, p.dtype, boxes[p.name]))
                     for p in params}
@@ -323,7 +324,8 @@ async def _part_tiny(args: Args, rank: int, out: RankResult) -> None:
     smesh = Mesh((1, 1), 0)
     specs = [ParamSpec(f"tiny.{i}", "float32", (16,), Layout(smesh, None)) for i in range(n)]
     config = EngineConfig(transport="gloo", bucket_bytes=int(args.bucket_mb * (1 << 20)),
-                          round_timeout=300, phase_timeout=120, job="bench-tiny")
+                          max_inflight=args.max_inflight, round_timeout=300,
+                          phase_timeout=120, job="bench-tiny")
     total = n * 64
     lag = out.lag_tiny if rank == TINY_TRAINER else None
     t0 = time.perf_counter()
@@ -382,7 +384,7 @@ async def _run(ns: argparse.Namespace) -> list[RankResult]:
         async with StoreServer(host="127.0.0.1", port=0, token=token) as server:
             args = Args(ns.size_mb, ns.rounds, ns.tiny_params, ns.tiny_rounds, ns.bucket_mb,
                         server.address, token, os.path.join(tmp, "pg"), ns.profile,
-                        tuple(ns.parts.split(",")))
+                        tuple(ns.parts.split(",")), ns.max_inflight)
             ctx = mp.get_context("spawn")
             results = ctx.Queue()
             procs = [ctx.Process(target=_child, args=(args, r, results), daemon=True)
@@ -430,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny-params", type=int, default=100_000)
     ap.add_argument("--tiny-rounds", type=int, default=3)
     ap.add_argument("--bucket-mb", type=float, default=64.0)
+    ap.add_argument("--max-inflight", type=int, default=3,
+                    help="EngineConfig.max_inflight (default 3, the engine's)")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--profile", metavar="DIR", default=None,
                     help="cProfile every rank process (main thread) into DIR/rankN.prof")
@@ -473,8 +477,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"   raw + the engine's packing copies (serial; MB copied by process: {mb}): "
               f"median {rc:.3f} s = {moved / rc / 1e9:.2f} GB/s (engine / this: "
               f"{rc / eng:.2f}x)")
-        ph = ", ".join(f"{k} {v:.3f}" for k, v in t0.phases.items())
-        print(f"   trainer rank 0, its last round (s; busy times overlap): {ph}")
+        print("   each rank's last round (s; busy times overlap):")
+        for r, rr in enumerate(res):
+            ph = ", ".join(f"{k} {v:.3f}" for k, v in rr.throughput[i].phases.items())
+            print(f"     rank {r} ({'trainer' if r < TRAINERS else 'worker'}): {ph}")
         cpu = []
         for r in res:
             t = r.throughput[i]
