@@ -71,6 +71,7 @@ class Throughput(msgspec.Struct):
     raw_copy_s: list[float] = []       # raw + the engine's packing copies, done serially
     bytes_moved: int = 0               # the plan's bytes sent (trainer) / received (worker)
     phases: dict[str, float] = {}      # this rank's last SyncResult.phases
+    peak_mb: float = 0.0               # and its peak_extra_bytes, MB
     mismatched: list[str] = []         # workers: tensors not bit-exact
     lag: list[float] = []              # trainer rank 0: overshoot of 1 ms sleeps, seconds
     lag_raw: list[float] = []          # the same during the raw rounds (control)
@@ -300,6 +301,7 @@ async def _part_throughput(args: Args, rank: int, out: Throughput) -> None:
             out.raw_copy_s.append((await _timed(raw_copy, lag_copy, cpu=out.cpu_copy))[0])
         out.copy_mb = sum(d.numel() for d, _ in copies) / 1e6
         out.phases = dict(res.phases)
+        out.peak_mb = res.peak_extra_bytes / 1e6
         if rank >= TRAINERS:
             base = {p.name: _bytes_2d(base_content(p.name, p.shape, p.dtype, boxes[p.name]))
                     for p in params}
@@ -477,10 +479,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"   raw + the engine's packing copies (serial; MB copied by process: {mb}): "
               f"median {rc:.3f} s = {moved / rc / 1e9:.2f} GB/s (engine / this: "
               f"{rc / eng:.2f}x)")
-        print("   each rank's last round (s; busy times overlap):")
+        print("   each rank's last round (s; busy times overlap) and peak extra memory:")
         for r, rr in enumerate(res):
-            ph = ", ".join(f"{k} {v:.3f}" for k, v in rr.throughput[i].phases.items())
-            print(f"     rank {r} ({'trainer' if r < TRAINERS else 'worker'}): {ph}")
+            tp = rr.throughput[i]
+            ph = ", ".join(f"{k} {v:.3f}" for k, v in tp.phases.items())
+            print(f"     rank {r} ({'trainer' if r < TRAINERS else 'worker'}): {ph}; "
+                  f"peak {tp.peak_mb:.2f} MB")
         cpu = []
         for r in res:
             t = r.throughput[i]

@@ -152,6 +152,10 @@ class TransportContext:
     #: every rank; passed in so that the transport never recomputes them differently.
     buckets: tuple[Bucket, ...]
     job: str = "m2n"
+    #: Worker only: indices of the parameters whose target is a tensor (a message for them
+    #: can land in place); the others are load callbacks, fed from staging. None: unknown,
+    #: so a transport must size staging as if nothing lands in place.
+    in_place: frozenset[int] | None = None
 
     @property
     def trainer_ranks(self) -> int:

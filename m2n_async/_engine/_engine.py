@@ -276,12 +276,17 @@ class _Engine:
         self._check_local(plan)
         ctx = TransportContext(plan, self.rank, self._generation,
                                self._settings(agreed.transport),
-                               self._native, self._buckets, self.config.job)
+                               self._native, self._buckets, self.config.job,
+                               in_place=self._in_place(plan))
         self._transport = create_transport(agreed.transport, ctx)
         await self._transport.prepare()
 
     def _check_local(self, plan: TransferPlan) -> None:  # overridden by the worker
         """Role-specific checks of local buffers against the agreed plan."""
+
+    def _in_place(self, plan: TransferPlan) -> frozenset[int] | None:  # the worker's differ
+        """``TransportContext.in_place``: None on a trainer."""
+        return None
 
     def _preflight_inputs(self) -> PreflightInputs:
         raise NotImplementedError
@@ -990,6 +995,14 @@ class WorkerEngine(_Engine):
             mesh_dims=self._mesh_dims, dst_placements=self._placements,
             transport=self.config.transport, capabilities=self._capabilities,
             data_plane_identity=self._identity, prepare_runtime=self._prepare_runtime)
+
+    def _in_place(self, plan: TransferPlan) -> frozenset[int] | None:
+        # Targets given as tensors take their messages in place; load callbacks need staging.
+        # Lets Gloo size its receive arenas for what is really staged, not the whole bucket.
+        import torch
+
+        return frozenset(i for i, p in enumerate(plan.params)
+                         if isinstance(self._sinks.get(p.spec.name), torch.Tensor))
 
     def _check_local(self, plan: TransferPlan) -> None:
         device = self.config.device or "cpu"

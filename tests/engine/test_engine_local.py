@@ -486,7 +486,7 @@ async def test_many_small_params_split_into_overlapping_buckets(
     monkeypatch.setattr(eng, "MAX_BUCKET_PARAMS", 2)
     defs: list[ParamDef] = [(f"b{i}", (6,), torch.float32, (R, 0), None) for i in range(5)]
     plan = make_plan(defs, (1, 2), (1, 2))
-    cfg = EngineConfig(**{**CFG.__dict__, "bucket_bytes": 1 << 20})
+    cfg = EngineConfig(**{**CFG.__dict__, "bucket_bytes": 8 << 20})
     trainers, workers = await _connect_all(MemoryStore(), plan, cfg)
     try:
         res = await _round(trainers, workers,
@@ -524,5 +524,42 @@ async def test_worker_waiting_for_a_round_names_the_lost_rank() -> None:
             assert isinstance(exc, PeerLostError) and exc.ranks == (0,), exc
             assert (f"rank {r} (worker), waiting for round 1 of generation "
                     f"{workers[0].generation} to start: rank 0 (trainer) was lost") in str(exc)
+    finally:
+        await _close(*trainers, *workers)
+
+
+@pytest.mark.asyncio
+async def test_worker_arenas_sized_for_what_is_staged() -> None:
+    # Aligned layouts: every message lands in place except those of a load-callback target,
+    # which is fed from staging. The workers' receive arenas must hold just that — they
+    # used to be sized for the whole bucket (3 x 63 MiB for 80 KB on the CPU bench's model).
+    defs: list[ParamDef] = [
+        # halves of 1 MiB: large enough to move zero-copy (DIRECT_MIN_BYTES)
+        ("a", (1024, 512), torch.float32, (R, 0), (R, 0)),
+        ("b", (512, 2048), torch.bfloat16, (R, 1), (R, 1)),
+        ("cb", (16, 8), torch.float32, (R, 0), (R, 0)),
+    ]
+    plan = make_plan(defs, (1, 2), (1, 2))
+    got: dict[int, torch.Tensor] = {}
+    targets = {}
+    for r in (2, 3):
+        tg = _targets(plan, r)
+        p = plan.params[2]
+        tg["cb"] = LoadTarget(p.dst.local_shape(p.spec.shape, r), torch.float32,
+                              p.dst.placements, lambda n, t, r=r: got.__setitem__(r, t.clone()))
+        targets[r] = tg
+    cfg = EngineConfig(**{**CFG.__dict__, "bucket_bytes": 8 << 20})
+    trainers, workers = await _connect_all(MemoryStore(), plan, cfg, targets=targets)
+    try:
+        res = await _round(trainers, workers, lambda e: e.sync_weights(
+            source_shards(plan, e.rank, 1)))
+        _check(plan, workers, 1, skip=["cb"])
+        for e in workers:
+            cb_bytes = 8 * 8 * 4  # this worker's half of "cb" (16 x 8 float32, dim 0 split)
+            assert _same(got[e.rank], expected_shards(plan, e.rank, 1)["cb"])
+            transport = e._transport
+            assert transport is not None and transport._arenas is not None
+            assert transport._arenas.size == cb_bytes, transport._arenas.size
+            assert res[e.rank].peak_extra_bytes == cb_bytes
     finally:
         await _close(*trainers, *workers)
