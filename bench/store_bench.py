@@ -49,6 +49,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Coroutine
+from functools import partial
 from typing import Any
 
 import anyio
@@ -170,11 +171,18 @@ class _EchoClient(asyncio.BufferedProtocol):
             waiter.set_result(None)
 
 
+Latency = tuple[dict[str, float], dict[str, float], dict[str, float], dict[str, float],
+                dict[str, float]]
+
+
 def latency(address: str, port: int, echo_port: int, n: int, rounds: int, loop: str
-            ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+            ) -> Latency:
     """Interleaved: each round times a batch of TCPStore calls, then the same op on ours, so
     that load from elsewhere on the box hits both sides alike. Returns the medians over the
-    rounds for TCPStore and ours (us per call) and the median of the per-round ratios."""
+    rounds for TCPStore and ours (us per call) and the median of the per-round ratios; then
+    the same for TCPStore called from the event loop through ``anyio.to_thread`` (what an
+    asyncio caller must do: a blocking call on the loop stalls every other task) and ours
+    against that."""
     from m2n_async import StoreClient
 
     tcp = tcp_client(port)
@@ -189,7 +197,7 @@ def latency(address: str, port: int, echo_port: int, n: int, rounds: int, loop: 
         "set": lambda: tcp.set("k", value), "get": lambda: tcp.get("warm"),
         "add": lambda: tcp.add("n", 1), "set+get": tcp_set_get}
 
-    async def main() -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    async def main() -> Latency:
         c = await StoreClient.connect(address, token=TOKEN)
         aloop = asyncio.get_running_loop()
         echo_transport, echo = await aloop.create_connection(_EchoClient, "127.0.0.1",
@@ -216,23 +224,31 @@ def latency(address: str, port: int, echo_port: int, n: int, rounds: int, loop: 
             "set ack=False+get": post_get, "echo (floor)": echo_once}
         per = max(n // rounds, 1)
         theirs_t: dict[str, list[float]] = {op: [] for op in tcp_fns}
+        theirs_a: dict[str, list[float]] = {op: [] for op in tcp_fns}
         ours_t: dict[str, list[float]] = {op: [] for op in OPS}
         ratios: dict[str, list[float]] = {op: [] for op in OPS}
+        ratios_a: dict[str, list[float]] = {op: [] for op in OPS}
         for _ in range(rounds + 1):  # the first round warms up and is dropped
             for op in OPS:
-                t = batch(tcp_fns[TCP_OP[op]], per)
+                fn = tcp_fns[TCP_OP[op]]
+                t = batch(fn, per)
+                ta = await abatch(partial(anyio.to_thread.run_sync, fn), per)
                 o = await abatch(ours[op], per)
                 await c.flush()
                 if op == TCP_OP[op]:
                     theirs_t[op].append(t)
+                    theirs_a[op].append(ta)
                 ours_t[op].append(o)
                 ratios[op].append(o / t)
+                ratios_a[op].append(o / ta)
         await c.aclose()
         echo_transport.close()
         med = statistics.median
         return ({op: med(v[1:]) for op, v in theirs_t.items()},
                 {op: med(v[1:]) for op, v in ours_t.items()},
-                {op: med(v[1:]) for op, v in ratios.items()})
+                {op: med(v[1:]) for op, v in ratios.items()},
+                {op: med(v[1:]) for op, v in theirs_a.items()},
+                {op: med(v[1:]) for op, v in ratios_a.items()})
 
     return anyio.run(main, backend_options={"use_uvloop": loop == "uvloop"})
 
@@ -394,14 +410,19 @@ def main() -> None:
               f"{args.lat_rounds} rounds, each timing {args.ops // args.lat_rounds} calls on "
               "TCPStore then on ours; ratio = median of the rounds' ours/TCPStore. Our server: "
               f"{server_loop} event loop. CPU placement: {args.pin}.")
+        print("The last two columns: TCPStore called from the same event loop through "
+              "anyio.to_thread.run_sync, as an asyncio caller must (a blocking call on the "
+              "loop stalls every other task), and ours against that.")
         for loop in loops:
-            tcp_us, our_us, ratio = results[loop]
+            tcp_us, our_us, ratio, tcp_async_us, ratio_async = results[loop]
             print(f"\nOur client on {loop}:\n")
-            print("| op | TCPStore (us) | m2n_async store (us) | ours / TCPStore |")
-            print("|---|---:|---:|---:|")
+            print("| op | TCPStore (us) | m2n_async store (us) | ours / TCPStore | "
+                  "TCPStore via to_thread (us) | ours / that |")
+            print("|---|---:|---:|---:|---:|---:|")
             for op in OPS:
                 print(f"| {op} | {tcp_us[TCP_OP[op]]:.1f} | {our_us[op]:.1f} | "
-                      f"{ratio[op]:.2f}x |")
+                      f"{ratio[op]:.2f}x | {tcp_async_us[TCP_OP[op]]:.1f} | "
+                      f"{ratio_async[op]:.2f}x |")
         if args.repeat < 1:
             return
         runs: list[tuple[float, float]] = []
@@ -416,8 +437,8 @@ def main() -> None:
         print("|---|---:|")
         print(f"| TCPStore, vLLM pattern (one broadcast per source rank) | {tcp_ms:.1f} |")
         print(f"| m2n_async ControlGroup.all_gather (server-side gather) | {our_ms:.1f} |")
-        ratio = statistics.median(t / o for t, o in runs)
-        print(f"| speed-up, median of the runs' ratios ({ratios}) | {ratio:.1f}x |")
+        speedup = statistics.median(t / o for t, o in runs)
+        print(f"| speed-up, median of the runs' ratios ({ratios}) | {speedup:.1f}x |")
     finally:
         for proc in (ours, theirs, echo_server):
             proc.terminate()
