@@ -349,7 +349,14 @@ def _child(args: DemoArgs, rank: int, events: Connection) -> None:
     """Process entry of one rank: run it, report any failure, exit non-zero on failure."""
     global _events
     _events = events
+    import faulthandler
+    import signal
     import warnings
+
+    if hasattr(signal, "SIGUSR1"):
+        # The parent sends SIGUSR1 to a rank that is still running when it reaps (a hang):
+        # every thread's Python stack goes to stderr before the kill, so a hang says where.
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     # torch warns at import when NumPy is absent (a fresh `tox -e demo` env); the demo never
     # uses NumPy, so the warning is noise on every rank's stderr.
@@ -399,9 +406,10 @@ def _fault(rank: int, round_: int) -> str | None:
 
     A test hook, so that the demo's own checks are shown to fail: ``exit`` ends the process
     abruptly (``os._exit``) as round ``round`` begins on that rank; ``torn`` does the same
-    after writing half an event to its pipe (a child killed mid-report); ``corrupt`` (a worker)
-    flips one received byte before verifying; ``exit_verify`` (a worker) ends the process
-    after receiving, before it reports the round verified.
+    after writing half an event to its pipe (a child killed mid-report); ``hang`` blocks
+    there without ever reporting (the parent must dump its stacks and kill it); ``corrupt``
+    (a worker) flips one received byte before verifying; ``exit_verify`` (a worker) ends the
+    process after receiving, before it reports the round verified.
     """
     spec = os.environ.get("M2N_DEMO_FAULT", "")
     if not spec:
@@ -418,6 +426,8 @@ def _fault(rank: int, round_: int) -> str | None:
         os.write(_events.fileno(), (1000).to_bytes(4, "big") + b"abc")
     if hit and kind in ("exit", "torn"):
         os._exit(9)
+    if hit and kind == "hang":  # blocks the rank's event loop itself: a true hang
+        time.sleep(3600)
     return kind if hit else None
 
 
@@ -632,13 +642,27 @@ async def _parent(trainers: int, workers: int, rounds: int, size_mb: float, tran
 
 
 def _reap(procs: Sequence[Any]) -> None:
-    """Join every child; kill whatever is still running after a short grace."""
+    """Join every child; kill whatever is still running after a short grace, after asking
+    it for its threads' stacks (see ``_child``): a hung rank then shows where it hung."""
+    import signal
+
     deadline = time.monotonic() + 5.0
     for p in procs:
         if p.pid is not None:
             p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.pid is not None and p.is_alive():
+    stuck = [p for p in procs if p.pid is not None and p.is_alive()]
+    if stuck and hasattr(signal, "SIGUSR1"):
+        names = ", ".join(p.name for p in stuck)
+        print(f"m2n-async demo: {names} still running at the end; their Python stacks "
+              "follow, then they are killed", file=sys.stderr, flush=True)
+        for p in stuck:
+            try:
+                os.kill(p.pid, signal.SIGUSR1)
+            except OSError:  # exited meanwhile
+                pass
+        time.sleep(0.5)  # faulthandler writes from the signal handler: enough
+    for p in stuck:
+        if p.is_alive():
             p.kill()
             p.join(5)
 
@@ -672,9 +696,12 @@ async def _monitor(args: DemoArgs, procs: Sequence[Any], readers: list[Connectio
         if fail_by is not None and now > fail_by:
             break
         if now > deadline:
-            missing = sorted(set(range(args.world)) - finished - failures.keys())
-            raise DemoFailed(f"the demo did not finish within {deadline - started:.0f} s; "
-                             f"rank(s) {missing} still running (killed)")
+            # Reported alongside whatever the other ranks already said (a trainer's round
+            # error names the rank it waited for).
+            for r in sorted(set(range(args.world)) - finished - failures.keys()):
+                failures[r] = (f"still running when the demo's deadline of "
+                               f"{deadline - started:.0f} s passed (killed)")
+            break
         batch = await anyio.to_thread.run_sync(get)
         if not batch:
             # Only when the pipes are idle: a child that reported and exited may still have

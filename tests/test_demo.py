@@ -190,3 +190,25 @@ def test_cpu_sync_bench_tiny() -> None:
     out = proc.stdout
     for piece in ("sync_weights / raw gloo", "host overhead per parameter", "event-loop lag p99"):
         assert piece in out, out
+
+
+def test_demo_dumps_the_stacks_of_a_hung_rank(monkeypatch: pytest.MonkeyPatch,
+                                              capfd: pytest.CaptureFixture[str]) -> None:
+    # Rank 1 blocks its own event loop as round 2 begins and never reports: the trainer fails
+    # on the round deadline, the grace runs out, and before the kill the demo has the hung
+    # rank print every thread's Python stack — a hang in CI then says where it hung.
+    from m2n_async import _demo
+
+    monkeypatch.setenv("M2N_DEMO_FAULT", "hang:1:2")
+    monkeypatch.setattr(_demo, "_FAIL_GRACE", 1.0)
+    out, err = io.StringIO(), io.StringIO()
+    before = _children()
+    code = run_demo(trainers=1, workers=1, rounds=2, size_mb=2, round_timeout=3, out=out,
+                    err=err)
+    assert code == 1, out.getvalue() + err.getvalue()
+    assert "rank 1 (worker): no report within 1 s of the first failure (killed)" in \
+        err.getvalue(), err.getvalue()
+    dumped = capfd.readouterr().err
+    assert "m2n-demo-rank1 still running at the end" in dumped, dumped
+    assert "most recent call first" in dumped and "in _fault" in dumped, dumped
+    _no_children_left(before)

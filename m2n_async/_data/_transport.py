@@ -380,6 +380,11 @@ class Transport(ABC):
                                f"{self.ctx.where(round=self._round)}")
         return left
 
+    def waiting_on(self) -> list[int]:
+        """Peer ranks with an operation of this round still pending, for a timeout's message
+        (the engine names them); empty when the transport cannot tell. Any thread."""
+        return []
+
     def check_usable(self) -> None:
         """Raise ``TransferError`` if aborted (fail-stop: an aborted transport is never reused)."""
         if self._abort_reason is not None:

@@ -347,6 +347,9 @@ class GlooTransport(Transport):
         super().__init__(ctx)
         self._lock = threading.Lock()
         self._pending: list[tuple[Any, int]] = []  # (work, peer) issued and not yet waited
+        #: Peers whose op of this round failed or timed out in a wait (``waiting_on``: the
+        #: wait thread may drop the op from ``_pending`` before the engine asks).
+        self._failed_peers: set[int] = set()
         self._pg: Any = None
         self._adapter: StoreAdapter | None = None
         self._packings: dict[int, BucketPacking] = {}
@@ -732,6 +735,8 @@ class GlooTransport(Transport):
                 try:
                     work.wait(datetime.timedelta(seconds=left))
                 except Exception as exc:
+                    with self._lock:
+                        self._failed_peers.add(peer_rank)
                     raise self._translate(exc, staged, peer_rank) from exc
         finally:
             with self._lock:
@@ -900,6 +905,25 @@ class GlooTransport(Transport):
             staging.messages.clear()
 
     # -- abort / close -------------------------------------------------------------------
+
+    def begin_round(self, round: int, deadline: float) -> None:
+        super().begin_round(round, deadline)
+        with self._lock:
+            self._failed_peers.clear()
+
+    def waiting_on(self) -> list[int]:
+        with self._lock:
+            pending = list(self._pending)
+            stuck = set(self._failed_peers)
+        for work, peer in pending:
+            try:
+                # A wait that just timed out marks its op completed, not successful, before
+                # the wait thread records the peer in _failed_peers.
+                if not work.is_completed() or not work.is_success():
+                    stuck.add(peer)
+            except Exception:  # a failed op: its peer is worth naming too
+                stuck.add(peer)
+        return sorted(stuck)
 
     def abort(self, reason: str) -> None:
         with self._lock:

@@ -354,8 +354,7 @@ class _Engine:
         except PeerLostError as exc:
             # The store only knows a key; say which rank, in which role, and where we stood.
             lost = self._lost_rank(exc)
-            who = ("a peer" if lost is None else
-                   f"rank {lost} ({'trainer' if lost < self.trainer_ranks else 'worker'})")
+            who = "a peer" if lost is None else f"rank {lost} ({self._role_of(lost)})"
             raise PeerLostError(f"rank {self.rank} ({self._role}), waiting for "
                                 f"{self._where(round_)} to start: {who} was lost (its store "
                                 f"session ended: process died or disconnected)",
@@ -481,6 +480,9 @@ class _Engine:
                 return None
         return None
 
+    def _role_of(self, rank: int) -> str:
+        return "trainer" if rank < self.trainer_ranks else "worker"
+
     def _lost_rank(self, exc: PeerLostError) -> int | None:
         if exc.ranks:
             return exc.ranks[0]
@@ -492,8 +494,15 @@ class _Engine:
 
     def _describe(self, exc: BaseException, round_: int, timeout: float) -> str:
         if isinstance(exc, TimeoutError):
+            # Name the peers this rank was still waiting for, when the transport knows: a
+            # deadline is almost always someone else's hang, and that someone is the news.
+            peers = self._transport.waiting_on() if self._transport is not None else []
+            waiting = ""
+            if peers:
+                named = ", ".join(f"{p} ({self._role_of(p)})" for p in peers)
+                waiting = f" (still waiting on rank(s) {named})"
             return (f"rank {self.rank} ({self._role}) did not finish within the round deadline "
-                    f"of {timeout:g} s: {exc}".rstrip(": "))
+                    f"of {timeout:g} s{waiting}: {exc}".rstrip(": "))
         return f"rank {self.rank} ({self._role}): {type(exc).__name__}: {exc}"
 
     async def _gather_outcome(self, keys: _RoundKeys, round_: int,

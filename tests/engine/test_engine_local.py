@@ -563,3 +563,25 @@ async def test_worker_arenas_sized_for_what_is_staged() -> None:
             assert res[e.rank].peak_extra_bytes == cb_bytes
     finally:
         await _close(*trainers, *workers)
+
+
+@pytest.mark.asyncio
+async def test_round_deadline_names_the_rank_waited_on() -> None:
+    # The worker never calls receive(): the trainer's 32 MiB send cannot complete (far more
+    # than loopback socket buffers hold), the round deadline fires, and the error names the
+    # worker it was still waiting on — a deadline is nearly always someone else's hang.
+    defs: list[ParamDef] = [("big", (4096, 2048), torch.float32, None, None)]
+    plan = make_plan(defs, (1, 1), (1, 1))
+    cfg = EngineConfig(transport="gloo", bucket_bytes=64 << 20, phase_timeout=20,
+                       round_timeout=2.0, abort_grace=1, host="127.0.0.1")
+    trainers, workers = await _connect_all(MemoryStore(), plan, cfg)
+    try:
+        with anyio.fail_after(30):
+            with pytest.raises(TransferError) as info:
+                await trainers[0].sync_weights(source_shards(plan, 0, 1))
+        msg = str(info.value)
+        assert "did not finish within the round deadline of 2 s" in msg, msg
+        assert "still waiting on rank(s) 1 (worker)" in msg, msg
+        assert workers[0]._transport is not None and workers[0]._transport.waiting_on() == []
+    finally:
+        await _close(*trainers, *workers)
