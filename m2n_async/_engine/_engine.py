@@ -445,8 +445,21 @@ class _Engine:
     async def _watchdog(self, keys: _RoundKeys, transport: Transport,
                         round_scope: anyio.CancelScope, remote: list[tuple[int, str]]) -> None:
         """Abort the data plane as soon as any rank posts the round's abort or is lost."""
+        watch = list(self._watch)
         try:
-            raw = await self._store.get(keys.abort, wait=True, watch=self._watch)
+            while True:
+                try:
+                    raw = await self._store.get(keys.abort, wait=True, watch=watch)
+                    break
+                except PeerLostError as exc:
+                    # A rank that already reported this round done and then died is not
+                    # this round's problem: its part moved (next round will name it).
+                    lost = self._lost_rank(exc)
+                    if (lost is None or self._group is None
+                            or self._group.alive_key(lost) not in watch
+                            or await self._store.get(keys.done(lost)) is None):
+                        raise
+                    watch.remove(self._group.alive_key(lost))
             assert raw is not None
             ab = decode_as(raw, Abort)
             remote.append((ab.rank, ab.reason))
@@ -516,26 +529,34 @@ class _Engine:
         grace = self.config.abort_grace
         bound = grace if failure is not None else max(start.round_timeout - seconds, 0) + grace
         store = self._store
+        watch = list(self._watch)
         try:
             with anyio.fail_after(bound):
-                if isinstance(store, SupportsExchange):
-                    # One round trip: publish ours, drop our previous round's, gather all.
-                    previous = (_RoundKeys(self._namespace, round_ - 1).done(self.rank)
-                                if round_ > 1 else None)
-                    got = await store.exchange(keys.done(self.rank), encode(done),
-                                               keys.done_prefix, self.world_size,
-                                               watch=self._watch, delete=previous)
-                else:
-                    await store.set(keys.done(self.rank), encode(done))
-                    got = await store.gather(keys.done_prefix, self.world_size,
-                                             watch=self._watch)
+                try:
+                    if isinstance(store, SupportsExchange):
+                        # One round trip: publish ours, drop our previous round's, gather all.
+                        previous = (_RoundKeys(self._namespace, round_ - 1).done(self.rank)
+                                    if round_ > 1 else None)
+                        got = await store.exchange(keys.done(self.rank), encode(done),
+                                                   keys.done_prefix, self.world_size,
+                                                   watch=watch, delete=previous)
+                    else:
+                        await store.set(keys.done(self.rank), encode(done))
+                        got = await store.gather(keys.done_prefix, self.world_size,
+                                                 watch=watch)
+                except PeerLostError as exc:
+                    got = await self._gather_past_departures(exc, keys, watch)
         except PeerLostError as exc:
             lost = self._lost_rank(exc)
             return None, (lost if lost is not None else self.rank,
                           f"rank {lost} was lost before reporting the round's outcome")
         except TimeoutError:
+            missing = await self._not_reported(keys)
+            who = (f" (no report from rank(s) "
+                   f"{', '.join(f'{r} ({self._role_of(r)})' for r in missing)})"
+                   if missing else "")
             return None, (self.rank, f"rank {self.rank} gave up waiting {bound:g} s for the "
-                                     f"other ranks to report the round's outcome")
+                                     f"other ranks to report the round's outcome{who}")
         except M2NError as exc:
             return None, (self.rank, f"rank {self.rank} lost the control plane: {exc}")
         dones: list[RoundDone] = []
@@ -548,6 +569,35 @@ class _Engine:
                 return None, (d.rank, f"reported generation {d.generation} round {d.round}")
             dones.append(d)
         return dones, None
+
+    async def _gather_past_departures(self, exc: PeerLostError, keys: _RoundKeys,
+                                      watch: list[str]) -> dict[str, bytes]:
+        """The RoundDone gather saw a watched rank's session end. A rank that already
+        reported and then left (its process finished, or gave up first) is not lost to this
+        round: keep gathering without watching it, else re-raise. Bounded by the caller."""
+        assert self._group is not None
+        while True:
+            lost = self._lost_rank(exc)
+            if lost is None or self._group.alive_key(lost) not in watch:
+                raise exc
+            if await self._store.get(keys.done(lost)) is None:
+                raise exc
+            watch.remove(self._group.alive_key(lost))
+            try:
+                return await self._store.gather(keys.done_prefix, self.world_size, watch=watch)
+            except PeerLostError as again:
+                exc = again
+
+    async def _not_reported(self, keys: _RoundKeys) -> list[int]:
+        """Ranks with no RoundDone for this round (best effort, bounded: for messages)."""
+        with anyio.move_on_after(min(1.0, self.config.abort_grace)):
+            try:
+                present = await self._store.gather(keys.done_prefix, 0)
+            except M2NError:
+                return []
+            reported = {int(k.rsplit("/", 1)[1]) for k in present}
+            return [r for r in range(self.world_size) if r not in reported]
+        return []
 
     async def _round_error(self, keys: _RoundKeys, round_: int, dones: list[RoundDone] | None,
                            failure: tuple[int, str] | None) -> TransferError:

@@ -35,6 +35,8 @@ class MemoryStore:
         self.core = _core if _core is not None else StoreCore(
             max_tombstones=max_tombstones, max_waiters_per_session=max_waiters_per_session)
         self._session = self.core.open_session()
+        self._pending: set[anyio.Event] = set()  # blocking calls in flight on this session
+        self._woken_by_close: set[anyio.Event] = set()
 
     def session(self) -> MemoryStore:
         """Another session (as if another process connected) sharing this store's data."""
@@ -127,8 +129,17 @@ class MemoryStore:
         return dict(result.items)  # a copy: the snapshot is shared with other sessions
 
     async def aclose(self) -> None:
-        """End this session: its ephemeral keys vanish. Cancellation: completes at once."""
+        """End this session: its ephemeral keys vanish, and its own blocking calls still in
+        flight fail with ``StoreError`` (as the TCP client's do). Cancellation: completes at
+        once."""
+        # Which calls the close woke (the core forgets a closed session's waiters; done or
+        # not, they must fail rather than return nothing).
+        woken = {e for e in self._pending if not e.is_set()}  # a set one has its result
+        self._pending -= woken
+        self._woken_by_close |= woken
         self.core.close_session(self._session)
+        for event in woken:
+            event.set()
 
     async def __aenter__(self) -> Self:
         return self
@@ -145,10 +156,15 @@ class MemoryStore:
         event = anyio.Event()
         waiter = begin(event.set)
         if not waiter.done:
+            self._pending.add(event)
             try:
                 await event.wait()
             finally:
+                self._pending.discard(event)
                 self.core.cancel(waiter)  # no-op once done; withdraws it if we were cancelled
+            if event in self._woken_by_close:
+                self._woken_by_close.discard(event)
+                raise StoreError(f"memory store session {self._session.id} was closed")
         if waiter.error is not None:
             raise _fresh(waiter.error)
         return waiter.result

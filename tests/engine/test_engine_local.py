@@ -585,3 +585,52 @@ async def test_round_deadline_names_the_rank_waited_on() -> None:
         assert workers[0]._transport is not None and workers[0]._transport.waiting_on() == []
     finally:
         await _close(*trainers, *workers)
+
+
+@pytest.mark.asyncio
+async def test_a_rank_that_reported_then_died_does_not_fail_the_round() -> None:
+    # Worker 1 reports the round done and then its process dies (its store session ends)
+    # while worker 2 is still unpacking. The others must keep gathering outcomes rather than
+    # report worker 1 "lost before reporting": it did report, and the round succeeded.
+    from m2n_async._engine._engine import _RoundKeys
+
+    plan = make_plan(DEFS[:1], (1, 1), (1, 2))
+    slow_rank = 2
+    targets = {r: _targets(plan, r) for r in (1, 2)}
+    p = plan.params[0]
+
+    def slow_load(name: str, t: torch.Tensor) -> None:
+        import time
+        time.sleep(1.0)  # on the unpack thread: worker 2 finishes well after worker 1
+        got[name] = t.clone()
+
+    got: dict[str, torch.Tensor] = {}
+    targets[slow_rank][p.spec.name] = LoadTarget(p.dst.local_shape(p.spec.shape, slow_rank),
+                                                 torch.float32, p.dst.placements, slow_load)
+    store = MemoryStore()
+    trainers, workers = await _connect_all(store, plan, targets=targets)
+    results: dict[int, Any] = {}
+
+    async def run(e: Any) -> None:
+        try:
+            if e.rank == 0:
+                results[0] = await e.sync_weights(source_shards(plan, 0, 1))
+            else:
+                results[e.rank] = await e.receive()
+        except Exception as exc:
+            results[e.rank] = exc
+
+    try:
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                for e in [*trainers, *workers]:
+                    tg.start_soon(run, e)
+                done_key = _RoundKeys(workers[0]._namespace, 1).done(1)
+                await store.get(done_key, wait=True)
+                await workers[0]._store.aclose()  # worker 1 "dies" after reporting
+        assert not isinstance(results[0], Exception), results
+        assert results[slow_rank].version == 1, results[slow_rank]
+        want = expected_shards(plan, slow_rank, 1)[p.spec.name]
+        assert _same(got[p.spec.name], want)
+    finally:
+        await _close(*trainers, *workers)

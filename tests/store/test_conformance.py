@@ -373,6 +373,29 @@ async def test_closed_session_refuses_calls(world: World) -> None:
         await a.get("k")
 
 
+async def test_closing_a_session_fails_its_blocking_calls(world: World) -> None:
+    # A task still waiting on a session that another task closes must not hang until its own
+    # deadline: the call fails with StoreError at once (the TCP client fails every pending
+    # call on close; the in-memory double used to forget them).
+    a = await world.session()
+    errors: list[BaseException] = []
+
+    async def waiter() -> None:
+        try:
+            await a.get("never", wait=True)
+        except StoreError as exc:
+            errors.append(exc)
+
+    with anyio.fail_after(DEADLINE):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter)
+            await settle()
+            t0 = time.monotonic()
+            await a.aclose()
+    assert len(errors) == 1 and "closed" in str(errors[0]), errors
+    assert time.monotonic() - t0 < 2.0
+
+
 # --- generations -----------------------------------------------------------------------------
 
 
