@@ -203,8 +203,10 @@ def test_demo_dumps_the_stacks_of_a_hung_rank(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(_demo, "_FAIL_GRACE", 1.0)
     out, err = io.StringIO(), io.StringIO()
     before = _children()
-    code = run_demo(trainers=1, workers=1, rounds=2, size_mb=2, round_timeout=3, out=out,
-                    err=err)
+    # An overall deadline far beyond the trainer's failure report (round deadline, then
+    # abort grace and close), so the verdict comes from the 1 s grace, not the deadline.
+    code = run_demo(trainers=1, workers=1, rounds=2, size_mb=2, round_timeout=3,
+                    timeout=120, out=out, err=err)
     assert code == 1, out.getvalue() + err.getvalue()
     assert "rank 1 (worker): no report within 1 s of the first failure (killed)" in \
         err.getvalue(), err.getvalue()
