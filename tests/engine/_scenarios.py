@@ -10,6 +10,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import anyio
 import torch
 
 from m2n_async._data._native import NativeThread
@@ -94,6 +95,21 @@ async def transport_rounds(*, address: str, job: str, rank: int, defs: Sequence[
     return out
 
 
+async def _all_connected(address: str, job: str, generation: int, rank: int,
+                         world: int) -> None:
+    """Wait until every rank's engine is connected. A victim killed while a peer is still
+    inside Gloo's connectFullMesh makes that peer fail in connect, not in the round under
+    test (seen once in CI: the survivor had no engine to report a version from)."""
+    store = await StoreClient.connect(address, token=TOKEN)
+    try:
+        key = f"{job}/test-connected/{generation}/{{}}"
+        await store.set(key.format(rank), b"1")
+        with anyio.fail_after(60):
+            await store.wait([key.format(r) for r in range(world)])
+    finally:
+        await store.aclose()
+
+
 async def engine_rank(*, address: str, job: str, rank: int, defs: Sequence[ParamDef],
                       src_dims: tuple[int, int], dst_dims: tuple[int, int],
                       config: dict[str, Any], versions: Sequence[int],
@@ -124,6 +140,8 @@ async def engine_rank(*, address: str, job: str, rank: int, defs: Sequence[Param
                                                  params=[p.spec for p in plan.params],
                                                  config=cfg, timeout=60)
             out["generation"] = engine.generation
+            if victim is not None:
+                await _all_connected(address, job, engine.generation, rank, world)
             for v in versions:
                 shards = source_shards(plan, rank, v)
 
@@ -154,6 +172,8 @@ async def engine_rank(*, address: str, job: str, rank: int, defs: Sequence[Param
                                                 targets=targets, mesh_dims=dst_dims,
                                                 config=cfg, timeout=60)
             out["generation"] = engine.generation
+            if victim is not None:
+                await _all_connected(address, job, engine.generation, rank, world)
             for v in versions:
                 res = await engine.receive()
                 out["versions"].append(res.version)
