@@ -53,7 +53,7 @@ async def test_errors_cancellation_and_close() -> None:
         call.result()
     t0 = time.monotonic()
     assert t.close(0.1) is False  # stuck call: bounded, reported, never waited on forever
-    assert time.monotonic() - t0 < 1
+    assert time.monotonic() - t0 < 5  # far below the 10 s the stuck call would take
     with pytest.raises(LocalProtocolError, match="closed"):
         t.submit(print)
     release.set()
