@@ -85,6 +85,7 @@ from m2n_async._store import (
     SupportsExchange,
     generation_namespace,
 )
+from m2n_async._store._group import gather_past_departures
 
 if TYPE_CHECKING:
     import torch
@@ -453,7 +454,8 @@ class _Engine:
                     break
                 except PeerLostError as exc:
                     # A rank that already reported this round done and then died is not
-                    # this round's problem: its part moved (next round will name it).
+                    # this round's problem: its part moved (next round will name it). The
+                    # same rule as gather_past_departures, for a wait on one key.
                     lost = self._lost_rank(exc)
                     if (lost is None or self._group is None
                             or self._group.alive_key(lost) not in watch
@@ -545,7 +547,13 @@ class _Engine:
                         got = await store.gather(keys.done_prefix, self.world_size,
                                                  watch=watch)
                 except PeerLostError as exc:
-                    got = await self._gather_past_departures(exc, keys, watch)
+                    # A rank that posted its RoundDone and then died is not lost to this
+                    # round (its part moved; the next round names it).
+                    assert self._group is not None
+                    owner = {self._group.alive_key(r): keys.done(r)
+                             for r in range(self.world_size)}
+                    got = await gather_past_departures(store, exc, keys.done_prefix,
+                                                       self.world_size, watch, owner)
         except PeerLostError as exc:
             lost = self._lost_rank(exc)
             return None, (lost if lost is not None else self.rank,
@@ -569,24 +577,6 @@ class _Engine:
                 return None, (d.rank, f"reported generation {d.generation} round {d.round}")
             dones.append(d)
         return dones, None
-
-    async def _gather_past_departures(self, exc: PeerLostError, keys: _RoundKeys,
-                                      watch: list[str]) -> dict[str, bytes]:
-        """The RoundDone gather saw a watched rank's session end. A rank that already
-        reported and then left (its process finished, or gave up first) is not lost to this
-        round: keep gathering without watching it, else re-raise. Bounded by the caller."""
-        assert self._group is not None
-        while True:
-            lost = self._lost_rank(exc)
-            if lost is None or self._group.alive_key(lost) not in watch:
-                raise exc
-            if await self._store.get(keys.done(lost)) is None:
-                raise exc
-            watch.remove(self._group.alive_key(lost))
-            try:
-                return await self._store.gather(keys.done_prefix, self.world_size, watch=watch)
-            except PeerLostError as again:
-                exc = again
 
     async def _not_reported(self, keys: _RoundKeys) -> list[int]:
         """Ranks with no RoundDone for this round (best effort, bounded: for messages)."""

@@ -27,7 +27,7 @@ round trip, synchronizes like the other collectives, and cleans up the same way.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Final, TypeVar
 
 import msgspec
@@ -35,11 +35,41 @@ import msgspec
 from m2n_async._proto.errors import LocalProtocolError, PeerLostError, RemoteProtocolError
 from m2n_async._store._api import Store, SupportsExchange
 
-__all__ = ["ControlGroup"]
+__all__ = ["ControlGroup", "gather_past_departures"]
 
 T = TypeVar("T")
 _ALIVE: Final[str] = "alive"
 _encoder = msgspec.msgpack.Encoder()
+
+
+async def gather_past_departures(store: Store, exc: PeerLostError, prefix: str, n: int,
+                                  watch: list[str], contribution: Mapping[str, str]
+                                  ) -> dict[str, bytes]:
+    """Finish ``gather(prefix, n, watch=watch)`` after it raised ``exc``, past peers that
+    already contributed.
+
+    A watched liveness key whose session ended only means the gather cannot complete if its
+    owner never wrote its contribution (``contribution[liveness key]``, a key under
+    ``prefix``). An owner that did and then left — its own deadline fired first because it
+    started earlier, or its process finished — is not why the others wait: blaming it would
+    give them a different diagnosis from the ranks that time out on the one really missing.
+    So the gather goes on without watching it; the caller's cancel scope still bounds it.
+    Raises the ``PeerLostError`` of the first lost peer that had not contributed. ``watch``
+    is updated in place.
+
+    Cancellation: as ``Store.gather`` (read-only).
+    """
+    while True:
+        key = exc.key
+        if key is None or key not in watch or key not in contribution:
+            raise exc
+        if await store.get(contribution[key]) is None:
+            raise exc
+        watch.remove(key)
+        try:
+            return await store.gather(prefix, n, watch=tuple(watch))
+        except PeerLostError as again:
+            exc = again
 
 
 class ControlGroup:
@@ -183,25 +213,16 @@ class ControlGroup:
 
     async def _wait_past_departures(self, exc: PeerLostError, prefix: str, kind: str,
                                     seq: int) -> dict[str, bytes]:
-        # A watched rank whose session ended is only lost to this call if it never
-        # contributed. One that did and then left (its own deadline fired first because it
-        # entered the phase earlier, or it failed elsewhere and exited) is not why this rank
-        # waits: blaming it would give this rank a different diagnosis (PeerLostError naming
-        # a rank that arrived) from its peers (TimeoutError naming the rank that did not).
-        # So keep waiting without watching it; the caller's deadline still bounds the wait.
+        # Blaming a rank that contributed and then left would give this rank a different
+        # diagnosis (PeerLostError naming a rank that arrived) from its peers (TimeoutError
+        # naming the rank that did not): see ``gather_past_departures``.
         watch = list(self._watch)
-        while True:
-            lost = self._lost_rank(exc)
-            if lost is None or self.alive_key(lost) not in watch:
-                raise self._peer_lost(exc, kind, seq) from None
-            present = await self.store.gather(prefix, 0)
-            if lost not in {self._rank_of(key, prefix) for key in present}:
-                raise self._peer_lost(exc, kind, seq) from None
-            watch.remove(self.alive_key(lost))
-            try:
-                return await self.store.gather(prefix, self.world_size, watch=tuple(watch))
-            except PeerLostError as again:
-                exc = again
+        owner = {self.alive_key(r): f"{prefix}{r}" for r in range(self.world_size)}
+        try:
+            return await gather_past_departures(self.store, exc, prefix, self.world_size,
+                                                watch, owner)
+        except PeerLostError as lost:
+            raise self._peer_lost(lost, kind, seq) from None
 
     def _lost_rank(self, exc: PeerLostError) -> int | None:
         key = exc.key or ""
