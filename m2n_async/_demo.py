@@ -42,8 +42,8 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from multiprocessing import connection as mp_connection
 from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_readable
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -683,7 +683,7 @@ async def _monitor(args: DemoArgs, procs: Sequence[Any], readers: list[Connectio
 
     def get() -> list[bytes]:
         batch = []
-        for conn in mp_connection.wait(open_readers, timeout=0.1):
+        for conn in wait_readable(open_readers, timeout=0.1):
             assert isinstance(conn, Connection)
             try:
                 batch.append(conn.recv_bytes())

@@ -85,7 +85,7 @@ from m2n_async._store import (
     SupportsExchange,
     generation_namespace,
 )
-from m2n_async._store._group import gather_past_departures
+from m2n_async._store._group import drop_departed, gather_past_departures
 
 if TYPE_CHECKING:
     import torch
@@ -454,14 +454,10 @@ class _Engine:
                     break
                 except PeerLostError as exc:
                     # A rank that already reported this round done and then died is not
-                    # this round's problem: its part moved (next round will name it). The
-                    # same rule as gather_past_departures, for a wait on one key.
-                    lost = self._lost_rank(exc)
-                    if (lost is None or self._group is None
-                            or self._group.alive_key(lost) not in watch
-                            or await self._store.get(keys.done(lost)) is None):
+                    # this round's problem: its part moved (next round will name it).
+                    if not await drop_departed(self._store, exc, watch,
+                                               self._done_keys(keys)):
                         raise
-                    watch.remove(self._group.alive_key(lost))
             assert raw is not None
             ab = decode_as(raw, Abort)
             remote.append((ab.rank, ab.reason))
@@ -494,6 +490,11 @@ class _Engine:
             except M2NError:
                 return None
         return None
+
+    def _done_keys(self, keys: _RoundKeys) -> dict[str, str]:
+        """Each rank's liveness key -> its RoundDone key of this round (departure rule)."""
+        assert self._group is not None
+        return {self._group.alive_key(r): keys.done(r) for r in range(self.world_size)}
 
     def _role_of(self, rank: int) -> str:
         return "trainer" if rank < self.trainer_ranks else "worker"
@@ -549,11 +550,9 @@ class _Engine:
                 except PeerLostError as exc:
                     # A rank that posted its RoundDone and then died is not lost to this
                     # round (its part moved; the next round names it).
-                    assert self._group is not None
-                    owner = {self._group.alive_key(r): keys.done(r)
-                             for r in range(self.world_size)}
                     got = await gather_past_departures(store, exc, keys.done_prefix,
-                                                       self.world_size, watch, owner)
+                                                       self.world_size, watch,
+                                                       self._done_keys(keys))
         except PeerLostError as exc:
             lost = self._lost_rank(exc)
             return None, (lost if lost is not None else self.rank,

@@ -35,37 +35,48 @@ import msgspec
 from m2n_async._proto.errors import LocalProtocolError, PeerLostError, RemoteProtocolError
 from m2n_async._store._api import Store, SupportsExchange
 
-__all__ = ["ControlGroup", "gather_past_departures"]
+__all__ = ["ControlGroup", "drop_departed", "gather_past_departures"]
 
 T = TypeVar("T")
 _ALIVE: Final[str] = "alive"
 _encoder = msgspec.msgpack.Encoder()
 
 
+async def drop_departed(store: Store, exc: PeerLostError, watch: list[str],
+                        contribution: Mapping[str, str]) -> bool:
+    """Whether the peer whose loss raised ``exc`` had already contributed; if so its liveness
+    key is removed from ``watch`` (the caller goes on waiting without it).
+
+    A watched liveness key whose session ended only means a wait cannot complete if its owner
+    never wrote its contribution (``contribution[liveness key]``). An owner that did and then
+    left — its own deadline fired first because it started earlier, or its process finished —
+    is not why the others wait: blaming it would give them a different diagnosis from the
+    ranks that time out on the one really missing. The caller's cancel scope still bounds the
+    wait that goes on.
+
+    Cancellation: a read-only query; safe to cancel.
+    """
+    key = exc.key
+    if key is None or key not in watch or key not in contribution:
+        return False
+    if await store.get(contribution[key]) is None:
+        return False
+    watch.remove(key)
+    return True
+
+
 async def gather_past_departures(store: Store, exc: PeerLostError, prefix: str, n: int,
                                   watch: list[str], contribution: Mapping[str, str]
                                   ) -> dict[str, bytes]:
     """Finish ``gather(prefix, n, watch=watch)`` after it raised ``exc``, past peers that
-    already contributed.
-
-    A watched liveness key whose session ended only means the gather cannot complete if its
-    owner never wrote its contribution (``contribution[liveness key]``, a key under
-    ``prefix``). An owner that did and then left — its own deadline fired first because it
-    started earlier, or its process finished — is not why the others wait: blaming it would
-    give them a different diagnosis from the ranks that time out on the one really missing.
-    So the gather goes on without watching it; the caller's cancel scope still bounds it.
-    Raises the ``PeerLostError`` of the first lost peer that had not contributed. ``watch``
-    is updated in place.
+    already contributed (``drop_departed``); raises the ``PeerLostError`` of the first lost
+    peer that had not. ``watch`` is updated in place.
 
     Cancellation: as ``Store.gather`` (read-only).
     """
     while True:
-        key = exc.key
-        if key is None or key not in watch or key not in contribution:
+        if not await drop_departed(store, exc, watch, contribution):
             raise exc
-        if await store.get(contribution[key]) is None:
-            raise exc
-        watch.remove(key)
         try:
             return await store.gather(prefix, n, watch=tuple(watch))
         except PeerLostError as again:

@@ -35,8 +35,7 @@ class MemoryStore:
         self.core = _core if _core is not None else StoreCore(
             max_tombstones=max_tombstones, max_waiters_per_session=max_waiters_per_session)
         self._session = self.core.open_session()
-        self._pending: set[anyio.Event] = set()  # blocking calls in flight on this session
-        self._woken_by_close: set[anyio.Event] = set()
+        self._pending: dict[anyio.Event, Waiter] = {}  # blocking calls in flight here
 
     def session(self) -> MemoryStore:
         """Another session (as if another process connected) sharing this store's data."""
@@ -132,13 +131,12 @@ class MemoryStore:
         """End this session: its ephemeral keys vanish, and its own blocking calls still in
         flight fail with ``StoreError`` (as the TCP client's do). Cancellation: completes at
         once."""
-        # Which calls the close woke (the core forgets a closed session's waiters; done or
-        # not, they must fail rather than return nothing).
-        woken = {e for e in self._pending if not e.is_set()}  # a set one has its result
-        self._pending -= woken
-        self._woken_by_close |= woken
+        # The core forgets a closed session's waiters; the calls still waiting on them must
+        # fail rather than return nothing.
+        open_calls = [(e, w) for e, w in self._pending.items() if not w.done]
         self.core.close_session(self._session)
-        for event in woken:
+        for event, waiter in open_calls:
+            waiter.error = StoreError(f"memory store session {self._session.id} was closed")
             event.set()
 
     async def __aenter__(self) -> Self:
@@ -156,15 +154,12 @@ class MemoryStore:
         event = anyio.Event()
         waiter = begin(event.set)
         if not waiter.done:
-            self._pending.add(event)
+            self._pending[event] = waiter
             try:
                 await event.wait()
             finally:
-                self._pending.discard(event)
+                del self._pending[event]
                 self.core.cancel(waiter)  # no-op once done; withdraws it if we were cancelled
-            if event in self._woken_by_close:
-                self._woken_by_close.discard(event)
-                raise StoreError(f"memory store session {self._session.id} was closed")
         if waiter.error is not None:
             raise _fresh(waiter.error)
         return waiter.result

@@ -83,3 +83,25 @@ async def wait_ready(proc: Any) -> None:
             if b"READY" in seen:
                 break
     assert b"READY" in seen
+
+
+async def errors_while(call: Callable[[], Awaitable[object]],
+                       action: Callable[[], Awaitable[object]],
+                       expected: type[BaseException], *, pause: float = 0.05,
+                       deadline: float = 10.0) -> list[BaseException]:
+    """Start the blocking ``call``, let it reach the store (``pause`` s), run ``action``,
+    and return the ``expected`` errors the call raised (bounded by ``deadline``)."""
+    caught: list[BaseException] = []
+
+    async def waiter() -> None:
+        try:
+            await call()
+        except expected as exc:
+            caught.append(exc)
+
+    with anyio.fail_after(deadline):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter)
+            await anyio.sleep(pause)
+            await action()
+    return caught

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import anyio
 import pytest
-from store_helpers import World
+from store_helpers import World, errors_while
 
 from m2n_async import (
     PeerLostError,
@@ -378,20 +378,15 @@ async def test_closing_a_session_fails_its_blocking_calls(world: World) -> None:
     # deadline: the call fails with StoreError at once (the TCP client fails every pending
     # call on close; the in-memory double used to forget them).
     a = await world.session()
-    errors: list[BaseException] = []
+    t0 = 0.0
 
-    async def waiter() -> None:
-        try:
-            await a.get("never", wait=True)
-        except StoreError as exc:
-            errors.append(exc)
+    async def close() -> None:
+        nonlocal t0
+        t0 = time.monotonic()
+        await a.aclose()
 
-    with anyio.fail_after(DEADLINE):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(waiter)
-            await settle()
-            t0 = time.monotonic()
-            await a.aclose()
+    errors = await errors_while(lambda: a.get("never", wait=True), close, StoreError,
+                                deadline=DEADLINE)
     assert len(errors) == 1 and "closed" in str(errors[0]), errors
     assert time.monotonic() - t0 < 2.0
 
@@ -434,19 +429,9 @@ async def test_next_generation_and_stale_refusal(world: World) -> None:
 async def test_waiters_on_stale_generation_fail(world: World) -> None:
     s, old_rank = await world.session(), await world.session()
     await next_generation(s, "j")
-    caught: list[BaseException] = []
-
-    async def waiter() -> None:
-        try:
-            await old_rank.gather("j/1/phase/", 4)
-        except StaleGenerationError as exc:
-            caught.append(exc)
-
-    with anyio.fail_after(DEADLINE):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(waiter)
-            await settle()
-            await next_generation(s, "j")
+    caught = await errors_while(lambda: old_rank.gather("j/1/phase/", 4),
+                                lambda: next_generation(s, "j"), StaleGenerationError,
+                                deadline=DEADLINE)
     assert len(caught) == 1
     assert world.core.pending_waiters == 0
 

@@ -11,7 +11,7 @@ import anyio
 import anyio.abc
 import msgspec
 import pytest
-from store_helpers import TOKEN, RunningServer
+from store_helpers import TOKEN, RunningServer, errors_while
 
 from m2n_async import (
     AuthenticationError,
@@ -405,19 +405,8 @@ async def test_server_shutdown_fails_waiters_instead_of_hanging() -> None:
     runner = RunningServer()
     server = await runner.start()
     c = await StoreClient.connect(server.address, token=TOKEN)
-    errors: list[BaseException] = []
-
-    async def waiter() -> None:
-        try:
-            await c.get("never", wait=True)
-        except StoreError as exc:
-            errors.append(exc)
-
-    with anyio.fail_after(DEADLINE):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(waiter)
-            await anyio.sleep(0.1)
-            await runner.stop()
+    errors = await errors_while(lambda: c.get("never", wait=True), runner.stop, StoreError,
+                                pause=0.1, deadline=DEADLINE)
     assert len(errors) == 1 and "closed the connection" in str(errors[0])
     with pytest.raises(StoreError):
         await c.set("k", b"v")
