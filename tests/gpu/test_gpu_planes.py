@@ -113,19 +113,25 @@ def test_killed_rank_survivors_end_within_deadline(transport):
         assert all(res[r]["teardown_finished"] for r in (0, 1, 2)), res
 
 
-@pytest.mark.parametrize("transport", ["m2n", "nccl"])
-def test_engine_on_gpu(transport):
-    import m2n_async
-
-    _require(transport, 4)
-    if not hasattr(m2n_async, "TrainerEngine"):
-        pytest.skip("m2n_async.TrainerEngine is not available yet")
-    case = {"transport": transport, "topology": "2+2", "bucket_bytes": 1 << 14}
-    res = _ok(_run("engine", case, 2, 4), 4)
+# 1+1 as well as 2+2: with torch's own libnccl 2.28 (one rank per GPU) an x2 host can run the
+# whole engine on the ``nccl`` transport only in 1+1. ``auto`` must pick m2n where the stack
+# has it and nccl where it does not (libnccl 2.28), and say why.
+@pytest.mark.parametrize("topology", ["1+1", "2+2"])
+@pytest.mark.parametrize("transport", ["m2n", "nccl", "auto"])
+def test_engine_on_gpu(transport, topology):
+    t, w = TOPOLOGY[topology]
+    _require("nccl" if transport == "auto" else transport, w)
+    expected = transport
+    if transport == "auto":
+        expected = "m2n" if gpu_skip_reason("m2n", w) is None else "nccl"
+    case = {"transport": transport, "topology": topology, "bucket_bytes": 1 << 14}
+    res = _ok(_run("engine", case, t, w), w)
     for rank, v in res.items():
         for rnd in (0, 1):
             r = v[f"round{rnd}"]
-            assert r["transport"] == transport and r["bytes"] == v["plan_bytes"], (rank, r)
+            assert r["transport"] == expected and r["bytes"] == v["plan_bytes"], (rank, r)
             assert r["version"] == rnd + 1
-        if rank >= 2:
+            if transport == "auto":
+                assert r["reason"], (rank, r)
+        if rank >= t:
             assert v["bad0"] == [] and v["bad1"] == [], (rank, v)
