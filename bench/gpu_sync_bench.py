@@ -199,6 +199,17 @@ async def bench_rank(ctx: _world.RankCtx) -> dict[str, Any]:
         # the first path again, after everything else on this communicator: drift shows here
         await timed("raw_again", raw)
     await timed("m2n_cast", lambda: pipeline(t, sources32))
+    if case.get("diagnose"):
+        # the same casts with one fence per bucket (before m2n.GATE_BYTES): every reshard of
+        # a bucket waits for all of the bucket's casts
+        from m2n_async._data import m2n as m2n_plane
+
+        saved_gate = m2n_plane.GATE_BYTES
+        m2n_plane.GATE_BYTES = 1 << 62
+        try:
+            await timed("m2n_cast_one_fence", lambda: pipeline(t, sources32))
+        finally:
+            m2n_plane.GATE_BYTES = saved_gate
 
     async def pack_only() -> None:
         if sources32 is not None:
@@ -443,7 +454,7 @@ def summarize(run: dict[str, Any], trainer_ranks: int = 2,
                          "raw_build_descs", "raw_again", "per_param", "m2n", "m2n_blocking_events",
                          "m2n_poll_events", "m2n_bucket_64MiB", "m2n_bucket_1GiB",
                          "m2n_one_bucket",
-                         "nccl", "m2n_cast", "pack_only", "broadcast")
+                         "nccl", "m2n_cast", "m2n_cast_one_fence", "pack_only", "broadcast")
              if n in res[0]]
     names += sorted((n for n in res[0] if n.startswith("sweep_") and n[6:].isdigit()),
                     key=lambda n: int(n[6:]))

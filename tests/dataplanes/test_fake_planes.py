@@ -273,6 +273,70 @@ async def test_m2n_reuses_descriptors_only_of_tensors_the_caller_keeps(fake_worl
     raise_first(results)
 
 
+class _Event:
+    """A stand-in CUDA event for the stream-order test (CPU: Streams records none)."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("grouping", ["off", "on"])
+async def test_m2n_transfer_waits_only_for_its_own_cast_chunk(fake_world, monkeypatch,
+                                                              grouping):
+    # fp32 master -> bf16 wire: the trainer casts on the pack stream. The transfer must wait
+    # for the producer once, then for each chunk's casts just before that chunk's first
+    # reshard (grouped: before the group) — not for the whole bucket before the first one.
+    import threading
+
+    from m2n_async._data import m2n as m2n_plane
+
+    monkeypatch.setenv("M2N_ASYNC_M2N_GROUPING", grouping)
+    # 6 params cast to (8, 16) bf16 = 256 bytes each on a trainer: 2 per chunk
+    monkeypatch.setattr(m2n_plane, "GATE_BYTES", 512)
+    log: list[tuple[str, str, object]] = []
+    lock = threading.Lock()
+
+    def record(self, stream):
+        ev = _Event()
+        with lock:
+            log.append((threading.current_thread().name, "record", ev))
+        return ev
+
+    def wait(self, stream, ev):
+        if ev is not None:
+            with lock:
+                log.append((threading.current_thread().name, "wait", ev))
+
+    real_reshard = fake_nccl.Handle.reshard
+
+    def reshard(self, comm, src, dst, *, stream=None):
+        if src.local_shape == (8, 16):  # not the grouping probe's tensors
+            with lock:
+                log.append((threading.current_thread().name, "reshard", src.buffer))
+        return real_reshard(self, comm, src, dst, stream=stream)
+
+    monkeypatch.setattr(_cuda.Streams, "record", record)
+    monkeypatch.setattr(_cuda.Streams, "wait", wait)
+    monkeypatch.setattr(fake_nccl.Handle, "reshard", reshard)
+    plan = make_plan([(f"p{i}", (16, 16), torch.bfloat16, (R, 0), (R, 1)) for i in range(6)],
+                     (1, 2), (1, 2))
+    results = await run_world("m2n", plan, bucket_bytes=1 << 20, src_dtype=torch.float32)
+    raise_first(results)  # bytes bit-exact on the workers
+    assert results[0].transport.grouped is (grouping == "on")
+    native = [(kind, x) for who, kind, x in log if who == "m2n-native-test-r0"]
+    native = native[[kind for kind, _ in native].index("wait"):]  # after the grouping probe
+    kinds = "".join({"wait": "W", "reshard": "R", "record": "E"}[kind] for kind, _ in native)
+    # W: the producer's event, then each 2-param chunk's gate; E: the bucket's transfer event
+    assert kinds == ("WWRRWRRWRRE" if grouping == "off" else "WWWWRRRRRRE"), kinds
+    gates = [x for kind, x in native if kind == "wait"][1:]
+    # the gates are the pack stream's events, in the order the casts recorded them
+    recorded = [ev for _who, kind, ev in log if kind == "record" and ev in gates]
+    assert recorded == gates
+
+
 async def test_round_deadline_raises_timeout(fake_world):
     plan = make_plan([("w", (16, 8), torch.float32, (R, 0), (R, 1))], (1, 2), (1, 2))
 
