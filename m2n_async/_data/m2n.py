@@ -16,7 +16,7 @@ Per bucket:
   **in place** into target tensors that are contiguous, of the wire dtype and on our device;
   other sinks (load callbacks, CPU or strided targets) get a staging tensor, copied or handed
   to the callback in ``unpack``. An event on the pack stream orders the transfer after the
-  producer; casts are gated in chunks of ``GATE_BYTES``: after each chunk an event, and the
+  producer; casts are fenced in chunks of ``GATE_BYTES``: after each chunk an event, and the
   transfer waits for a param's own chunk only, so the first reshard starts while the rest of
   the bucket is still being cast (else the whole bucket's casts would sit in front of its
   transfer: 1.4x max(pack, transfer) on a 2-bucket dense model between two H200s).
@@ -83,10 +83,11 @@ GROUP_MAX_BYTES = 2 << 30
 
 #: Trainer casts are fenced every this many staged bytes (an event on the pack stream) and
 #: each reshard waits only for its own chunk: the transfer starts after the first chunk's
-#: casts instead of the whole bucket's. A few MiB keeps the events to tens per bucket (an
-#: event record + a stream wait cost ~10 µs of host time) while a chunk's cast takes
-#: microseconds on an H200.
-GATE_BYTES = 4 << 20
+#: casts instead of the whole bucket's. Large, because a fence between small reshards costs
+#: more than it gains: with 4 MiB chunks a MoE-like bucket (1024 casts of 512 KiB) got 64
+#: fences and its cast round ran 12-15 % slower between two H200s, while the casts of a chunk
+#: this size take tens of microseconds on the GPU.
+GATE_BYTES = 64 << 20
 
 
 class _Param(NamedTuple):
