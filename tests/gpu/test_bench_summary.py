@@ -55,3 +55,18 @@ def test_shared_gpu_has_no_nvlink_efficiency(bench) -> None:
     assert s["gpus"]["split"] is False  # trainers and workers share GPU 0: no link figure
     assert not any(k.startswith("efficiency") for k in s["m2n"])
     assert s["m2n"]["GBps_per_receiving_gpu"] == pytest.approx(2 * 10**8 / 0.01 / 1e9)
+
+
+def test_round_marks_medians_sorted_by_time():
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import gpu_round_marks
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    rows = [{"t0": 0.0, "b0.src": 90.0, "end": 3000.0},
+            {"t0": 0.0, "b0.src": 80.0, "end": 3400.0, "b1.src": 500.0},
+            {"t0": 0.0, "b0.src": 300.0, "end": 3100.0}]
+    got = gpu_round_marks.median_marks(rows)
+    # a mark missing from some rounds is the median of the rounds that have it
+    assert got == {"t0": 0.0, "b0.src": 90.0, "b1.src": 500.0, "end": 3100.0}
+    assert list(got) == ["t0", "b0.src", "b1.src", "end"]
