@@ -44,9 +44,7 @@ from typing import Any
 import anyio
 import msgspec
 
-TRAINERS, WORKERS = 2, 2
-WORLD = TRAINERS + WORKERS
-TINY_TRAINER, TINY_WORKER = 0, 2  # processes that run part 2 (engine ranks 0 and 1)
+TINY_TRAINER = 0  # part 2 runs on process 0 (engine rank 0) and the first worker process
 
 
 @dataclass(frozen=True)
@@ -62,6 +60,12 @@ class Args:
     profile: str | None = None
     parts: tuple[str, ...] = ("mixed", "aligned", "tiny")
     max_inflight: int = 3
+    trainers: int = 2
+    workers: int = 2
+
+    @property
+    def world(self) -> int:
+        return self.trainers + self.workers
 
 
 class Throughput(msgspec.Struct):
@@ -174,7 +178,7 @@ def _copy_jobs(plan: Any, rank: int, bucket_bytes: int, bufs: dict[int, Any],
     from m2n_async._data._packing import byte_view, plan_bucket
     from m2n_async._engine._engine import MAX_BUCKET_PARAMS, split_buckets
 
-    sending = rank < TRAINERS
+    sending = rank < plan.trainer_ranks
     names = [p.spec.name for p in plan.params]
     base = dict.fromkeys(bufs, 0)  # where this bucket's bytes for a peer start in its buffer
     jobs = []
@@ -198,7 +202,7 @@ async def _rank(args: Args, rank: int, out: RankResult) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{args.pg_file}", rank=rank,
-                            world_size=WORLD)
+                            world_size=args.world)
     try:
         for layout in ("mixed", "aligned"):
             if layout in args.parts:
@@ -223,24 +227,24 @@ async def _part_throughput(args: Args, rank: int, out: Throughput) -> None:
     from m2n_async import EngineConfig, TrainerEngine, WorkerEngine
     from m2n_async._demo import _bytes_2d, base_content, demo_model, demo_plan, mismatches
 
-    params = demo_model(args.size_mb, TRAINERS, WORKERS)
+    params = demo_model(args.size_mb, args.trainers, args.workers)
     if out.layout == "aligned":
         params = [dataclasses.replace(p, dst=p.src) for p in params]
-    plan = demo_plan(params, TRAINERS, WORKERS)
+    plan = demo_plan(params, args.trainers, args.workers)
     config = EngineConfig(transport="gloo", bucket_bytes=int(args.bucket_mb * (1 << 20)),
                           max_inflight=args.max_inflight, round_timeout=120,
                           job=f"bench-{out.layout}")
     # Raw baseline buffers: per peer, the bytes the plan moves between us, as one buffer.
-    pair = {peer: 0 for peer in range(WORLD)}
+    pair = {peer: 0 for peer in range(args.world)}
     for i in range(len(plan.params)):
-        pieces = (plan.pieces_from(i, rank) if rank < TRAINERS else plan.pieces_to(i, rank))
+        pieces = (plan.pieces_from(i, rank) if rank < args.trainers else plan.pieces_to(i, rank))
         for pc in pieces:
-            pair[pc.dst_rank if rank < TRAINERS else pc.src_rank] += pc.nbytes
+            pair[pc.dst_rank if rank < args.trainers else pc.src_rank] += pc.nbytes
     # Filled, not just allocated: a send from never-written memory reads the kernel's shared
     # zero page, which is always in cache — measured 50 vs 72 ms (sys 8-16 vs 24-30 ms) for
     # 189 MB between two processes here. The baseline must copy real pages, as the engine does.
     bufs = {peer: torch.full((n,), 0x5A, dtype=torch.uint8) for peer, n in pair.items() if n}
-    sends, recvs = (bufs, {}) if rank < TRAINERS else ({}, bufs)
+    sends, recvs = (bufs, {}) if rank < args.trainers else ({}, bufs)
     lag = out.lag if rank == 0 else None
     lag_raw = out.lag_raw if rank == 0 else None
     lag_copy = out.lag_copy if rank == 0 else None
@@ -251,24 +255,24 @@ async def _part_throughput(args: Args, rank: int, out: Throughput) -> None:
         await anyio.to_thread.run_sync(_raw_exchange, sends, recvs)
 
     def exchange_with_copies() -> None:
-        if rank < TRAINERS:
+        if rank < args.trainers:
             for dst, src in copies:
                 dst.copy_(src)
         _raw_exchange(sends, recvs)
-        if rank >= TRAINERS:
+        if rank >= args.trainers:
             for dst, src in copies:
                 dst.copy_(src)
 
     async def raw_copy() -> None:
         await anyio.to_thread.run_sync(exchange_with_copies)
 
-    if rank < TRAINERS:
+    if rank < args.trainers:
         shards = {p.name: base_content(p.name, p.shape, p.dtype, t.spec.layout.box(p.shape, rank))
                   for p, t in zip(params, plan.params, strict=True)}
         copies = _copy_jobs(plan, rank, config.bucket_bytes, bufs, shards)
         engine: Any = await TrainerEngine.connect(
-            args.address, token=args.token, rank=rank, trainer_ranks=TRAINERS,
-            world_size=WORLD, params=plan.source_specs(), config=config, timeout=300)
+            args.address, token=args.token, rank=rank, trainer_ranks=args.trainers,
+            world_size=args.world, params=plan.source_specs(), config=config, timeout=300)
 
         async def op() -> Any:
             return await engine.sync_weights(shards)
@@ -283,8 +287,8 @@ async def _part_throughput(args: Args, rank: int, out: Throughput) -> None:
         copies = _copy_jobs(plan, rank, config.bucket_bytes, bufs,
                             {n: torch.zeros_like(t) for n, t in targets.items()})
         engine = await WorkerEngine.connect(
-            args.address, token=args.token, rank=rank, trainer_ranks=TRAINERS,
-            world_size=WORLD, mesh_dims=(1, WORKERS), config=config, timeout=300,
+            args.address, token=args.token, rank=rank, trainer_ranks=args.trainers,
+            world_size=args.world, mesh_dims=(1, args.workers), config=config, timeout=300,
             targets={p.name: (targets[p.name], t.dst.placements)
                      for p, t in zip(params, plan.params, strict=True)})
 
@@ -302,7 +306,7 @@ async def _part_throughput(args: Args, rank: int, out: Throughput) -> None:
         out.copy_mb = sum(d.numel() for d, _ in copies) / 1e6
         out.phases = dict(res.phases)
         out.peak_mb = res.peak_extra_bytes / 1e6
-        if rank >= TRAINERS:
+        if rank >= args.trainers:
             base = {p.name: _bytes_2d(base_content(p.name, p.shape, p.dtype, boxes[p.name]))
                     for p in params}
             scratch = torch.empty(max(p.nbytes for p in params), dtype=torch.uint8)
@@ -319,8 +323,9 @@ async def _part_tiny(args: Args, rank: int, out: RankResult) -> None:
     from m2n_async import EngineConfig, Layout, Mesh, ParamSpec, TrainerEngine, WorkerEngine
 
     # new_group is collective over the default group: every process creates it.
-    sub = dist.new_group([TINY_TRAINER, TINY_WORKER])
-    if rank not in (TINY_TRAINER, TINY_WORKER):
+    tiny_worker = args.trainers  # the first worker process
+    sub = dist.new_group([TINY_TRAINER, tiny_worker])
+    if rank not in (TINY_TRAINER, tiny_worker):
         return
     n = args.tiny_params
     smesh = Mesh((1, 1), 0)
@@ -343,7 +348,7 @@ async def _part_tiny(args: Args, rank: int, out: RankResult) -> None:
         buf = torch.full((total,), 0x5A, dtype=torch.uint8)  # real pages (see part 1)
 
         async def raw() -> None:
-            dist.send(buf, TINY_WORKER)
+            dist.send(buf, tiny_worker)
     else:
         targets = {s.name: (torch.zeros(16), None) for s in specs}
         engine = await WorkerEngine.connect(
@@ -386,11 +391,12 @@ async def _run(ns: argparse.Namespace) -> list[RankResult]:
         async with StoreServer(host="127.0.0.1", port=0, token=token) as server:
             args = Args(ns.size_mb, ns.rounds, ns.tiny_params, ns.tiny_rounds, ns.bucket_mb,
                         server.address, token, os.path.join(tmp, "pg"), ns.profile,
-                        tuple(ns.parts.split(",")), ns.max_inflight)
+                        tuple(ns.parts.split(",")), ns.max_inflight, ns.trainers,
+                        ns.workers)
             ctx = mp.get_context("spawn")
             results = ctx.Queue()
             procs = [ctx.Process(target=_child, args=(args, r, results), daemon=True)
-                     for r in range(WORLD)]
+                     for r in range(args.world)]
             for p in procs:
                 p.start()
             got: dict[int, RankResult] = {}
@@ -404,10 +410,10 @@ async def _run(ns: argparse.Namespace) -> list[RankResult]:
                 return raw
 
             try:
-                while len(got) < WORLD:
+                while len(got) < args.world:
                     if time.monotonic() > deadline:
                         raise SystemExit(f"bench did not finish within {ns.timeout:g} s; "
-                                         f"ranks {sorted(set(range(WORLD)) - got.keys())} "
+                                         f"ranks {sorted(set(range(args.world)) - got.keys())} "
                                          f"still running (killed)")
                     raw = await anyio.to_thread.run_sync(get)
                     if raw is not None:
@@ -420,11 +426,11 @@ async def _run(ns: argparse.Namespace) -> list[RankResult]:
                             raise SystemExit(f"bench rank(s) {dead} died without a result")
             finally:
                 for p in procs:
-                    p.join(5 if len(got) == WORLD else 0)
+                    p.join(5 if len(got) == args.world else 0)
                     if p.is_alive():
                         p.kill()
                         p.join(5)
-    return [got[r] for r in range(WORLD)]
+    return [got[r] for r in range(args.world)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -441,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="cProfile every rank process (main thread) into DIR/rankN.prof")
     ap.add_argument("--parts", default="mixed,aligned,tiny",
                     help="comma-separated parts to run (mixed, aligned, tiny); default all")
+    ap.add_argument("--trainers", type=int, default=2, help="trainer processes (default 2)")
+    ap.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     ap.add_argument("--tiny", action="store_true",
                     help="toy sizes (smoke test): 4 MB model, 2 rounds, 2,000 tiny params")
     ns = ap.parse_args(argv)
@@ -448,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         ns.size_mb, ns.rounds, ns.tiny_params, ns.tiny_rounds = 4.0, 2, 2000, 2
     import torch
 
-    print(f"cpu_sync_bench: {TRAINERS} trainers + {WORKERS} workers, 1 torch thread each; "
+    print(f"cpu_sync_bench: {ns.trainers} trainers + {ns.workers} workers, 1 torch thread each; "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; Python "
           f"{platform.python_version()}, torch {torch.__version__}")
     res = anyio.run(_run, ns)
@@ -463,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     lags: list[tuple[str, list[float]]] = []
     for i, t0 in enumerate(res[0].throughput):
-        moved = sum(r.throughput[i].bytes_moved for r in res[TRAINERS:])
+        moved = sum(r.throughput[i].bytes_moved for r in res[ns.trainers:])
         eng, raw = statistics.median(t0.engine_s), statistics.median(t0.raw_s)
         what = ("the demo model's layouts (reshards: pieces packed)" if t0.layout == "mixed"
                 else "every tensor placed alike on both meshes (zero-copy pieces)")
@@ -483,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         for r, rr in enumerate(res):
             tp = rr.throughput[i]
             ph = ", ".join(f"{k} {v:.3f}" for k, v in tp.phases.items())
-            print(f"     rank {r} ({'trainer' if r < TRAINERS else 'worker'}): {ph}; "
+            print(f"     rank {r} ({'trainer' if r < ns.trainers else 'worker'}): {ph}; "
                   f"peak {tp.peak_mb:.2f} MB")
         cpu = []
         for r in res:
