@@ -76,22 +76,12 @@ async def bench_rank(ctx: _world.RankCtx) -> dict[str, Any]:
                            else plan.recv_bytes(ctx.rank),
                            "gpu": dev.index, "gpu_name": torch.cuda.get_device_name(dev)}
 
-    async def timed(name: str, fn: Any, n: int | None = None) -> None:
-        times = []
-        for it in range((iters if n is None else n) + 1):
-            await ctx.barrier(f"{name}-{it}")
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            await fn()
-            times.append(time.perf_counter() - t0)
-        out[name] = times[1:]
-
-    async def timed_interleaved(paths: dict[str, Any]) -> None:
+    async def timed_interleaved(paths: dict[str, Any], n: int | None = None) -> None:
         # A B C A B C ...: on the x2 host the per-call cost of M2N drifted between paths run
         # one after another (MoE 1+1: raw 49 ms first, the same raw calls 78-80 ms later), so
         # the headline ratios come from paths that share every iteration's conditions
         times: dict[str, list[float]] = {k: [] for k in paths}
-        for it in range(iters + 1):
+        for it in range((iters if n is None else n) + 1):
             for name, fn in paths.items():
                 await ctx.barrier(f"{name}-{it}")
                 torch.cuda.synchronize()
@@ -100,6 +90,9 @@ async def bench_rank(ctx: _world.RankCtx) -> dict[str, Any]:
                 times[name].append(time.perf_counter() - t0)
         for name, ts in times.items():
             out[name] = ts[1:]
+
+    async def timed(name: str, fn: Any, n: int | None = None) -> None:
+        await timed_interleaved({name: fn}, n)
 
     t = await _world.open_transport(ctx, "m2n", plan, bucket_bytes=case["bucket_bytes"],
                                     max_inflight=case["max_inflight"],

@@ -18,8 +18,7 @@ Per bucket:
   to the callback in ``unpack``. An event on the pack stream orders the transfer after the
   producer; casts are fenced in chunks of ``GATE_BYTES``: after each chunk an event, and the
   transfer waits for a param's own chunk only, so the first reshard starts while the rest of
-  the bucket is still being cast (else the whole bucket's casts would sit in front of its
-  transfer: 1.4x max(pack, transfer) on a 2-bucket dense model between two H200s).
+  the bucket is still being cast rather than after all of it.
 * ``transfer`` (native thread, transfer stream): waits on that event (and on each cast
   chunk's event before the chunk's first reshard), then either one
   ``nccl.m2n.group()`` of the bucket's reshards (split so that no group carries more than
@@ -331,17 +330,17 @@ class M2NTransport(GpuTransportBase):
         params = self._bucket(bucket)
         st = M2NStaging(bucket, params=params, nbytes_moved=self._moved[bucket.index])
         producer = streams.producer()
+        where = self.ctx.where(bucket=bucket.index)  # once: a bucket may hold 10^4 params
         if self.ctx.role == "trainer":
             if sources is None:
-                raise LocalProtocolError(f"m2n: trainer stage without sources at "
-                                         f"{self.ctx.where(bucket=bucket.index)}")
+                raise LocalProtocolError(f"m2n: trainer stage without sources at {where}")
             streams.wait(streams.pack, producer)
             # zero-copy sources only need the producer: this event, before any cast
             st.ready = streams.record(streams.pack)
             chunk_start, chunk_bytes = -1, 0
             with streams.on(streams.pack):
                 for k, p in enumerate(params):
-                    t = lookup_tensor(sources, p.name, self.ctx.where(bucket=bucket.index))
+                    t = lookup_tensor(sources, p.name, where)
                     if self._zero_copy_ok(t, p, p.src_shape):
                         st.buffers.append(t)
                         st.caller_owned.append(True)
@@ -350,7 +349,7 @@ class M2NTransport(GpuTransportBase):
                     if tuple(t.shape) != p.src_shape:
                         raise PlanError(f"parameter {p.name!r}: local source shape "
                                         f"{tuple(t.shape)} but the plan says {p.src_shape} "
-                                        f"at {self.ctx.where(bucket=bucket.index)}")
+                                        f"at {where}")
                     buf = t.to(device=self.device, dtype=p.dtype,
                                non_blocking=True).contiguous()
                     st.buffers.append(buf)
@@ -367,11 +366,10 @@ class M2NTransport(GpuTransportBase):
                     st.gates.append((chunk_start, streams.record(streams.pack)))
         else:
             if sinks is None:
-                raise LocalProtocolError(f"m2n: worker stage without sinks at "
-                                         f"{self.ctx.where(bucket=bucket.index)}")
+                raise LocalProtocolError(f"m2n: worker stage without sinks at {where}")
             with streams.on(streams.pack):
                 for k, p in enumerate(params):
-                    sink = lookup_tensor(sinks, p.name, self.ctx.where(bucket=bucket.index))
+                    sink = lookup_tensor(sinks, p.name, where)
                     if self._zero_copy_ok(sink, p, p.dst_shape):
                         st.buffers.append(sink)
                         st.caller_owned.append(True)
@@ -459,7 +457,6 @@ class M2NTransport(GpuTransportBase):
         where = self.ctx.where(round=self.round, bucket=st.bucket.index)
         descs = self._descriptors(st)
         names = [p.name for p in st.params]
-
         gates = st.gates
 
         def run() -> Any:

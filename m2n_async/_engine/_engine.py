@@ -355,7 +355,7 @@ class _Engine:
         except PeerLostError as exc:
             # The store only knows a key; say which rank, in which role, and where we stood.
             lost = self._lost_rank(exc)
-            who = "a peer" if lost is None else f"rank {lost} ({self._role_of(lost)})"
+            who = "a peer" if lost is None else f"rank {self._named([lost])}"
             raise PeerLostError(f"rank {self.rank} ({self._role}), waiting for "
                                 f"{self._where(round_)} to start: {who} was lost (its store "
                                 f"session ended: process died or disconnected)",
@@ -500,23 +500,20 @@ class _Engine:
         return "trainer" if rank < self.trainer_ranks else "worker"
 
     def _lost_rank(self, exc: PeerLostError) -> int | None:
-        if exc.ranks:
-            return exc.ranks[0]
-        key = exc.key or ""
-        for r in range(self.world_size):
-            if self._group is not None and key == self._group.alive_key(r):
-                return r
-        return None
+        if self._group is None:
+            return exc.ranks[0] if exc.ranks else None
+        return self._group.lost_rank(exc)
+
+    def _named(self, ranks: Sequence[int]) -> str:
+        """``"2 (worker), 3 (worker)"``: ranks with their roles, for messages."""
+        return ", ".join(f"{r} ({self._role_of(r)})" for r in ranks)
 
     def _describe(self, exc: BaseException, round_: int, timeout: float) -> str:
         if isinstance(exc, TimeoutError):
             # Name the peers this rank was still waiting for, when the transport knows: a
             # deadline is almost always someone else's hang, and that someone is the news.
             peers = self._transport.waiting_on() if self._transport is not None else []
-            waiting = ""
-            if peers:
-                named = ", ".join(f"{p} ({self._role_of(p)})" for p in peers)
-                waiting = f" (still waiting on rank(s) {named})"
+            waiting = f" (still waiting on rank(s) {self._named(peers)})" if peers else ""
             return (f"rank {self.rank} ({self._role}) did not finish within the round deadline "
                     f"of {timeout:g} s{waiting}: {exc}".rstrip(": "))
         return f"rank {self.rank} ({self._role}): {type(exc).__name__}: {exc}"
@@ -559,9 +556,7 @@ class _Engine:
                           f"rank {lost} was lost before reporting the round's outcome")
         except TimeoutError:
             missing = await self._not_reported(keys)
-            who = (f" (no report from rank(s) "
-                   f"{', '.join(f'{r} ({self._role_of(r)})' for r in missing)})"
-                   if missing else "")
+            who = f" (no report from rank(s) {self._named(missing)})" if missing else ""
             return None, (self.rank, f"rank {self.rank} gave up waiting {bound:g} s for the "
                                      f"other ranks to report the round's outcome{who}")
         except M2NError as exc:

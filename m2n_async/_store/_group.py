@@ -235,7 +235,11 @@ class ControlGroup:
         except PeerLostError as lost:
             raise self._peer_lost(lost, kind, seq) from None
 
-    def _lost_rank(self, exc: PeerLostError) -> int | None:
+    def lost_rank(self, exc: PeerLostError) -> int | None:
+        """The rank ``exc`` is about: its first named rank, else the rank whose liveness key
+        (``alive_key``) it names; None when it names neither."""
+        if exc.ranks:
+            return exc.ranks[0]
         key = exc.key or ""
         head = f"{self.namespace}/{_ALIVE}/"
         if key.startswith(head) and key[len(head):].isdigit():
@@ -250,7 +254,7 @@ class ControlGroup:
                                   f"collective's prefix")
 
     def _peer_lost(self, exc: PeerLostError, kind: str, seq: int) -> PeerLostError:
-        lost = self._lost_rank(exc)
+        lost = self.lost_rank(exc)
         ranks: Sequence[int] = () if lost is None else (lost,)
         key = exc.key or ""
         who = f"rank {ranks[0]}" if ranks else f"the owner of {key!r}"

@@ -138,16 +138,22 @@ async def test_no_key_growth_over_thousands_of_rounds(world: World, plain: bool)
     assert len(world.core) == 0, world.core.keys()
 
 
+async def _gather_or_record_loss(g: ControlGroup, errors: dict[int, PeerLostError]) -> None:
+    """One all-gather on ``g``; a ``PeerLostError`` is recorded under ``g.rank``."""
+    try:
+        await g.all_gather_bytes(b"x")
+    except PeerLostError as exc:
+        errors[g.rank] = exc
+
+
 async def test_peer_lost_names_the_rank_fast(world: World) -> None:
     groups = await make_groups(world, 4)
     errors: dict[int, PeerLostError] = {}
     t_fail: dict[int, float] = {}
 
     async def survivor(g: ControlGroup) -> None:
-        try:
-            await g.all_gather_bytes(b"x")
-        except PeerLostError as exc:
-            errors[g.rank] = exc
+        await _gather_or_record_loss(g, errors)
+        if g.rank in errors:
             t_fail[g.rank] = time.monotonic()
 
     with anyio.fail_after(DEADLINE):
@@ -193,10 +199,7 @@ async def test_a_non_contributor_is_lost_even_after_a_contributor_left(world: Wo
     errors: dict[int, PeerLostError] = {}
 
     async def survivor(g: ControlGroup) -> None:
-        try:
-            await g.all_gather_bytes(b"x")
-        except PeerLostError as exc:
-            errors[g.rank] = exc
+        await _gather_or_record_loss(g, errors)
 
     with anyio.fail_after(DEADLINE):
         async with anyio.create_task_group() as tg:
