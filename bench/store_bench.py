@@ -400,11 +400,11 @@ def main() -> None:
             first, second = sorted(everywhere)[:2]
             servers = {second} if args.pin == "split" else {first}
             set_affinity(os.getpid(), {first})
-            set_affinity(ours.pid, servers)
-            set_affinity(theirs.pid, servers)
+            for server in (ours, theirs, echo_server):  # the echo row's server too
+                set_affinity(server.pid, servers)
         results = {loop: latency(address, port, echo_port, args.ops, args.lat_rounds, loop)
                    for loop in loops}
-        for pid in (os.getpid(), ours.pid, theirs.pid):
+        for pid in (os.getpid(), ours.pid, theirs.pid, echo_server.pid):
             set_affinity(pid, everywhere)
         print(f"\nOp latency, us per call (one client, sequential): median of "
               f"{args.lat_rounds} rounds, each timing {args.ops // args.lat_rounds} calls on "
