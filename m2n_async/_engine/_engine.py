@@ -534,9 +534,11 @@ class _Engine:
             with anyio.fail_after(bound):
                 try:
                     if isinstance(store, SupportsExchange):
-                        # One round trip: publish ours, drop our previous round's, gather all.
-                        previous = (_RoundKeys(self._namespace, round_ - 1).done(self.rank)
-                                    if round_ > 1 else None)
+                        # One round trip: publish ours, drop our round k-2 one, gather all.
+                        # Not round k-1's: a rank still finishing k-1 past a departed peer
+                        # (``gather_past_departures``) gathers k-1 again and needs every key.
+                        previous = (_RoundKeys(self._namespace, round_ - 2).done(self.rank)
+                                    if round_ > 2 else None)
                         got = await store.exchange(keys.done(self.rank), encode(done),
                                                    keys.done_prefix, self.world_size,
                                                    watch=watch, delete=previous)
@@ -633,7 +635,8 @@ class _Engine:
         keys = _RoundKeys(self._namespace, round_)
         with anyio.move_on_after(self.config.abort_grace):
             try:
-                if not isinstance(self._store, SupportsExchange):  # else: deleted in exchange
+                # With ``exchange`` the round two rounds on deletes it, in the same round trip.
+                if not isinstance(self._store, SupportsExchange):
                     await self._store.delete(keys.done(self.rank))
                 if self.rank == 0:
                     await self._store.delete(keys.start)

@@ -101,7 +101,9 @@ class ControlGroup:
         self._seq = 0
         self._current: str | None = None  # prefix of the current or last call
         self._current_kind = ""
-        self._previous_key: str | None = None  # this rank's key of the last completed call
+        # This rank's keys of its last two calls, newest last. A call deletes the older one:
+        # see ``_collective`` for why not the newer.
+        self._own_keys: list[str] = []
         self._watch: tuple[str, ...] = tuple(
             self.alive_key(r) for r in range(world_size) if r != rank)
 
@@ -178,15 +180,15 @@ class ControlGroup:
         return [r for r in range(self.world_size) if r not in arrived]
 
     async def aclose(self) -> None:
-        """Remove this rank's keys (its last call's key and its liveness key).
+        """Remove this rank's keys (its last calls' keys and its liveness key).
 
         Leaving is clean: peers waiting on this rank are not told it was lost.
 
         Cancellation: some keys may remain; the generation purge removes them eventually.
         """
-        if self._previous_key is not None:
-            await self.store.delete(self._previous_key)
-            self._previous_key = None
+        while self._own_keys:
+            await self.store.delete(self._own_keys[0])
+            del self._own_keys[0]
         await self.store.delete(self.alive_key(self.rank))
 
     # --- machinery -----------------------------------------------------------------------
@@ -198,20 +200,27 @@ class ControlGroup:
         self._current, self._current_kind = prefix, kind
         own_key = f"{prefix}{self.rank}"
         store = self.store
+        # This rank's key of call seq-2, not seq-1. Being in call seq proves only that every
+        # rank *contributed* to seq-1; a rank still finishing seq-1 past a departed peer
+        # (``_wait_past_departures``) registers a fresh gather of seq-1, which must still find
+        # every key. Every rank has finished seq-2, since it contributed to seq-1 after it.
+        stale = self._own_keys[0] if len(self._own_keys) >= 2 else None
+        self._own_keys.append(own_key)  # from here on it may exist: ``aclose`` removes it
         try:
             if isinstance(store, SupportsExchange):
-                # One atomic round trip; deleting the previous call's key here is safe because
-                # every rank's gather of that call was registered together with its key.
                 items = await store.exchange(own_key, payload, prefix, self.world_size,
-                                             watch=self._watch, delete=self._previous_key)
+                                             watch=self._watch, delete=stale)
             else:
                 await store.set(own_key, payload)
                 items = await store.gather(prefix, self.world_size, watch=self._watch)
-                if self._previous_key is not None:
-                    await store.delete(self._previous_key)
+                if stale is not None:
+                    await store.delete(stale)
         except PeerLostError as exc:
             items = await self._wait_past_departures(exc, prefix, kind, seq)
-        self._previous_key = own_key
+            if stale is not None:  # the failed exchange may or may not have deleted it
+                await store.delete(stale)
+        if stale is not None:
+            self._own_keys.remove(stale)
         out: list[bytes | None] = [None] * self.world_size
         for key, value in items.items():
             out[self._rank_of(key, prefix)] = value
