@@ -42,7 +42,7 @@ from m2n_async._proto.errors import (
 )
 from m2n_async._store import _auth
 from m2n_async._store._core import StaleGenerationError
-from m2n_async._store._server import running_loop
+from m2n_async._store._server import running_loop, tune_socket
 from m2n_async._store._wire import (
     DEFAULT_MAX_FRAME,
     STORE_PROTO_VERSION,
@@ -216,6 +216,9 @@ class StoreClient:
                 lambda: _ClientProtocol(max_frame), host, port)
         except OSError as exc:
             raise StoreError(f"cannot connect to the {where}: {exc}") from exc
+        sock = transport.get_extra_info("socket")
+        if sock is not None:  # a store host that dies must fail our waits, not hang them
+            tune_socket(sock)
         try:
             hello = await _handshake_message(protocol, where)
             if not isinstance(hello, ServerHello):

@@ -71,22 +71,18 @@ def generation_key(job: str) -> str:
     return f"{job}/{GENERATION_SUFFIX}"
 
 
-def _generation_of(key: str, *, prefix: bool) -> tuple[str, int] | None:
-    """``(job, generation)`` if ``key`` lies in a ``{job}/{digits}/...`` namespace.
+def _generation_of(key: str) -> tuple[str, int] | None:
+    """``(job, generation)`` if ``key`` (or a prefix) lies in a ``{job}/{digits}...`` namespace.
 
-    For a prefix the generation segment must be closed by ``/`` ("job/1" also covers
-    "job/10/..."), so only complete segments count.
+    A prefix whose generation segment is not closed by ``/`` counts as that generation too:
+    "job/1" also covers "job/10/...", so a rank left in generation 1 must not reach through it
+    into a live generation 10.
     """
     first = key.find("/")
     if first <= 0:
         return None
     second = key.find("/", first + 1)
-    if second < 0:
-        if prefix:
-            return None
-        segment = key[first + 1:]
-    else:
-        segment = key[first + 1: second]
+    segment = key[first + 1:] if second < 0 else key[first + 1: second]
     if not segment or not segment.isascii() or not segment.isdigit() or len(segment) > 18:
         return None
     return key[:first], int(segment)
@@ -359,7 +355,7 @@ class StoreCore:
             raise StoreError(f"store session {session.id} is closed")
 
     def _check_key(self, key: str, *, prefix: bool = False) -> None:
-        where = _generation_of(key, prefix=prefix)
+        where = _generation_of(key)
         if where is None:
             return
         job, generation = where
@@ -473,8 +469,8 @@ class StoreCore:
         self._purge_stale(job, generation)
 
     def _purge_stale(self, job: str, current: int) -> None:
-        def stale(k: str, *, prefix: bool = False) -> bool:
-            where = _generation_of(k, prefix=prefix)
+        def stale(k: str) -> bool:
+            where = _generation_of(k)
             return where is not None and where[0] == job and where[1] < current
 
         for key in [k for k in self._data if stale(k)]:
@@ -484,10 +480,10 @@ class StoreCore:
             if stale(key):
                 doomed.extend((w, key) for w in waiters)
         for prefix, track in self._prefixes.items():
-            if stale(prefix, prefix=True):
+            if stale(prefix):
                 doomed.extend((w, prefix) for w in track.waiters)
         for waiter, key in doomed:
-            gen = _generation_of(key, prefix=waiter.kind == "gather")
+            gen = _generation_of(key)
             self._finish(waiter, error=StaleGenerationError(
                 f"store key {key!r} became stale while waiting: job {job!r} moved on to "
                 f"generation {current}", job=job, generation=gen[1] if gen else -1,

@@ -18,10 +18,11 @@ message of the request union, a request before authentication — gets a connect
 for any disconnect.
 
 Bounded memory per connection: a receive buffer (1 KiB until the connection authenticates,
-64 KiB after) and at most one partial frame (``max_frame`` plus one read) are held, and when
-the client stops reading its replies (the transport's write buffer passes its high-water mark)
-the server stops reading and executing that client's requests until the buffer drains, so
-replies cannot pile up. Pending waiters are capped per session by the core.
+64 KiB after) and at most one partial frame (4 KiB before authentication, ``max_frame`` plus
+one read after) are held, and when the client stops reading its replies (the transport's write
+buffer passes its high-water mark) the server stops reading and executing that client's
+requests until the buffer drains, so replies cannot pile up. Pending waiters are capped per
+session by the core.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ from m2n_async._store._wire import (
     encode_frame,
 )
 
-__all__ = ["StoreServer", "format_address"]
+__all__ = ["StoreServer", "format_address", "tune_socket"]
 
 _log = logging.getLogger("m2n_async.store")
 _CLOSE_GRACE = 5.0  # seconds a failed connection gets to flush its error frame
@@ -79,11 +80,36 @@ _RECV_SIZE = 64 * 1024
 # bytes), so that connections which never authenticate cost little while they wait to be
 # dropped.
 _AUTH_RECV_SIZE = 1024
+# ... and may have at most this much of a partial frame held for it: without the cap one
+# unauthenticated connection could announce a max_frame-sized frame and park ~16 MiB here
+# until its auth deadline.
+_AUTH_MAX_PENDING = 4096
 
 
 def format_address(host: str, port: int) -> str:
     """``host:port``, with IPv6 hosts bracketed (``[::1]:port``)."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+# TCP keepalive: a peer whose host dies (power, kernel panic, cable) sends no FIN or RST, and an
+# idle session would then live on forever, its ephemeral keys with it, so nobody watching them
+# would ever hear of the loss. Probing an idle connection after 10 s, every 2 s, 5 times, ends
+# such a session about 20 s after the host went silent.
+_KEEPALIVE = (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 2), ("TCP_KEEPCNT", 5))
+
+
+def tune_socket(sock: socket.socket) -> None:
+    """No Nagle delay (requests are small and latency-bound) and keepalive probes (above)."""
+    for level, name, value in ((socket.IPPROTO_TCP, "TCP_NODELAY", 1),
+                               (socket.SOL_SOCKET, "SO_KEEPALIVE", 1),
+                               *((socket.IPPROTO_TCP, n, v) for n, v in _KEEPALIVE)):
+        option = getattr(socket, name, None)
+        if option is None:  # e.g. TCP_KEEPIDLE on macOS: the system default applies
+            continue
+        try:
+            sock.setsockopt(level, option, value)
+        except OSError:
+            pass
 
 
 def running_loop(who: str) -> asyncio.AbstractEventLoop:
@@ -233,10 +259,7 @@ class _ServerProtocol(asyncio.BufferedProtocol):
         self._server._protocols.add(self)
         sock = transport.get_extra_info("socket")
         if sock is not None:
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
+            tune_socket(sock)
         self._deadline = asyncio.get_running_loop().call_later(
             self._server._auth_timeout, self._auth_expired)
         self._write(ServerHello(STORE_PROTO_VERSION, self._nonce))
@@ -254,6 +277,10 @@ class _ServerProtocol(asyncio.BufferedProtocol):
         try:
             self._reader.feed(data)
             self._process()
+            if self._session is None and self._reader.buffered > _AUTH_MAX_PENDING:
+                raise RemoteProtocolError(
+                    f"store client sent {self._reader.buffered} bytes of a frame before "
+                    f"authenticating (at most {_AUTH_MAX_PENDING} are held until then)")
         except RemoteProtocolError as exc:
             self._fail(0, "protocol", str(exc))
         except Exception:  # a bug must cost one connection, never the server

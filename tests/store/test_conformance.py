@@ -418,9 +418,19 @@ async def test_next_generation_and_stale_refusal(world: World) -> None:
         await old_rank.delete_prefix("job/1/")
     with pytest.raises(StaleGenerationError):
         await old_rank.gather("job/1/", 1)
+    # An unclosed prefix counts as its generation: "job/1" would also reach job/10/...
+    for _ in range(8):
+        await next_generation(s, "job")  # generation 10: its keys also start with "job/1"
+    await s.set("job/10/live", b"state of generation 10")
+    with pytest.raises(StaleGenerationError):
+        await old_rank.gather(ns1.rsplit("/", 1)[0], 1)  # "job/1", the generation namespace
+    with pytest.raises(StaleGenerationError):
+        await old_rank.delete_prefix("job/1")
+    assert await s.get("job/10/live") == b"state of generation 10"
+    assert await s.gather("job/10", 1) == {"job/10/live": b"state of generation 10"}
     # The current generation, other jobs and non-generation keys work.
-    await s.set("job/2/x", b"new")
-    assert await s.get("job/2/x") == b"new"
+    await s.set("job/10/x", b"new")
+    assert await s.get("job/10/x") == b"new"
     assert await s.get("otherjob/1/x") == b"untouched"
     assert await s.get("job/10x/y") is None  # not a generation segment
     assert world.core.keys().count("job/generation") == 1

@@ -52,16 +52,15 @@ def test_notify_called_exactly_once() -> None:
     assert calls == ["done"] and w.done and w.error is None
 
 
-@pytest.mark.parametrize(("key", "prefix", "expected"), [
-    ("job/3/x", False, ("job", 3)),
-    ("job/3", False, ("job", 3)),
-    ("job/3/", True, ("job", 3)),
-    ("job/3", True, None),          # "job/3" as a prefix also covers job/30/...
-    ("job/generation", False, None),
-    ("job/x3/y", False, None),
-    ("/3/y", False, None),
-    ("job/\u0663/y", False, None),  # a non-ASCII digit is not a generation
-    ("job", False, None),
+@pytest.mark.parametrize(("key", "expected"), [
+    ("job/3/x", ("job", 3)),
+    ("job/3", ("job", 3)),
+    ("job/3/", ("job", 3)),
+    ("job/generation", None),
+    ("job/x3/y", None),
+    ("/3/y", None),
+    ("job/\u0663/y", None),  # a non-ASCII digit is not a generation
+    ("job", None),
 ])
-def test_generation_parsing(key: str, prefix: bool, expected: tuple[str, int] | None) -> None:
-    assert _generation_of(key, prefix=prefix) == expected
+def test_generation_parsing(key: str, expected: tuple[str, int] | None) -> None:
+    assert _generation_of(key) == expected

@@ -199,6 +199,19 @@ async def test_unauthenticated_connections_hold_a_small_buffer(server: StoreServ
     await healthy(server)
 
 
+async def test_unauthenticated_frame_cannot_park_memory(server: StoreServer) -> None:
+    """A frame announced before authentication may not grow past a few KiB on the server:
+    one that tries (here: a 16 MiB length prefix, then its bytes) is refused at once."""
+    peer = await RawPeer.connect(server, authenticate=False)
+    # 5 KiB in all, so that the server has read everything when it refuses (unread bytes
+    # would turn its close into a reset, which can discard the error frame).
+    await peer.stream.send(struct.pack(">I", 16 << 20) + b"x" * (5 * 1024 - 4))
+    msgs = await peer.read_until_closed()
+    assert len(msgs) == 1 and isinstance(msgs[0], Error) and msgs[0].kind == "protocol"
+    assert "before authenticating" in msgs[0].message
+    await healthy(server)
+
+
 async def test_request_before_authentication_is_refused(server: StoreServer) -> None:
     peer = await RawPeer.connect(server, authenticate=False)
     await peer.stream.send(encode_frame(Get(1, "k")))
@@ -445,3 +458,21 @@ async def test_client_that_never_reads_is_throttled_not_buffered(server: StoreSe
     assert proto._transport.get_write_buffer_size() < 8 * (1 << 20)
     await healthy(server)
     await peer.stream.aclose()
+
+
+async def test_both_ends_probe_idle_connections(server: StoreServer) -> None:
+    """Keepalive on both ends: a host that dies silently (no FIN, no RST) must end its
+    session (and its ephemeral keys), and a dead store host must fail a client's waits."""
+    client = await StoreClient.connect(server.address, token=TOKEN)
+    try:
+        (proto,) = server._protocols
+        assert proto._transport is not None
+        ends = {"server": proto._transport.get_extra_info("socket"),
+                "client": client._transport.get_extra_info("socket")}
+        for end, sock in ends.items():
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1, end
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0, end
+            if hasattr(socket, "TCP_KEEPIDLE"):
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 10, end
+    finally:
+        await client.aclose()
