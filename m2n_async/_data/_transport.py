@@ -56,7 +56,8 @@ from __future__ import annotations
 import importlib
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Literal, TypeAlias
 
@@ -270,6 +271,17 @@ class Rendezvous:
     def key(self, name: str) -> str:
         return f"{self.prefix}{name}"
 
+    @contextmanager
+    def _bounded(self, name: str, what: str) -> Iterator[None]:
+        """``fail_after(timeout)``, its ``TimeoutError`` saying which step waited for what."""
+        try:
+            with anyio.fail_after(self.timeout):
+                yield
+        except TimeoutError:
+            raise TimeoutError(f"rendezvous {name!r} under {self.prefix!r}: rank {self.rank} "
+                               f"of {self.world_size} waited {self.timeout:g} s for {what} "
+                               "and it did not come") from None
+
     async def broadcast(self, payload: bytes | None, *, name: str, root: int = 0) -> bytes:
         """``root`` passes the payload, every other rank ``None``; all get root's bytes.
 
@@ -277,7 +289,7 @@ class Rendezvous:
         prefix is deleted with the generation).
         """
         key = self.key(f"{name}/root")
-        with anyio.fail_after(self.timeout):
+        with self._bounded(name, f"rank {root}'s {name!r}"):
             if self.rank == root:
                 if payload is None:
                     raise LocalProtocolError(f"rendezvous {name!r}: root {root} has no payload")
@@ -295,7 +307,7 @@ class Rendezvous:
         Cancellation: as ``broadcast``.
         """
         prefix = self.key(f"{name}/")
-        with anyio.fail_after(self.timeout):
+        with self._bounded(name, f"every rank's {name!r}"):
             await self.store.set(f"{prefix}{self.rank}", payload)
             got = await self.store.gather(prefix, self.world_size, watch=self.watch)
         out: list[bytes | None] = [None] * self.world_size

@@ -27,6 +27,7 @@ to the original failure. Recovery is a new ``connect`` (a new generation) on the
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import (
     AsyncIterator,
@@ -37,6 +38,7 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal, Self
 
 import anyio
@@ -64,9 +66,10 @@ from m2n_async._proto.errors import (
     M2NError,
     PeerLostError,
     PlanError,
+    PreflightError,
     TransferError,
 )
-from m2n_async._proto.handshake import PreflightPlan
+from m2n_async._proto.handshake import Phase, PreflightPlan
 from m2n_async._proto.messages import (
     PROTO_VERSION,
     Abort,
@@ -168,6 +171,7 @@ class _Engine:
         self._round = 0
         self._version = 0
         self._job_closed = False
+        self._busy: str | None = None  # the sync_weights/receive call in progress, if any
 
     # -- public read-only facts ------------------------------------------------------------
 
@@ -313,7 +317,7 @@ class _Engine:
                 rdv = Rendezvous(self._store, f"{ns}/data/{self._outcome.transport}/",
                                  rank=self.rank, world_size=self.world_size,
                                  timeout=c.phase_timeout, watch=self._watch)
-                await self._transport.connect(rdv)
+                await self._connect_data_plane(rdv)
         except BaseException as exc:
             self._state = EngineState.POISONED
             self._poison = exc
@@ -322,6 +326,31 @@ class _Engine:
             self._state = EngineState.CLOSED
             raise
         self._state = EngineState.READY
+
+    async def _connect_data_plane(self, rdv: Rendezvous) -> None:
+        """``transport.connect``, its failures phrased as the ``connected`` phase's.
+
+        The rank that fails raises ``PreflightError("connected", {its rank: why})`` and leaves
+        as lost (``_release``); its peers, waiting for it in the rendezvous, then raise
+        ``PreflightError("connected", {that rank: "was lost ..."})`` at once.
+        """
+        assert self._transport is not None and self._outcome is not None
+        name = self._outcome.transport
+        phase = Phase.CONNECTED.value
+        try:
+            await self._transport.connect(rdv)
+        except PeerLostError as exc:
+            lost = self._lost_rank(exc)
+            who = lost if lost is not None else self.rank
+            raise PreflightError(phase, {who: f"was lost while the {name} data plane "
+                                              f"connected (as seen by rank {self.rank}): {exc}"},
+                                 generation=self._generation) from exc
+        except TimeoutError:
+            raise
+        except Exception as exc:
+            raise PreflightError(phase, {self.rank: f"could not connect the {name} data "
+                                                    f"plane: {type(exc).__name__}: {exc}"},
+                                 generation=self._generation) from exc
 
     # -- lifecycle guards ------------------------------------------------------------------
 
@@ -336,6 +365,21 @@ class _Engine:
                 f"{what}: rank {self.rank} (generation {self._generation}) is "
                 f"{self._state.value.upper()}, needs "
                 f"{' or '.join(s.value.upper() for s in allowed)}")
+
+    @contextmanager
+    def _exclusive(self, what: str) -> Iterator[None]:
+        """READY, and no other ``sync_weights``/``receive`` of this engine running: two would
+        join the same round on one transport. Marked before the first await, so a second
+        call made while the first waits for its round start is refused too."""
+        self._require(EngineState.READY, what=what)
+        if self._busy is not None:
+            raise LocalProtocolError(f"{what}: rank {self.rank} is already in {self._busy} on "
+                                     "this engine; one round at a time per engine")
+        self._busy = what
+        try:
+            yield
+        finally:
+            self._busy = None
 
     def _poison_with(self, exc: BaseException) -> None:
         if self._state is not EngineState.CLOSED:
@@ -361,10 +405,18 @@ class _Engine:
                                 f"session ended: process died or disconnected)",
                                 ranks=() if lost is None else (lost,), key=exc.key) from None
         assert raw is not None
-        start = decode_as(raw, RoundStart)
+        keys = _RoundKeys(self._namespace, round_)
+        try:
+            start = decode_as(raw, RoundStart)
+        except M2NError as exc:  # abort the round, so that rank 0 does not wait it out
+            await self._post_abort(keys, round_, self.rank,
+                                   f"rank {self.rank} could not read the round start: {exc}")
+            raise
         if (start.generation, start.round) != (self._generation, round_):
-            raise TransferError(f"{self._where(round_)}: round start names generation "
-                                f"{start.generation} round {start.round}", round=round_)
+            reason = (f"{self._where(round_)}: round start names generation "
+                      f"{start.generation} round {start.round}")
+            await self._post_abort(keys, round_, self.rank, f"rank {self.rank}: {reason}")
+            raise TransferError(reason, round=round_)
         return start
 
     async def _post_abort(self, keys: _RoundKeys, round_: int, rank: int, reason: str) -> None:
@@ -664,7 +716,9 @@ class _Engine:
         if self._group is not None:
             with anyio.move_on_after(grace):
                 try:
-                    await self._group.aclose()
+                        # A failing rank leaves as lost, so that peers still waiting on it
+                    # (in a handshake phase, a rendezvous, the next round) hear it now.
+                    await self._group.aclose(lost=abort_reason is not None)
                 except M2NError:
                     pass
         if self._owns_store:
@@ -929,13 +983,32 @@ class TrainerEngine(_Engine):
         ``TransferError`` on every rank when any rank failed (naming the first failing rank),
         after which the engine is POISONED.
 
-        Cancellation: if cancelled before rank 0 published the round, nothing happened and
-        the engine stays READY. Once the round started, this rank posts the round's abort
-        record (peers fail fast with a ``TransferError`` naming this rank), aborts its
-        transport (shielded, bounded), and the engine is POISONED; the version does not
-        advance anywhere. Connect again for a new generation.
+        Raises ``LocalProtocolError`` (nothing happened, the engine stays READY) for a
+        ``version`` that is not an int above the committed one, a ``timeout`` that is not a
+        finite number > 0, or a second ``sync_weights`` while one runs on this engine.
+
+        Cancellation: if cancelled before rank 0 publishes the round, nothing happened and
+        the engine stays READY. Rank 0's publish itself is shielded (bounded by the round
+        deadline): a cancel that lands during it takes effect just after, once the round has
+        started. Once the round started, this rank posts the round's abort record (peers fail
+        fast with a ``TransferError`` naming this rank), aborts its transport (shielded,
+        bounded), and the engine is POISONED; the version does not advance anywhere. Connect
+        again for a new generation.
         """
-        self._require(EngineState.READY, what="sync_weights")
+        with self._exclusive("sync_weights"):
+            return await self._sync_weights(weights, version, timeout, progress)
+
+    async def _sync_weights(self, weights: Weights, version: int | None,
+                            timeout: float | None,  # noqa: ASYNC109 - the API's argument
+                            progress: Progress | None) -> SyncResult:
+        if version is not None and (type(version) is not int):
+            raise LocalProtocolError(f"sync_weights: version must be an int, got "
+                                     f"{version!r} ({type(version).__name__})")
+        if timeout is not None and not (isinstance(timeout, (int, float))
+                                        and not isinstance(timeout, bool)
+                                        and math.isfinite(timeout) and timeout > 0):
+            raise LocalProtocolError(f"sync_weights: timeout must be a finite number of "
+                                     f"seconds > 0, got {timeout!r}")
         assert self._plan is not None and self._transport is not None
         k = self._round + 1
         keys = _RoundKeys(self._namespace, k)
@@ -948,7 +1021,13 @@ class TrainerEngine(_Engine):
                                              f"committed version {self._version}")
                 rt = self.config.round_timeout if timeout is None else float(timeout)
                 start = RoundStart(PROTO_VERSION, self._generation, k, v, rt, False)
-                await self._store.set(keys.start, encode(start))
+                # A caller cancelled already: nothing published, nothing happened.
+                await anyio.lowlevel.checkpoint_if_cancelled()
+                # Shielded: a request cut off mid-flight may still have been applied, and a
+                # round that started must be aborted, not forgotten. A cancel that lands here
+                # is delivered in _run_round, which aborts the round everywhere.
+                with anyio.CancelScope(shield=True), anyio.fail_after(rt):
+                    await self._store.set(keys.start, encode(start))
             else:
                 with anyio.fail_after(self.config.round_timeout):
                     start = await self._wait_start(k)
@@ -1067,14 +1146,19 @@ class WorkerEngine(_Engine):
         ``TransferError`` as every other rank when the round failed (engine POISONED; targets
         may hold a partial update), ``PeerLostError`` if a peer died while waiting (POISONED)
         or if trainer rank 0 closed the job (no more rounds; the engine stays usable only for
-        ``close``).
+        ``close``). A second ``receive`` while one runs on this engine raises
+        ``LocalProtocolError`` (the running one is unaffected).
 
         Cancellation: while waiting for the round to start, nothing happened: the engine
         stays READY. During the round, this rank posts the round's abort record (peers fail
         fast naming this rank), aborts its transport, and is POISONED; targets may be
         partially written and the version does not advance.
         """
-        self._require(EngineState.READY, what="receive")
+        with self._exclusive("receive"):
+            return await self._receive(timeout, progress)
+
+    async def _receive(self, timeout: float | None,  # noqa: ASYNC109 - the API's argument
+                       progress: Progress | None) -> SyncResult:
         if self._job_closed:
             raise PeerLostError(f"generation {self._generation}: trainer rank 0 closed the job; "
                                 f"no more rounds", ranks=(0,))

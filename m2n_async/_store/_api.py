@@ -55,8 +55,9 @@ class Store(Protocol):
         """
         ...
 
-    async def delete(self, key: str) -> bool:
-        """Remove ``key``; whether it existed."""
+    async def delete(self, key: str, *, lost: bool = False) -> bool:
+        """Remove ``key``; whether it existed. ``lost=True`` removes it as its session's end
+        would: watchers of ``key`` get ``PeerLostError`` (a plain delete is a clean leave)."""
         ...
 
     async def delete_prefix(self, prefix: str) -> int:

@@ -333,12 +333,13 @@ class StoreClient:
         reply = await self._call(CompareSet(self._rid(), key, expected, bytes(desired)), Swapped)
         return reply.swapped, reply.current
 
-    async def delete(self, key: str) -> bool:
-        """Remove ``key``; whether it existed.
+    async def delete(self, key: str, *, lost: bool = False) -> bool:
+        """Remove ``key``; whether it existed. ``lost=True``: as if the session that wrote it
+        ended — watchers of ``key`` get ``PeerLostError`` (a failing rank leaving on purpose).
 
         Cancellation: the delete may or may not have happened.
         """
-        return (await self._call(Delete(self._rid(), key), Flag)).value
+        return (await self._call(Delete(self._rid(), key, lost), Flag)).value
 
     async def delete_prefix(self, prefix: str) -> int:
         """Remove every key under ``prefix``; how many.

@@ -14,7 +14,8 @@ ends they are deleted, remembered as *tombstones* (a bounded FIFO: memory stays 
 the newest losses are the ones a late waiter can still race with), and every waiter watching
 one of them fails with ``PeerLostError(key=...)``. A waiter that starts later and watches a
 tombstoned key fails at once. A later ``set`` of the key clears its tombstone (the peer came
-back). An explicit ``delete`` of an ephemeral key is a clean leave and leaves no tombstone.
+back). An explicit ``delete`` of an ephemeral key is a clean leave and leaves no tombstone;
+``delete(key, lost=True)`` is a deliberate unclean one, as if the session had ended.
 
 A blocking call whose condition already holds completes even if a watched key is tombstoned:
 the data it asked for is there, so a peer that finished and exited cannot fail a slower
@@ -200,14 +201,18 @@ class StoreCore:
             self._owner.pop(key, None)
             if self._data.pop(key, None) is not None:
                 self._key_removed(key)
-            self._tombstones[key] = None
-            self._tombstones.move_to_end(key)
-            while len(self._tombstones) > self._max_tombstones:
-                self._tombstones.popitem(last=False)
-            for waiter in list(self._watchers.get(key, ())):
-                self._finish(waiter, error=PeerLostError(
-                    f"store key {key!r} was lost: the session that wrote it ended", key=key))
+            self._lose(key, "the session that wrote it ended")
         session.ephemeral.clear()
+
+    def _lose(self, key: str, why: str) -> None:
+        """Tombstone ``key`` and fail everyone watching it."""
+        self._tombstones[key] = None
+        self._tombstones.move_to_end(key)
+        while len(self._tombstones) > self._max_tombstones:
+            self._tombstones.popitem(last=False)
+        for waiter in list(self._watchers.get(key, ())):
+            self._finish(waiter, error=PeerLostError(f"store key {key!r} was lost: {why}",
+                                                     key=key))
 
     # --- non-blocking operations ---------------------------------------------------------
 
@@ -256,10 +261,15 @@ class StoreCore:
         self._write(key, desired)
         return True, desired
 
-    def delete(self, session: Session, key: str) -> bool:
+    def delete(self, session: Session, key: str, *, lost: bool = False) -> bool:
+        """Remove ``key``; ``lost=True`` removes it as its session's end would (a tombstone,
+        and watchers get ``PeerLostError``): how a rank that fails leaves on purpose."""
         self._check_live(session)
         self._check_key(key)
-        return self._remove(key)
+        existed = self._remove(key)
+        if lost:
+            self._lose(key, f"session {session.id} gave it up as lost")
+        return existed
 
     def delete_prefix(self, session: Session, prefix: str) -> int:
         self._check_live(session)

@@ -179,17 +179,20 @@ class ControlGroup:
         arrived = {self._rank_of(key, self._current) for key in present}
         return [r for r in range(self.world_size) if r not in arrived]
 
-    async def aclose(self) -> None:
+    async def aclose(self, *, lost: bool = False) -> None:
         """Remove this rank's keys (its last calls' keys and its liveness key).
 
-        Leaving is clean: peers waiting on this rank are not told it was lost.
+        By default leaving is clean: peers waiting on this rank are not told it was lost.
+        ``lost=True`` (a rank that failed and gives up) removes the liveness key as a dead
+        session would: peers waiting on this rank get ``PeerLostError`` at once instead of
+        sitting out their deadline.
 
         Cancellation: some keys may remain; the generation purge removes them eventually.
         """
         while self._own_keys:
             await self.store.delete(self._own_keys[0])
             del self._own_keys[0]
-        await self.store.delete(self.alive_key(self.rank))
+        await self.store.delete(self.alive_key(self.rank), lost=lost)
 
     # --- machinery -----------------------------------------------------------------------
 

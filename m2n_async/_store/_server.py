@@ -379,8 +379,8 @@ class _ServerProtocol(asyncio.BufferedProtocol):
             case CompareSet(rid, key, expected, desired):
                 swapped, current = core.compare_set(session, key, expected, desired)
                 return Swapped(rid, swapped, current)
-            case Delete(rid, key):
-                return Flag(rid, core.delete(session, key))
+            case Delete(rid, key, lost):
+                return Flag(rid, core.delete(session, key, lost=lost))
             case DeletePrefix(rid, prefix):
                 return Count(rid, core.delete_prefix(session, prefix))
             case Wait(rid, keys, watch):

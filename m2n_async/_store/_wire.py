@@ -144,6 +144,7 @@ class CompareSet(_Msg, frozen=True):
 class Delete(_Msg, frozen=True):
     rid: Rid
     key: str
+    lost: bool = False  # remove as if its session ended: watchers get PeerLostError
 
 
 class DeletePrefix(_Msg, frozen=True):

@@ -87,11 +87,12 @@ class MemoryStore:
         self._check()
         return self.core.compare_set(self._session, key, expected, bytes(desired))
 
-    async def delete(self, key: str) -> bool:
-        """Remove ``key``. Cancellation: before the delete, nothing happened."""
+    async def delete(self, key: str, *, lost: bool = False) -> bool:
+        """Remove ``key`` (``lost``: as ``Store.delete``). Cancellation: before the delete,
+        nothing happened."""
         await checkpoint()
         self._check()
-        return self.core.delete(self._session, key)
+        return self.core.delete(self._session, key, lost=lost)
 
     async def delete_prefix(self, prefix: str) -> int:
         """Remove every key under ``prefix``. Cancellation: before it, nothing happened."""

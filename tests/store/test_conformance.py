@@ -501,3 +501,30 @@ async def test_exchange_watch_reports_lost_peer(world: World) -> None:
             await settle()
             await b.aclose()
     assert [e.key for e in caught] == ["alive/b"]
+
+
+async def test_delete_as_lost_fails_watchers_and_a_plain_delete_does_not(world: World) -> None:
+    owner, peer = await world.session(), await world.session()
+    await owner.set("j/1/alive/0", b"0", ephemeral=True)
+    await owner.set("j/1/alive/1", b"1", ephemeral=True)
+    with anyio.fail_after(DEADLINE):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_wait_for_ever_watching, peer, "j/1/alive/0")
+            while world.core.pending_waiters < 1:  # noqa: ASYNC110 - server-side state
+                await anyio.sleep(0.01)
+            assert await owner.delete("j/1/alive/0")  # a clean leave: the watcher waits on
+            await settle()
+            assert world.core.pending_waiters == 1
+            tg.cancel_scope.cancel()
+    caught = await errors_while(lambda: peer.get("j/1/never", wait=True,
+                                                 watch=["j/1/alive/1"]),
+                                lambda: owner.delete("j/1/alive/1", lost=True),
+                                PeerLostError, deadline=DEADLINE)
+    assert len(caught) == 1 and caught[0].key == "j/1/alive/1"
+    with pytest.raises(PeerLostError):  # a tombstone: later watchers fail at once too
+        await peer.get("j/1/never", wait=True, watch=["j/1/alive/1"])
+    assert world.core.pending_waiters == 0
+
+
+async def _wait_for_ever_watching(store: Store, key: str) -> None:
+    await store.get("j/1/never", wait=True, watch=[key])
