@@ -131,6 +131,10 @@ class NcclTransport(GpuTransportBase):
                 for i in pk.params:
                     spec = plan.params[i].spec
                     t = lookup_tensor(sources, spec.name, where)
+                    # The pack kernels below only read ``t`` once they run: keep it alive until
+                    # the bucket is done, or a lazy source (freed when the pipeline drops the
+                    # bucket's mapping) could be reused by the producer's next cast first.
+                    st.keep.append(t)
                     shape = tuple(spec.layout.shard_shape(tuple(spec.shape)))
                     buf, copied = self._local(i, t, shape, where)
                     if copied:

@@ -385,3 +385,39 @@ def test_fake_detects_mismatched_collectives(fake_world):
                        m.DistTensor(torch.ones(8), (8,), torch.float32, mesh=mesh1,
                                     placements=(m.Replicate(),)))
     assert w.reshard_calls == {0: 1, 1: 1}
+
+
+@pytest.mark.parametrize("name", ["nccl", "m2n"])
+async def test_trainer_staging_keeps_its_sources_alive(fake_world: fake_nccl.FakeWorld,
+                                                       name: str) -> None:
+    """On CUDA ``stage`` only enqueues the pack copies: the staging must hold the source
+    tensors until the bucket is done, or a lazy source dropped by the pipeline could be reused
+    by the producer's next cast before the pack kernel read it. (Two params to one peer: the
+    peer's buffer is packed, not sent zero-copy.)"""
+    import gc
+    import weakref
+
+    from m2n_async._data._native import NativeThread
+    from m2n_async._data._transport import TransportContext, TransportSettings, create_transport
+
+    plan = make_plan([("a", (64, 8), torch.bfloat16, (R, 0), (R, 0)),
+                      ("b", (64, 8), torch.bfloat16, (R, 0), (R, 0))], (1, 1), (1, 1))
+    native = NativeThread("r0")
+    settings = TransportSettings(bucket_bytes=1 << 20, max_inflight=3, device="cpu")
+    buckets = plan.buckets(1 << 20)
+    t = create_transport(name, TransportContext(plan=plan, rank=0, generation=1,
+                                                settings=settings, native=native,
+                                                buckets=buckets))
+    try:
+        await t.prepare()
+        src = {k: torch.randn(64, 8).to(torch.bfloat16) for k in ("a", "b")}
+        refs = {k: weakref.ref(v) for k, v in src.items()}
+        staging = await t.stage(buckets[0], sources=src)
+        del src
+        gc.collect()
+        assert {k: r() is not None for k, r in refs.items()} == {"a": True, "b": True}
+        del staging
+    finally:
+        t.abort("test done")
+        await t.close()
+        native.close(1.0)
