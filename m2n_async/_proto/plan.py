@@ -59,6 +59,7 @@ from m2n_async._proto.params import (
 )
 
 __all__ = [
+    "M2N_MAX_CALL_BYTES",
     "M2N_MAX_FAN_IN",
     "M2N_MAX_FAN_OUT",
     "MIN_PIECE_BYTES",
@@ -76,6 +77,10 @@ __all__ = [
 
 TRANSPORTS: Final[frozenset[str]] = frozenset({"m2n", "nccl", "gloo"})
 M2N_MAX_FAN_IN: Final[int] = 16
+#: Most bytes one M2N reshard may pack on one rank with NCCL's default PACK staging (4 slots of
+#: 2 GiB; REFERENCE §1): a bigger one fails at run time unless ``NCCL_RESHARD_PACK_BUFFSIZES``
+#: is raised on every rank.
+M2N_MAX_CALL_BYTES: Final[int] = 2 << 30
 """NCCL M2N: at most this many source shards may feed one destination shard."""
 M2N_MAX_FAN_OUT: Final[int] = 64
 """NCCL M2N: at most this many destination shards may read one source shard."""
@@ -539,10 +544,13 @@ class TransferPlan:
 
 
 def check_plan_limits(plan: TransferPlan, transport: str) -> None:
-    """Raise ``PlanError`` if ``transport`` cannot express a param's fan-in or fan-out.
+    """Raise ``PlanError`` if ``transport`` cannot carry a param: fan-in, fan-out, size.
 
     ``m2n``: at most 16 source shards into one destination shard and 64 destination shards
-    out of one source shard (counted as shards, not replicas). ``nccl``/``gloo``: no limits.
+    out of one source shard (counted as shards, not replicas), and at most
+    ``M2N_MAX_CALL_BYTES`` (2 GiB) sent or received by one rank for one param (NCCL's default
+    PACK staging; ``auto`` then picks ``nccl``, which has no such limit). ``nccl``/``gloo``:
+    no limits.
     """
     _check_transport(transport)
     if transport != "m2n":
@@ -561,6 +569,13 @@ def check_plan_limits(plan: TransferPlan, transport: str) -> None:
                 f"shard exceeds the M2N limit {M2N_MAX_FAN_IN} (source placements "
                 f"{p.src.placements} on mesh {p.src.mesh.dims}, destination placements "
                 f"{p.dst.placements} on mesh {p.dst.mesh.dims})")
+        if g.cost > M2N_MAX_CALL_BYTES:
+            raise PlanError(
+                f"parameter {p.name!r}: one rank sends or receives {g.cost} bytes of it in one "
+                f"reshard, over the M2N limit of {M2N_MAX_CALL_BYTES} (2 GiB of NCCL's default "
+                f"PACK staging; source placements {p.src.placements} on mesh {p.src.mesh.dims}, "
+                f"destination placements {p.dst.placements} on mesh {p.dst.mesh.dims}): use "
+                "transport 'nccl' or shard it finer")
         if g.fan_out > M2N_MAX_FAN_OUT:
             raise PlanError(
                 f"parameter {p.name!r}: fan-out {g.fan_out} destination shards from one source "

@@ -19,8 +19,13 @@ from m2n_async import (
     check_plan_limits,
     dtype_name,
 )
+from m2n_async._proto.handshake import choose_transport
 from m2n_async._proto.params import DTYPE_ITEMSIZE, dtype_itemsize
-from m2n_async._proto.plan import validate_local_buffer, validate_source_specs
+from m2n_async._proto.plan import (
+    M2N_MAX_CALL_BYTES,
+    validate_local_buffer,
+    validate_source_specs,
+)
 
 T, N = 4, 4
 SRC = Layout(Mesh((2, 2), 0), (REPLICATE, 0))   # 2 shards of dim 0, 2 replicas each
@@ -213,6 +218,29 @@ def test_fan_out_limit_names_param_and_numbers() -> None:
     with pytest.raises(PlanError, match=r"parameter 'embed': fan-out 65 destination shards from "
                                         r"one source shard exceeds the M2N limit 64"):
         check_plan_limits(p, "m2n")
+
+
+def test_m2n_refuses_a_param_over_2_gib_per_rank_and_auto_picks_nccl() -> None:
+    # A Gemma-3-27B-like embedding (262144 x 5376 bf16, 2.6 GiB) from 8 trainers to one worker
+    # that holds it whole: that worker receives all of it in one reshard.
+    src = Layout(Mesh((1, 8), 0), (REPLICATE, 0))
+    dst = Layout(Mesh((1, 1), 8), None)
+    p = TransferPlan([ParamTransfer(ParamSpec("embed", "bfloat16", (262144, 5376), src), dst)],
+                     trainer_ranks=8, world_size=9)
+    assert p.param_cost(0) == 262144 * 5376 * 2 > M2N_MAX_CALL_BYTES
+    check_plan_limits(p, "nccl")
+    with pytest.raises(PlanError, match=r"parameter 'embed': one rank sends or receives "
+                                        r"2818572288 bytes of it in one reshard"):
+        check_plan_limits(p, "m2n")
+    everything = {r: ["m2n", "nccl", "gloo"] for r in range(9)}
+    chosen = choose_transport(p, "auto", everything)
+    assert isinstance(chosen, tuple) and chosen[0] == "nccl", chosen
+    assert "m2n cannot carry the plan" in chosen[1]
+    # Sharded over two workers, each receives 1.3 GiB: m2n carries it.
+    halves = TransferPlan([ParamTransfer(ParamSpec("embed", "bfloat16", (262144, 5376), src),
+                                         Layout(Mesh((1, 2), 8), (REPLICATE, 0)))],
+                          trainer_ranks=8, world_size=10)
+    check_plan_limits(halves, "m2n")
 
 
 def test_limits_count_shards_not_replicas() -> None:
