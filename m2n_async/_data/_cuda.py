@@ -598,8 +598,9 @@ class GpuTransportBase(Transport):
         the rendezvous broadcasts it, every rank runs ``Communicator.init`` on the native
         thread, bounded by ``settings.connect_timeout``.
 
-        Cancellation: the init keeps running on the native thread; ``close`` aborts the
-        communicator if it was created, and leaves the thread behind otherwise.
+        Cancellation: the init keeps running on the native thread; a communicator it creates
+        after this returned (cancelled or timed out), or after the transport was aborted, is
+        aborted as soon as it exists, so no failed connect leaves one behind.
         """
         self.check_usable()
         nc = self._nc or nccl_core()
@@ -615,18 +616,40 @@ class GpuTransportBase(Transport):
         call = self.ctx.native.submit(init, description="nccl Communicator.init")
         try:
             with anyio.fail_after(self.ctx.settings.connect_timeout):
-                self.comm = await call.wait()
+                comm = await call.wait()
         except TimeoutError:
+            call.add_done_callback(self._adopt_late)
             raise TimeoutError(
                 f"{self.name}: NCCL communicator init did not finish within "
                 f"{self.ctx.settings.connect_timeout}s at {self.ctx.where()} (a peer did not "
                 f"join, or NCCL_* settings differ)") from None
         except Exception as exc:
             raise self.translate(exc, "communicator init") from exc
-        finally:
-            if self.comm is None and call.done() and call.exception() is None:
-                self.comm = call.result()
+        except BaseException:  # cancelled: the init goes on without us
+            call.add_done_callback(self._adopt_late)
+            raise
+        if not self._adopt(comm):  # aborted while the init ran
+            self.check_usable()
+            raise TransferError(f"{self.name}: closed while the communicator was created at "
+                                f"{self.ctx.where()}", rank=self.ctx.rank)
         await self._after_connect(rendezvous)
+
+    def _adopt(self, comm: Any) -> bool:
+        """Keep the new communicator, unless teardown has begun: then abort it (off the loop)
+        and return False. Any thread."""
+        with self._teardown_lock:
+            if self._teardown_thread is None and not self._torn_down:
+                self.comm = comm
+                return True
+        threading.Thread(target=_abort_quietly, args=(comm,), daemon=True,
+                         name=f"m2n-late-comm-{self.name}-r{self.ctx.rank}").start()
+        return False
+
+    def _adopt_late(self, call: NativeCall[Any]) -> None:
+        """Done callback of an init whose connect gave up: nobody will use its communicator."""
+        if call.exception() is None:
+            # Kept if the transport is still open (its close aborts it), else aborted now.
+            self._adopt(call.result())
 
     async def _after_connect(self, rendezvous: Rendezvous) -> None:
         """Subclass hook: collective setup right after the communicator exists."""
@@ -808,3 +831,7 @@ def _sync_now(event: Any) -> BaseException | None:
         return exc
     return None
 
+
+def _abort_quietly(comm: Any) -> None:
+    with contextlib.suppress(Exception):
+        comm.abort()

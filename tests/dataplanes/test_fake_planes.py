@@ -10,7 +10,9 @@ by ``tests/gpu`` on the H200.
 
 from __future__ import annotations
 
+import threading
 import time
+from typing import Any
 
 import anyio
 import pytest
@@ -421,3 +423,72 @@ async def test_trainer_staging_keeps_its_sources_alive(fake_world: fake_nccl.Fak
         t.abort("test done")
         await t.close()
         native.close(1.0)
+
+
+@pytest.mark.parametrize("case", ["connect timed out", "aborted during init"])
+async def test_a_communicator_created_after_connect_gave_up_is_aborted(
+        fake_world: fake_nccl.FakeWorld, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """Communicator.init outlives its connect (timed out, or the transport was aborted while
+    it ran): the communicator it returns late must be aborted, never left alive."""
+    from m2n_async._data._native import NativeThread
+    from m2n_async._data._transport import (
+        Rendezvous,
+        TransportContext,
+        TransportSettings,
+        create_transport,
+    )
+    from m2n_async.testing import MemoryStore
+
+    released = threading.Event()
+    entered: list[int] = []  # ranks whose init is running
+    original = fake_nccl.Comm.init.__func__  # type: ignore[attr-defined]
+
+    def slow_init(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        entered.append(kwargs.get("rank", -1))
+        released.wait(10)  # a slow (but alive) init: returns once the connect gave up
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(fake_nccl.Comm, "init", classmethod(slow_init))
+    plan = make_plan([("w", (8,), torch.float32, (R, 0), (R, 0))], (1, 1), (1, 1))
+    timeout = 0.2 if case == "connect timed out" else 30.0
+    settings = TransportSettings(bucket_bytes=1 << 20, max_inflight=1, device="cpu",
+                                 connect_timeout=timeout)
+    store = MemoryStore()
+    raised: dict[int, BaseException] = {}
+    transports: dict[int, Transport] = {}
+
+    async def rank(r: int) -> None:
+        native = NativeThread(f"r{r}")
+        t = transports[r] = create_transport(
+            "nccl", TransportContext(plan=plan, rank=r, generation=1, settings=settings,
+                                     native=native, buckets=plan.buckets(1 << 20)))
+        await t.prepare()
+        try:
+            await t.connect(Rendezvous(store.session(), "j/1/data/", rank=r, world_size=2,
+                                       timeout=10))
+        except Exception as exc:
+            raised[r] = exc
+        released.set()
+        t.abort("test: connect over")  # what the engine's release does
+        with anyio.CancelScope(shield=True):
+            await t.close()
+        await anyio.to_thread.run_sync(native.close, 5.0)
+
+    async def abort_during_init() -> None:
+        while len(entered) < 2:  # noqa: ASYNC110 - set by the native threads
+            await anyio.sleep(0.01)
+        for t in transports.values():
+            t.abort("test: a peer failed during connect")
+        released.set()
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            for r in range(2):
+                tg.start_soon(rank, r)
+            if case == "aborted during init":
+                tg.start_soon(abort_during_init)
+    assert sorted(raised) == [0, 1], raised
+    deadline = time.monotonic() + 5
+    while len(fake_world.comms) < 2 or any(c.valid for c in fake_world.comms):
+        assert time.monotonic() < deadline, [(c.rank, c.valid) for c in fake_world.comms]
+        await anyio.sleep(0.01)
