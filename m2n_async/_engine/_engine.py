@@ -470,17 +470,22 @@ class _Engine:
                     await self._post_abort(keys, k, *failure)
             pipeline_s = time.perf_counter() - t0
             t_commit = time.perf_counter()
-            dones, gather_failure = await self._gather_outcome(keys, k, stats, failure,
-                                                               pipeline_s, start)
-            if failure is None and gather_failure is not None:
-                failure = gather_failure
-                transport.abort(f"{self._where(k)} failed: rank {failure[0]}: {failure[1]}")
-                await self._post_abort(keys, k, *failure)
-            if failure is None and dones is not None and all(d.ok for d in dones):
-                assert stats is not None
-                transport.end_round()
-                return await self._commit(start, stats, waited, t0, t_commit)
-            err = await self._round_error(keys, k, dones, failure)
+            # Shielded (every step is bounded): once this rank has reported its outcome, its
+            # peers may commit on it, so a cancel landing here must not leave this rank
+            # poisoned at the old version while they move on. It takes effect afterwards.
+            with anyio.CancelScope(shield=True):
+                dones, gather_failure = await self._gather_outcome(keys, k, stats, failure,
+                                                                   pipeline_s, start)
+                if failure is None and gather_failure is not None:
+                    failure = gather_failure
+                    transport.abort(f"{self._where(k)} failed: rank {failure[0]}: "
+                                    f"{failure[1]}")
+                    await self._post_abort(keys, k, *failure)
+                if failure is None and dones is not None and all(d.ok for d in dones):
+                    assert stats is not None
+                    transport.end_round()
+                    return await self._commit(start, stats, waited, t0, t_commit)
+                err = await self._round_error(keys, k, dones, failure)
         except anyio.get_cancelled_exc_class():
             with anyio.CancelScope(shield=True):
                 reason = f"the round was cancelled by its caller on rank {self.rank}"
@@ -990,10 +995,13 @@ class TrainerEngine(_Engine):
         Cancellation: if cancelled before rank 0 publishes the round, nothing happened and
         the engine stays READY. Rank 0's publish itself is shielded (bounded by the round
         deadline): a cancel that lands during it takes effect just after, once the round has
-        started. Once the round started, this rank posts the round's abort record (peers fail
-        fast with a ``TransferError`` naming this rank), aborts its transport (shielded,
-        bounded), and the engine is POISONED; the version does not advance anywhere. Connect
-        again for a new generation.
+        started. Once the round started and until this rank's part of it is done, this rank
+        posts the round's abort record (peers fail fast with a ``TransferError`` naming this
+        rank), aborts its transport (shielded, bounded), and the engine is POISONED; the
+        version does not advance anywhere. Connect again for a new generation. Once its part
+        is done, the outcome is gathered and committed shielded (bounded by the round
+        deadline), so the round ends here as on every other rank; the cancel takes effect
+        after.
         """
         with self._exclusive("sync_weights"):
             return await self._sync_weights(weights, version, timeout, progress)
@@ -1150,9 +1158,11 @@ class WorkerEngine(_Engine):
         ``LocalProtocolError`` (the running one is unaffected).
 
         Cancellation: while waiting for the round to start, nothing happened: the engine
-        stays READY. During the round, this rank posts the round's abort record (peers fail
-        fast naming this rank), aborts its transport, and is POISONED; targets may be
-        partially written and the version does not advance.
+        stays READY. During the round, until its part is done, this rank posts the round's
+        abort record (peers fail fast naming this rank), aborts its transport, and is
+        POISONED; targets may be partially written and the version does not advance. Once its
+        part is done, the round's outcome is gathered and committed shielded (bounded), as on
+        every other rank; the cancel takes effect after.
         """
         with self._exclusive("receive"):
             return await self._receive(timeout, progress)

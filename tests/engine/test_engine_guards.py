@@ -244,3 +244,59 @@ async def test_rank_that_cannot_connect_its_data_plane_fails_every_rank_alike() 
     assert "could not connect the gloo data plane" in str(result["worker"])
     assert "was lost while the gloo data plane connected" in str(result["trainer"])
     assert when["trainer"] < CFG.phase_timeout / 2
+
+
+class _SlowOutcome:
+    """A store whose exchange of this rank's round outcome (RoundDone) says so and then takes
+    a while: a cancel can land while the outcome is being gathered."""
+
+    def __init__(self, inner: Store) -> None:
+        self._inner = inner
+        self.reporting = anyio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def exchange(self, key: str, *args: Any, **kw: Any) -> dict[str, bytes]:
+        if "/round/" in key and "/done/" in key:
+            self.reporting.set()
+            await anyio.sleep(0.2)
+        return await self._inner.exchange(key, *args, **kw)  # type: ignore[attr-defined,no-any-return]
+
+
+async def test_cancel_while_the_outcome_is_gathered_ends_the_round_like_every_rank() -> None:
+    plan = make_plan(DEFS[:1], (1, 1), (1, 1))
+    store = MemoryStore()
+    slow = _SlowOutcome(store.session())
+    specs = [p.spec for p in plan.params]
+    out: dict[int, Any] = {}
+
+    async def trainer() -> None:
+        out[0] = await TrainerEngine.connect(store=store.session(), rank=0, trainer_ranks=1,
+                                             world_size=2, params=specs, config=CFG)
+
+    async def worker() -> None:
+        out[1] = await WorkerEngine.connect(store=slow, rank=1, trainer_ranks=1,  # type: ignore[arg-type]
+                                            world_size=2, targets=_targets(plan, 1),
+                                            mesh_dims=(1, 1), config=CFG)
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(trainer)
+            tg.start_soon(worker)
+    t, w = out[0], out[1]
+    try:
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(t.sync_weights, source_shards(plan, 0, 1))
+                with anyio.CancelScope() as scope:
+                    tg.start_soon(_cancel_when, slow.reporting, scope)
+                    await w.receive()
+        # The worker had reported its part: the round committed here as on the trainer.
+        assert t.version == w.version == 1
+        assert t.state.value == w.state.value == "ready"
+        _check(plan, [w], 1)
+        await _round([t], [w], lambda e: e.sync_weights(source_shards(plan, 0, 2)))
+        assert t.version == w.version == 2
+    finally:
+        await _close(t, w)
