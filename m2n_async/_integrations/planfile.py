@@ -18,7 +18,8 @@ Schema (every key is checked; unknown keys are errors)::
     repeat = 32                         # optional, default 1
     dtype = "bfloat16"
     shape = [14336, 4096]
-    source = ["replicate", "shard(0)"]  # per mesh axis; null/"replicate": fully replicated
+    source = ["shard(0)"]               # one entry per mesh axis (source_mesh is 1-D);
+                                        # null/"replicate": fully replicated
     dest = ["replicate", "shard(0)"]
     source_mesh = [8]                   # optional re-factoring of the same trainer ranks
     dest_mesh = [1, 8]                  # optional re-factoring of the same worker ranks
@@ -159,7 +160,7 @@ def _entry(value: PlacementEntry, where: str) -> int:
     text = value.strip()
     if text.lower() in ("r", "replicate", "replicate()"):
         return REPLICATE
-    if text.isdigit():
+    if text.isascii() and text.isdigit():  # not "²": isdigit alone accepts it, int() not
         return int(text)
     m = _SHARD_RE.match(text)
     if m is None or int(m.group(1)) < 0:
@@ -168,8 +169,14 @@ def _entry(value: PlacementEntry, where: str) -> int:
     return int(m.group(1))
 
 
-def parse_placements(value: PlacementsField, where: str) -> tuple[int, int] | None:
-    """Core placements from a file entry: ``None``/"replicate", or a list per mesh axis."""
+def parse_placements(value: PlacementsField, where: str,
+                     mesh_dims: Sequence[int] | None = None) -> tuple[int, int] | None:
+    """Core placements from a file entry: ``None``/"replicate", or a list per mesh axis.
+
+    With ``mesh_dims`` (the mesh as the file writes it: ``[n]`` or ``[a, b]``) a list must
+    have exactly one entry per axis, and a shard along an axis of size 1 (one piece: the
+    whole tensor) is read as replicate, so that every spelling of a layout has one digest.
+    """
     if value is None:
         return None
     if isinstance(value, str):
@@ -180,9 +187,16 @@ def parse_placements(value: PlacementsField, where: str) -> tuple[int, int] | No
     if not 1 <= len(value) <= 2:
         raise PlanError(f"{where}: placements need one entry per mesh axis (1 or 2), got "
                         f"{len(value)}")
+    if mesh_dims is not None and len(value) != len(mesh_dims):
+        raise PlanError(f"{where}: placements need one entry per mesh axis: the mesh "
+                        f"{list(mesh_dims)} has {len(mesh_dims)}, got {len(value)} "
+                        f"({list(value)})")
     got = [_entry(v, where) for v in value]
     if len(got) == 1:
         got.append(REPLICATE)
+    if mesh_dims is not None:
+        got = [REPLICATE if axis < len(mesh_dims) and mesh_dims[axis] == 1 else p
+               for axis, p in enumerate(got)]
     if got == [REPLICATE, REPLICATE]:
         return None
     return (got[0], got[1])
@@ -225,8 +239,12 @@ def plan_from_file(spec: PlanFile) -> tuple[TransferPlan, int | None]:
                                 f"{label.split('_')[0]} side has {full.size}; a per-param mesh "
                                 f"re-factors the same ranks")
         try:
-            src = Layout(src_mesh, parse_placements(entry.source, f"{where} source"))
-            dst = Layout(dst_mesh, parse_placements(entry.dest, f"{where} dest"))
+            src = Layout(src_mesh, parse_placements(
+                entry.source, f"{where} source",
+                entry.source_mesh if entry.source_mesh is not None else spec.trainer_mesh))
+            dst = Layout(dst_mesh, parse_placements(
+                entry.dest, f"{where} dest",
+                entry.dest_mesh if entry.dest_mesh is not None else spec.worker_mesh))
             for i in range(entry.repeat):
                 name = entry.name.replace("{i}", str(i))
                 spec_ = ParamSpec(name, entry.dtype, tuple(entry.shape), src)

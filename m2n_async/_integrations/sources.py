@@ -275,6 +275,9 @@ class ModuleShards(Mapping[str, "torch.Tensor"]):
             if self._dtype is not None and local.is_floating_point() \
                     and local.dtype != self._dtype:
                 local = local.to(self._dtype)
+            # The engine packs contiguous shards; a module may hold channels_last or
+            # transposed parameters, and the caller who passed a module cannot fix that.
+            local = local.contiguous()
         return local
 
     def __iter__(self) -> Iterator[str]:

@@ -229,7 +229,8 @@ def targets_from_module(module: torch.nn.Module, tp_plan: Mapping[str, TPStyle] 
     """Declare a worker's destination tensors: plan name → ``(local tensor, placements)``.
 
     Each of the module's parameters (and persistent buffers with ``buffers=True``) becomes
-    a target holding its local tensor, written in place by the engine. Placements are on
+    a target holding its local tensor, written in place by the engine (a non-contiguous one,
+    e.g. channels_last, becomes a ``LoadTarget.into`` it, copied into). Placements are on
     the worker mesh ``(replicas, tp)``:
 
     - a DTensor parameter gives its own (its 1-D TP mesh is the worker mesh's axis 1);
@@ -269,7 +270,11 @@ def targets_from_module(module: torch.nn.Module, tp_plan: Mapping[str, TPStyle] 
             dim = _shard_dim(modules, fqn, t.dim(), tp_plan)
             placements = None if dim is None else (REPLICATE, dim)
             local = t
-        targets[name] = (local.detach(), placements)
+        local = local.detach()
+        # A non-contiguous parameter (channels_last, a transposed view) cannot take a message
+        # in place, and a .contiguous() copy would leave the model untouched: copy into it.
+        targets[name] = ((local, placements) if local.is_contiguous()
+                         else LoadTarget.into(local, placements))
     for name, target in loaders.items():
         if not isinstance(target, LoadTarget):
             raise PlanError(f"loaders[{name!r}] must be a LoadTarget, got "

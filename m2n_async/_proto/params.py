@@ -15,6 +15,7 @@ decoded off the wire, so a malformed peer record fails at decode time.
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Final
@@ -151,6 +152,9 @@ class ParamSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=Fals
         # Fast path (every decoded spec): an exact tuple of positive exact ints.
         if type(shape) is not tuple or not all(type(n) is int and n > 0 for n in shape):
             msgspec.structs.force_setattr(self, "shape", _shape_tuple(name, shape))
+        if math.prod(self.shape) >= 2**63:  # sizes travel as int64 (msgpack stops at 2**64)
+            raise PlanError(f"parameter {name!r}: shape {self.shape} has 2**63 or more "
+                            "elements")
         if type(self.layout) is not Layout:
             raise PlanError(f"parameter {name!r}: layout must be a Layout, got "
                             f"{type(self.layout).__name__}")

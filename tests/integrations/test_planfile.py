@@ -12,6 +12,7 @@ from m2n_async._integrations.planfile import (
     load_plan_file,
     parse_placements,
     parse_size,
+    plan_from_file,
     summarize,
 )
 from m2n_async._proto.layout import REPLICATE
@@ -199,6 +200,28 @@ def test_parse_helpers() -> None:
     for bad in ([], [0, 0, 0], ["shard(-1)"], [-2], [True]):
         with pytest.raises(PlanError):
             parse_placements(bad, "x")  # type: ignore[arg-type]
+
+
+def test_placements_have_one_entry_per_axis_as_the_mesh_is_written() -> None:
+    assert parse_placements(["s(0)"], "x", [8]) == (0, REPLICATE)
+    assert parse_placements(["r", "s(1)"], "x", [2, 4]) == (REPLICATE, 1)
+    # A shard along an axis of size 1 is the whole tensor: one spelling, one digest.
+    assert parse_placements(["s(0)", "s(1)"], "x", [1, 4]) == (REPLICATE, 1)
+    assert parse_placements(["s(0)", "r"], "x", [1, 4]) is None
+    with pytest.raises(PlanError, match=r"the mesh \[8\] has 1, got 2"):
+        parse_placements(["replicate", "shard(0)"], "x", [8])
+    with pytest.raises(PlanError, match=r"the mesh \[2, 4\] has 2, got 1"):
+        parse_placements(["shard(0)"], "x", [2, 4])
+    with pytest.raises(PlanError, match="cannot read placement"):
+        parse_placements(["\u00b2"], "x", [8])  # a superscript two is no dim
+
+
+def test_a_plan_file_with_a_placement_list_longer_than_its_mesh_is_refused(
+        tmp_path: Path) -> None:
+    text = SPEC.replace('dest = ["shard(0)"]', 'dest = ["replicate", "shard(0)"]', 1)
+    with pytest.raises(PlanError, match=r"params\[0\] \('embed.weight'\) dest: placements "
+                                        r"need one entry per mesh axis"):
+        plan_from_file(load_plan_file(_write(tmp_path, text)))
 
 
 def test_the_documented_example_plan(capsys: pytest.CaptureFixture[str]) -> None:

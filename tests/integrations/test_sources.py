@@ -234,3 +234,23 @@ def test_layouts_agree_with_torch_on_every_rank(fake_world, dims: tuple[int, ...
             local, offset = compute_local_shape_and_global_offset(shape, mesh, d.placements)
             want = tuple((o, o + n) for o, n in zip(offset, local, strict=True))
             assert spec.layout.box(shape, rank) == want, (rank, spec.layout)
+
+
+def test_non_contiguous_parameters_are_handed_over_contiguous() -> None:
+    # channels_last conv weights: the module passes specs_from_module, so sync_weights(model)
+    # must be able to send them (the engine packs contiguous shards).
+    from m2n_async._integrations.sources import module_shards
+    from m2n_async._proto.plan import validate_local_buffer
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3)).to(memory_format=torch.channels_last)
+    assert not model[0].weight.is_contiguous()
+    specs = specs_from_module(model)
+    shards = module_shards(model, [s.name for s in specs])
+    for s in specs:
+        validate_local_buffer(s, shards[s.name], 0, "source")
+    assert torch.equal(shards["0.weight"], model[0].weight.detach())
+
+
+def test_a_shape_of_2_to_the_63_elements_is_refused() -> None:
+    with pytest.raises(PlanError, match=r"2\*\*63 or more elements"):
+        ParamSpec("huge", torch.bfloat16, (2**32, 2**31), Layout(Mesh((1, 1)), None))

@@ -174,3 +174,14 @@ def test_rename_keys_targets_but_patterns_match_module_names() -> None:
     assert t.placements()["model.o.weight"] == (REPLICATE, 1)
     assert t.placements()["model.scale"] is None
     assert t["model.scale"][0].data_ptr() == block.scale.data_ptr()
+
+
+def test_non_contiguous_worker_parameters_are_copied_into() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 8, 3)).to(memory_format=torch.channels_last)
+    targets = targets_from_module(model)
+    target = targets["0.weight"]
+    assert isinstance(target, LoadTarget) and "0.weight" in targets.loaded_names
+    received = torch.arange(8 * 3 * 3 * 3, dtype=torch.float32).reshape(8, 3, 3, 3)
+    target.load("0.weight", received)
+    assert torch.equal(model[0].weight.detach(), received)  # the model itself changed
+    assert isinstance(targets["0.bias"], tuple)  # contiguous: still written in place
