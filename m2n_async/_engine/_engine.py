@@ -80,7 +80,12 @@ from m2n_async._proto.messages import (
     encode,
 )
 from m2n_async._proto.params import ParamSpec
-from m2n_async._proto.plan import TransferPlan, validate_local_buffer
+from m2n_async._proto.plan import (
+    MAX_BUCKET_PARAMS,
+    TransferPlan,
+    split_buckets,
+    validate_local_buffer,
+)
 from m2n_async._store import (
     ControlGroup,
     Store,
@@ -107,29 +112,6 @@ Progress = Callable[[int, int], None]
 Weights = Any
 
 
-#: A bucket holds at most this many parameters. Many tiny tensors (norms, biases, MoE
-#: experts) fill a byte budget with 10^5 entries, and one such bucket would leave nothing to
-#: overlap: the trainer packs all of it, then the worker unpacks all of it. Compared across
-#: ranks in the handshake (it moves bucket boundaries).
-MAX_BUCKET_PARAMS = 4096
-
-
-def split_buckets(plan: TransferPlan, buckets: Sequence[Bucket], max_params: int
-                  ) -> tuple[Bucket, ...]:
-    """``buckets`` with every bucket of more than ``max_params`` parameters cut into runs of
-    ``max_params``, renumbered; a pure function of the plan, so identical on every rank."""
-    from m2n_async._proto.plan import Bucket
-
-    out: list[Bucket] = []
-    for b in buckets:
-        for start in range(b.start, b.stop, max_params):
-            stop = min(start + max_params, b.stop)
-            if (start, stop) == (b.start, b.stop):
-                nbytes = b.nbytes
-            else:
-                nbytes = sum(plan.param_cost(i) for i in range(start, stop))
-            out.append(Bucket(len(out), start, stop, nbytes))
-    return tuple(out)
 
 
 class _RoundKeys:

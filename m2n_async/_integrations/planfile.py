@@ -43,7 +43,13 @@ import msgspec
 from m2n_async._proto.errors import PlanError
 from m2n_async._proto.layout import REPLICATE, Layout, Mesh
 from m2n_async._proto.params import ParamSpec, ParamTransfer
-from m2n_async._proto.plan import TransferPlan, check_plan_limits, complete_plan_digest
+from m2n_async._proto.plan import (
+    MAX_BUCKET_PARAMS,
+    TransferPlan,
+    check_plan_limits,
+    complete_plan_digest,
+    split_buckets,
+)
 
 __all__ = [
     "PlanFile",
@@ -296,7 +302,8 @@ def summarize(plan: TransferPlan, *, source: str = "", bucket_bytes: int = DEFAU
             best_in = Extreme(fi, p.name)
         if fo > best_out.value:
             best_out = Extreme(fo, p.name)
-    buckets = plan.buckets(bucket_bytes)
+    # What the engine runs: byte-budget buckets cut into runs of at most MAX_BUCKET_PARAMS.
+    buckets = split_buckets(plan, plan.buckets(bucket_bytes), MAX_BUCKET_PARAMS)
     transports: dict[str, str] = {}
     for t in TRANSPORT_ORDER:
         try:

@@ -60,6 +60,7 @@ from m2n_async._proto.params import (
 
 __all__ = [
     "M2N_MAX_CALL_BYTES",
+    "MAX_BUCKET_PARAMS",
     "M2N_MAX_FAN_IN",
     "M2N_MAX_FAN_OUT",
     "MIN_PIECE_BYTES",
@@ -69,6 +70,7 @@ __all__ = [
     "Piece",
     "TransferPlan",
     "check_plan_limits",
+    "split_buckets",
     "complete_plan_digest",
     "source_plan_digest",
     "validate_local_buffer",
@@ -106,6 +108,29 @@ class Bucket(NamedTuple):
     start: int
     stop: int
     nbytes: int
+
+
+#: A bucket holds at most this many parameters. Many tiny tensors (norms, biases, MoE
+#: experts) fill a byte budget with 10^5 entries, and one such bucket would leave nothing to
+#: overlap: the trainer packs all of it, then the worker unpacks all of it. Compared across
+#: ranks in the handshake (it moves bucket boundaries).
+MAX_BUCKET_PARAMS: Final[int] = 4096
+
+
+def split_buckets(plan: TransferPlan, buckets: Sequence[Bucket], max_params: int
+                  ) -> tuple[Bucket, ...]:
+    """``buckets`` with every bucket of more than ``max_params`` parameters cut into runs of
+    ``max_params``, renumbered; a pure function of the plan, so identical on every rank."""
+    out: list[Bucket] = []
+    for b in buckets:
+        for start in range(b.start, b.stop, max_params):
+            stop = min(start + max_params, b.stop)
+            if (start, stop) == (b.start, b.stop):
+                nbytes = b.nbytes
+            else:
+                nbytes = sum(plan.param_cost(i) for i in range(start, stop))
+            out.append(Bucket(len(out), start, stop, nbytes))
+    return tuple(out)
 
 
 class _Need(NamedTuple):

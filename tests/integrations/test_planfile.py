@@ -12,7 +12,6 @@ from m2n_async._integrations.planfile import (
     load_plan_file,
     parse_placements,
     parse_size,
-    plan_from_file,
     summarize,
 )
 from m2n_async._proto.layout import REPLICATE
@@ -221,7 +220,7 @@ def test_a_plan_file_with_a_placement_list_longer_than_its_mesh_is_refused(
     text = SPEC.replace('dest = ["shard(0)"]', 'dest = ["replicate", "shard(0)"]', 1)
     with pytest.raises(PlanError, match=r"params\[0\] \('embed.weight'\) dest: placements "
                                         r"need one entry per mesh axis"):
-        plan_from_file(load_plan_file(_write(tmp_path, text)))
+        load_plan_file(_write(tmp_path, text))
 
 
 def test_the_documented_example_plan(capsys: pytest.CaptureFixture[str]) -> None:
@@ -235,3 +234,21 @@ def test_the_documented_example_plan(capsys: pytest.CaptureFixture[str]) -> None
     assert round(s.lower_bound_seconds, 4) == 0.0109
     concepts = (example.parents[1] / "docs" / "concepts.md").read_text()
     assert "buckets      8 at 512.0 MiB" in concepts and "0.0109 s at 370 GB/s" in concepts
+
+
+def test_summary_counts_the_buckets_the_engine_runs(tmp_path: Path) -> None:
+    # 10,000 tiny params fit one 512 MiB byte budget, but the engine cuts buckets into runs
+    # of at most MAX_BUCKET_PARAMS (4096) parameters: 3 buckets.
+    text = """
+trainer_mesh = [1]
+worker_mesh = [1]
+
+[[params]]
+name = "experts.{i}.w"
+repeat = 10000
+dtype = "bfloat16"
+shape = [64, 64]
+"""
+    plan, _ = load_plan_file(_write(tmp_path, text))
+    summary = summarize(plan, bucket_bytes=512 << 20)
+    assert summary.buckets == 3, summary.buckets
