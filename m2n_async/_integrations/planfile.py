@@ -227,6 +227,7 @@ def plan_from_file(spec: PlanFile) -> tuple[TransferPlan, int | None]:
     trainer = _mesh(spec.trainer_mesh, 0, "trainer_mesh")
     workers = _mesh(spec.worker_mesh, trainer.size, "worker_mesh")
     transfers: list[ParamTransfer] = []
+    declared: dict[str, int] = {}  # expanded name -> its [[params]] entry
     for k, entry in enumerate(spec.params):
         where = f"params[{k}] ({entry.name!r})"
         if entry.repeat < 1:
@@ -253,6 +254,10 @@ def plan_from_file(spec: PlanFile) -> tuple[TransferPlan, int | None]:
                 entry.dest_mesh if entry.dest_mesh is not None else spec.worker_mesh))
             for i in range(entry.repeat):
                 name = entry.name.replace("{i}", str(i))
+                first = declared.setdefault(name, k)
+                if first != k:
+                    raise PlanError(f"{where}: declares {name!r}, which params[{first}] "
+                                    f"({spec.params[first].name!r}) already declares")
                 spec_ = ParamSpec(name, entry.dtype, tuple(entry.shape), src)
                 transfers.append(ParamTransfer(spec_, dst))
         except PlanError as e:

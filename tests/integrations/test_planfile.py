@@ -252,3 +252,24 @@ shape = [64, 64]
     plan, _ = load_plan_file(_write(tmp_path, text))
     summary = summarize(plan, bucket_bytes=512 << 20)
     assert summary.buckets == 3, summary.buckets
+
+
+def test_a_duplicate_name_names_both_entries(tmp_path: Path) -> None:
+    text = """
+trainer_mesh = [2]
+worker_mesh = [2]
+
+[[params]]
+name = "layers.{i}.w"
+repeat = 32
+dtype = "float32"
+shape = [4]
+
+[[params]]
+name = "layers.3.w"
+dtype = "float32"
+shape = [4]
+"""
+    with pytest.raises(PlanError, match=r"params\[1\] \('layers.3.w'\): declares 'layers.3.w', "
+                                        r"which params\[0\] \('layers.\{i\}.w'\) already"):
+        load_plan_file(_write(tmp_path, text))
