@@ -39,7 +39,12 @@ and makes the peer's side of the pair fail with "connection closed" — so an ab
 makes the peers' pending ops return promptly. ``abort`` therefore force-times-out every
 pending op (1 ms each, from any thread) after marking the transport aborted under the lock
 the native thread takes before issuing new ops. A peer process that dies closes its sockets,
-which fails our pending ops the same way.
+which fails our pending ops the same way. Gloo's ``wait`` also consumes an op's completion, so
+an op that had finished when ``abort`` waited on it would block the wait thread's own wait on
+it until the round deadline (and ``close`` for ``abort_grace``): the wait thread therefore
+waits 1 ms only once the transport is aborted. A wait it had already begun, or was about to
+begin, when ``abort`` ran can still be caught that way (rare: 0–1 in 10 aborted rounds in
+session 5's runs, against 4–6 before); it ends at the round deadline.
 """
 
 from __future__ import annotations
@@ -726,7 +731,11 @@ class GlooTransport(Transport):
         ordered += [op for j, op in enumerate(issued) if j not in firsts]
         try:
             for work, peer_rank in ordered:
-                left = self.remaining()
+                # Once aborted, only 1 ms: ``abort`` may have consumed this op's completion
+                # with its own wait (Gloo's ``wait`` takes it), and a full wait would then
+                # block until the round deadline, holding up ``close``.
+                left = (_FORCE_CLOSE.total_seconds() if self._abort_reason is not None
+                        else self.remaining())
                 try:
                     work.wait(datetime.timedelta(seconds=left))
                 except Exception as exc:
