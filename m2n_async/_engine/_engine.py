@@ -114,6 +114,11 @@ Weights = Any
 
 
 
+#: How often a round's watchdog looks for peers that left the job cleanly (a clean leave
+#: wakes no waiter, so it is polled: two store reads per rank per interval).
+_LEFT_POLL_S = 1.0
+
+
 class _RoundKeys:
     def __init__(self, namespace: str, round_: int) -> None:
         self.round = round_
@@ -484,22 +489,40 @@ class _Engine:
 
     async def _watchdog(self, keys: _RoundKeys, transport: Transport,
                         round_scope: anyio.CancelScope, remote: list[tuple[int, str]]) -> None:
-        """Abort the data plane as soon as any rank posts the round's abort or is lost."""
+        """Abort the data plane as soon as any rank posts the round's abort, is lost, or has
+        left the job."""
         watch = list(self._watch)
         try:
             while True:
-                try:
-                    raw = await self._store.get(keys.abort, wait=True, watch=watch)
+                raw: bytes | None = None
+                with anyio.move_on_after(_LEFT_POLL_S):  # then look for leavers
+                    while True:
+                        try:
+                            raw = await self._store.get(keys.abort, wait=True, watch=watch)
+                            break
+                        except PeerLostError as exc:
+                            # A rank that already reported this round done and then died
+                            # is not this round's problem: its part moved (the next round
+                            # names it).
+                            if not await drop_departed(self._store, exc, watch,
+                                                       self._done_keys(keys)):
+                                raise
+                if raw is not None:
+                    ab = decode_as(raw, Abort)
+                    remote.append((ab.rank, ab.reason))
                     break
-                except PeerLostError as exc:
-                    # A rank that already reported this round done and then died is not
-                    # this round's problem: its part moved (next round will name it).
-                    if not await drop_departed(self._store, exc, watch,
-                                               self._done_keys(keys)):
-                        raise
-            assert raw is not None
-            ab = decode_as(raw, Abort)
-            remote.append((ab.rank, ab.reason))
+                # A peer that closed its engine cleanly (its program ended) leaves no
+                # tombstone, and its data plane may not even close its sockets: the round
+                # would wait out its deadline. Its liveness key is simply gone. (One that
+                # died is caught above at once, by the watch.)
+                left = await self._left_ranks(keys)
+                if left:
+                    remote.append((left[0], f"rank {self._named(left[:1])} left the job "
+                                            f"before finishing its part of "
+                                            f"{self._where(keys.round)} (it closed its "
+                                            "engine)"))
+                    await self._post_abort(keys, keys.round, *remote[-1])
+                    break
         except PeerLostError as exc:
             lost = self._lost_rank(exc)
             remote.append((lost if lost is not None else self.rank,
@@ -510,6 +533,19 @@ class _Engine:
             remote.append((self.rank, f"rank {self.rank} lost the control plane: {exc}"))
         transport.abort(f"{remote[-1][1]} (rank {remote[-1][0]})")
         round_scope.cancel()
+
+    async def _left_ranks(self, keys: _RoundKeys) -> list[int]:
+        """Peers whose liveness key is gone and that have not reported this round done (a
+        rank that reported and then closed is not this round's problem). Two reads."""
+        assert self._group is not None
+        group = self._group
+        alive = await self._store.gather(group.alive_key(0).rsplit("/", 1)[0] + "/", 0)
+        missing = [r for r in range(self.world_size)
+                   if r != self.rank and group.alive_key(r) not in alive]
+        if not missing:
+            return []
+        reported = await self._store.gather(keys.done_prefix, 0)
+        return [r for r in missing if keys.done(r) not in reported]
 
     async def _attribute(self, keys: _RoundKeys, peer: int) -> tuple[int, str] | None:
         """The data plane saw ``peer`` close its connection: the store tells, within a
@@ -528,6 +564,15 @@ class _Engine:
                               f"ended: process died or disconnected)")
             except M2NError:
                 return None
+        # Neither a record nor a loss: a peer whose liveness key is simply gone closed its
+        # engine on purpose (a clean leave) while the round needed it.
+        with anyio.move_on_after(1.0):
+            try:
+                if await self._store.get(self._group.alive_key(peer)) is None:
+                    return peer, (f"rank {self._named([peer])} left the job during the round "
+                                  "(it closed its engine)")
+            except M2NError:
+                pass
         return None
 
     def _done_keys(self, keys: _RoundKeys) -> dict[str, str]:

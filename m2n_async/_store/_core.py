@@ -160,7 +160,10 @@ class StoreCore:
         self._key_waiters: dict[str, set[Waiter]] = {}
         self._prefixes: dict[str, _PrefixTrack] = {}
         self._watchers: dict[str, set[Waiter]] = {}
-        self._tombstones: OrderedDict[str, None] = OrderedDict()
+        # key -> when it was lost (a sequence number): a waiter watching several lost keys
+        # is told about the first loss, the root cause, not whichever it lists first.
+        self._tombstones: OrderedDict[str, int] = OrderedDict()
+        self._losses = 0
         self._generations: dict[str, int] = {}
         self._max_tombstones = max_tombstones
         self._max_waiters = max_waiters_per_session
@@ -206,7 +209,8 @@ class StoreCore:
 
     def _lose(self, key: str, why: str) -> None:
         """Tombstone ``key`` and fail everyone watching it."""
-        self._tombstones[key] = None
+        self._losses += 1
+        self._tombstones[key] = self._losses
         self._tombstones.move_to_end(key)
         while len(self._tombstones) > self._max_tombstones:
             self._tombstones.popitem(last=False)
@@ -378,10 +382,11 @@ class StoreCore:
 
     def _register(self, waiter: Waiter, watch: Sequence[str],
                   track: _PrefixTrack | None = None) -> Waiter:
-        for key in watch:
-            if key in self._tombstones:
-                raise PeerLostError(
-                    f"store key {key!r} was lost: the session that wrote it ended", key=key)
+        lost = [key for key in watch if key in self._tombstones]
+        if lost:
+            key = min(lost, key=self._tombstones.__getitem__)
+            raise PeerLostError(
+                f"store key {key!r} was lost: the session that wrote it ended", key=key)
         if len(waiter.session.waiters) >= self._max_waiters:
             raise StoreError(f"store session {waiter.session.id} has {self._max_waiters} "
                              "blocking requests pending (the limit)")

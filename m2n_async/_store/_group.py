@@ -185,11 +185,14 @@ class ControlGroup:
         By default leaving is clean: peers waiting on this rank are not told it was lost.
         ``lost=True`` (a rank that failed and gives up) removes the liveness key as a dead
         session would: peers waiting on this rank get ``PeerLostError`` at once instead of
-        sitting out their deadline.
+        sitting out their deadline; its call keys stay, as a dead rank's would.
 
         Cancellation: some keys may remain; the generation purge removes them eventually.
         """
-        while self._own_keys:
+        # Leaving as lost keeps this rank's contributions: a peer still in a call this rank
+        # contributed to must be able to see that it did (``drop_departed``), or it would
+        # blame this rank for that call too. The generation's purge removes them.
+        while self._own_keys and not lost:
             await self.store.delete(self._own_keys[0])
             del self._own_keys[0]
         await self.store.delete(self.alive_key(self.rank), lost=lost)

@@ -114,12 +114,15 @@ async def engine_rank(*, address: str, job: str, rank: int, defs: Sequence[Param
                       src_dims: tuple[int, int], dst_dims: tuple[int, int],
                       config: dict[str, Any], versions: Sequence[int],
                       load: Sequence[str] = (), victim: int | None = None,
-                      _events: Any = None, **_: Any) -> dict[str, Any]:
+                      leaver: int | None = None, _events: Any = None,
+                      **_: Any) -> dict[str, Any]:
     """One rank of a TrainerEngine/WorkerEngine job over the TCP store.
 
     ``victim``: that rank blocks inside the first round (in its lazy source or load callback)
     after telling the test, which then kills it with SIGKILL. Survivors report what they
     raised and when (``time.time()``, comparable across processes on one host).
+    ``leaver``: that rank closes its engine cleanly after the first version, as a rank whose
+    program ends would, while the others go on to the next.
     """
     from m2n_async import EngineConfig, LoadTarget, TrainerEngine, WorkerEngine
 
@@ -143,6 +146,8 @@ async def engine_rank(*, address: str, job: str, rank: int, defs: Sequence[Param
             if victim is not None:
                 await _all_connected(address, job, engine.generation, rank, world)
             for v in versions:
+                if leaver == rank and out["versions"]:
+                    break
                 shards = source_shards(plan, rank, v)
 
                 def lazy(names: list[str], shards: Any = shards) -> dict[str, torch.Tensor]:
@@ -175,6 +180,8 @@ async def engine_rank(*, address: str, job: str, rank: int, defs: Sequence[Param
             if victim is not None:
                 await _all_connected(address, job, engine.generation, rank, world)
             for v in versions:
+                if leaver == rank and out["versions"]:
+                    break
                 res = await engine.receive()
                 out["versions"].append(res.version)
                 out["bad"] += [f"v{v}:{n}" for n in _mismatches(plan, rank, sinks, v)]

@@ -92,3 +92,32 @@ def test_kill_mid_round_then_new_generation(pool: RankPool, store_address: str, 
                        timeout=90))
     assert all(o["versions"] == [1] and o["bad"] == [] for o in out)
     assert len({o["generation"] for o in out}) == 1 and out[0]["generation"] >= 2
+
+
+@pytest.mark.parametrize("leaver", [1, 3], ids=["trainer-leaves", "worker-leaves"])
+def test_a_rank_that_closes_between_rounds_is_named_by_every_survivor(
+        pool: RankPool, store_address: str, job: str, leaver: int) -> None:
+    """2 trainers + 2 workers; after round 1 the leaver closes its engine cleanly (its
+    program ended) while the others start round 2. Every survivor raises the same
+    TransferError naming the leaver, not itself or another survivor."""
+    world = 4
+    # A short deadline: a rank whose Gloo sends were in flight to a peer that aborted can
+    # still sit in them until the deadline (gloo module docstring, "Abort"), and the test
+    # checks the diagnosis, not that.
+    config = {**CONFIG, "round_timeout": 10}
+    results = pool.run(_jobs(world, address=store_address, job=job, defs=MIXED,
+                             src_dims=(1, 2), dst_dims=(1, 2), config=config, versions=[1, 2],
+                             leaver=leaver), timeout=90)
+    errors = []
+    for r, (kind, o) in enumerate(results):
+        assert kind == "ok", f"rank {r}: {o}"
+        assert o["versions"][:1] == [1], (r, o)
+        if r == leaver:
+            assert o["error"] is None and o["state"] == "closed", o
+            continue
+        assert o["error"] is not None, f"rank {r} did not fail"
+        name, msg, err_rank, _ = o["error"]
+        assert name == "TransferError", (r, o["error"])
+        errors.append((msg, err_rank))
+    assert len(set(errors)) == 1, errors
+    assert errors[0][1] == leaver and "left the job" in errors[0][0], errors[0]

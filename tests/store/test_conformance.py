@@ -528,3 +528,15 @@ async def test_delete_as_lost_fails_watchers_and_a_plain_delete_does_not(world: 
 
 async def _wait_for_ever_watching(store: Store, key: str) -> None:
     await store.get("j/1/never", wait=True, watch=[key])
+
+
+async def test_a_waiter_watching_several_lost_keys_hears_of_the_first_loss(
+        world: World) -> None:
+    first, second, peer = await world.session(), await world.session(), await world.session()
+    await first.set("j/1/alive/0", b"0", ephemeral=True)
+    await second.set("j/1/alive/1", b"1", ephemeral=True)
+    await first.delete("j/1/alive/0", lost=True)  # lost first: the root cause
+    await second.delete("j/1/alive/1", lost=True)
+    with pytest.raises(PeerLostError) as info:
+        await peer.get("j/1/never", wait=True, watch=["j/1/alive/1", "j/1/alive/0"])
+    assert info.value.key == "j/1/alive/0"

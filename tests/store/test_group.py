@@ -307,3 +307,18 @@ async def test_slow_rank_finishes_a_call_past_a_departure_after_peers_moved_on(
                 await groups[1].barrier()  # call 1: rank 2 never comes
             slow.gate.set()
     assert outcome == {0: "ok"}
+
+
+async def test_leaving_as_lost_keeps_the_contributions_and_tells_the_watchers(
+        world: World) -> None:
+    groups = await make_groups(world, 3)
+    await run_all(groups, lambda g: g.barrier())
+    await groups[2].aclose(lost=True)
+    keys = world.core.keys()
+    # A peer still in call 0 can see rank 2 contributed to it (drop_departed), so it does
+    # not blame rank 2 for that call; a peer waiting on rank 2 hears it is gone.
+    assert "job/1/g/c/0/barrier/2" in keys and "job/1/g/alive/2" not in keys
+    with pytest.raises(PeerLostError) as info:
+        await groups[0].store.get("job/1/g/never", wait=True,
+                                  watch=[groups[0].alive_key(2)])
+    assert info.value.key == groups[0].alive_key(2)
