@@ -451,7 +451,7 @@ class GlooTransport(Transport):
         # native/wait threads when the machine is oversubscribed.
         builder = NativeThread(f"gloo-connect-r{rank}", nice=_BULK_NICE)
         try:
-            self._pg = await builder.run(build, description=f"gloo connect rank {rank}/{size}")
+            self._pg = await self._build_watched(builder, build, rendezvous)
         except BaseException as exc:
             adapter.cancel_all("connect failed or was cancelled")
             if isinstance(exc, (TimeoutError, PeerLostError, TransferError)) or not isinstance(
@@ -461,6 +461,47 @@ class GlooTransport(Transport):
                                 f"{self.ctx.where()}: {exc}", rank=rank) from exc
         finally:
             builder.close(0.0)  # it has returned (or is abandoned, as a daemon thread)
+
+    async def _build_watched(self, builder: NativeThread, build: Callable[[], Any],
+                             rendezvous: Rendezvous) -> Any:
+        """``build`` on ``builder``, bounded by the rendezvous timeout and failing with the
+        peer's ``PeerLostError`` as soon as a watched peer is lost. Gloo's own TCP connect
+        retries for several times its timeout, and a peer that failed after the store part
+        of the rendezvous would otherwise keep every other rank there that long. An
+        abandoned build goes on in its daemon thread until Gloo gives up."""
+        rank, size = self.ctx.rank, self.ctx.world_size
+        outcome: dict[str, Any] = {}
+
+        async def run_build() -> None:
+            try:
+                outcome["pg"] = await builder.run(
+                    build, description=f"gloo connect rank {rank}/{size}")
+            except Exception as exc:
+                outcome["error"] = exc
+            tg.cancel_scope.cancel()
+
+        async def watch_peers() -> None:
+            try:  # waits for a key nobody writes: only a lost peer ends it
+                await rendezvous.store.wait([rendezvous.key("never")], watch=rendezvous.watch)
+            except PeerLostError as exc:
+                outcome.setdefault("lost", exc)
+                tg.cancel_scope.cancel()
+
+        try:
+            with anyio.fail_after(rendezvous.timeout):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(run_build)
+                    if rendezvous.watch:
+                        tg.start_soon(watch_peers)
+        except TimeoutError:
+            raise TimeoutError(f"gloo: the process group was not created within "
+                               f"{rendezvous.timeout:g} s at {self.ctx.where()} (a peer did "
+                               "not connect)") from None
+        if "pg" in outcome:
+            return outcome["pg"]
+        if "lost" in outcome:
+            raise outcome["lost"]
+        raise outcome["error"]
 
     # -- per bucket ----------------------------------------------------------------------
 
