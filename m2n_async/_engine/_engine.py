@@ -318,7 +318,8 @@ class _Engine:
         """``transport.connect``, its failures phrased as the ``connected`` phase's.
 
         The rank that fails raises ``PreflightError("connected", {its rank: why})`` and leaves
-        as lost (``_release``); its peers, waiting for it in the rendezvous, then raise
+        as lost (``_release``); its peers, waiting for it in the rendezvous or in the barrier
+        that ends the phase (``_confirm_connected``), then raise
         ``PreflightError("connected", {that rank: "was lost ..."})`` at once.
         """
         assert self._transport is not None and self._outcome is not None
@@ -326,6 +327,10 @@ class _Engine:
         phase = Phase.CONNECTED.value
         try:
             await self._transport.connect(rdv)
+            # Every rank confirms it connected: a rank whose own connect finished before a
+            # peer failed would otherwise learn of it only in round 1 (or while waiting for
+            # it), and say so in other words than the ranks still connecting.
+            await self._confirm_connected(rdv.timeout)
         except PeerLostError as exc:
             lost = self._lost_rank(exc)
             who = lost if lost is not None else self.rank
@@ -338,6 +343,22 @@ class _Engine:
             raise PreflightError(phase, {self.rank: f"could not connect the {name} data "
                                                     f"plane: {type(exc).__name__}: {exc}"},
                                  generation=self._generation) from exc
+
+    async def _confirm_connected(self, limit: float) -> None:
+        """A barrier of every rank after its data plane connected (bounded)."""
+        group = self._group
+        assert group is not None
+        try:
+            with anyio.fail_after(limit):
+                await group.barrier()
+        except TimeoutError:
+            missing: list[int] = []
+            with anyio.move_on_after(1.0):
+                missing = await group.missing_ranks()
+            raise TimeoutError(
+                f"preflight phase 'connected' (generation {self._generation}, rank "
+                f"{self.rank}) timed out after {limit:g} s: rank(s) {missing} did not "
+                "confirm their data plane") from None
 
     # -- lifecycle guards ------------------------------------------------------------------
 
