@@ -24,6 +24,8 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
+from store_bench import _EchoClient  # the same client loop side as store_bench's echo row
+
 from m2n_async import StoreClient, StoreServer
 from m2n_async._store._cli import pick_loop
 from m2n_async._store._server import _ServerProtocol
@@ -46,20 +48,6 @@ class _Echo(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         assert self.transport is not None
         self.transport.write(bytes(self.view[:nbytes]))
-
-
-class _EchoClient(asyncio.BufferedProtocol):
-    def __init__(self) -> None:
-        self.view = memoryview(bytearray(65536))
-        self.waiter: asyncio.Future[None] | None = None
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self.view
-
-    def buffer_updated(self, nbytes: int) -> None:  # 16 bytes on loopback: one read
-        waiter, self.waiter = self.waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
 
 
 class _DropTransport:

@@ -560,7 +560,7 @@ class _Engine:
         rank that reported and then closed is not this round's problem). Two reads."""
         assert self._group is not None
         group = self._group
-        alive = await self._store.gather(group.alive_key(0).rsplit("/", 1)[0] + "/", 0)
+        alive = await self._store.gather(group.alive_prefix, 0)
         missing = [r for r in range(self.world_size)
                    if r != self.rank and group.alive_key(r) not in alive]
         if not missing:

@@ -107,9 +107,15 @@ class ControlGroup:
         self._watch: tuple[str, ...] = tuple(
             self.alive_key(r) for r in range(world_size) if r != rank)
 
+    @property
+    def alive_prefix(self) -> str:
+        """The prefix of every rank's liveness key: ``gather(alive_prefix, 0)`` lists who is
+        still in the group."""
+        return f"{self.namespace}/{_ALIVE}/"
+
     def alive_key(self, rank: int) -> str:
         """The liveness key of ``rank`` (ephemeral; written by ``join``)."""
-        return f"{self.namespace}/{_ALIVE}/{rank}"
+        return f"{self.alive_prefix}{rank}"
 
     @property
     def calls(self) -> int:
@@ -256,7 +262,7 @@ class ControlGroup:
         if exc.ranks:
             return exc.ranks[0]
         key = exc.key or ""
-        head = f"{self.namespace}/{_ALIVE}/"
+        head = self.alive_prefix
         if key.startswith(head) and key[len(head):].isdigit():
             return int(key[len(head):])
         return None

@@ -96,19 +96,18 @@ class _SlowReplies:
             await anyio.sleep(0.2)
 
 
-async def test_cancel_while_rank0_publishes_aborts_the_round_everywhere() -> None:
-    plan = make_plan(DEFS[:1], (1, 1), (1, 1))
-    store = MemoryStore()
-    slow = _SlowReplies(store.session())
+async def _pair(plan: Any, trainer_store: Any, worker_store: Any
+                ) -> tuple[TrainerEngine, WorkerEngine]:
+    """Trainer 0 and worker 1 of ``plan`` (1+1), connected over the given stores."""
     specs = [p.spec for p in plan.params]
     out: dict[int, Any] = {}
 
     async def trainer() -> None:
-        out[0] = await TrainerEngine.connect(store=slow, rank=0, trainer_ranks=1,  # type: ignore[arg-type]
+        out[0] = await TrainerEngine.connect(store=trainer_store, rank=0, trainer_ranks=1,
                                              world_size=2, params=specs, config=CFG)
 
     async def worker() -> None:
-        out[1] = await WorkerEngine.connect(store=store.session(), rank=1, trainer_ranks=1,
+        out[1] = await WorkerEngine.connect(store=worker_store, rank=1, trainer_ranks=1,
                                             world_size=2, targets=_targets(plan, 1),
                                             mesh_dims=(1, 1), config=CFG)
 
@@ -116,7 +115,14 @@ async def test_cancel_while_rank0_publishes_aborts_the_round_everywhere() -> Non
         async with anyio.create_task_group() as tg:
             tg.start_soon(trainer)
             tg.start_soon(worker)
-    t, w = out[0], out[1]
+    return out[0], out[1]
+
+
+async def test_cancel_while_rank0_publishes_aborts_the_round_everywhere() -> None:
+    plan = make_plan(DEFS[:1], (1, 1), (1, 1))
+    store = MemoryStore()
+    slow = _SlowReplies(store.session())
+    t, w = await _pair(plan, slow, store.session())
     got: list[BaseException] = []
 
     async def receive() -> None:
@@ -268,23 +274,7 @@ async def test_cancel_while_the_outcome_is_gathered_ends_the_round_like_every_ra
     plan = make_plan(DEFS[:1], (1, 1), (1, 1))
     store = MemoryStore()
     slow = _SlowOutcome(store.session())
-    specs = [p.spec for p in plan.params]
-    out: dict[int, Any] = {}
-
-    async def trainer() -> None:
-        out[0] = await TrainerEngine.connect(store=store.session(), rank=0, trainer_ranks=1,
-                                             world_size=2, params=specs, config=CFG)
-
-    async def worker() -> None:
-        out[1] = await WorkerEngine.connect(store=slow, rank=1, trainer_ranks=1,  # type: ignore[arg-type]
-                                            world_size=2, targets=_targets(plan, 1),
-                                            mesh_dims=(1, 1), config=CFG)
-
-    with anyio.fail_after(30):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(trainer)
-            tg.start_soon(worker)
-    t, w = out[0], out[1]
+    t, w = await _pair(plan, store.session(), slow)
     try:
         with anyio.fail_after(30):
             async with anyio.create_task_group() as tg:
