@@ -65,6 +65,7 @@ import anyio
 
 from m2n_async._data._native import NativeCall, NativeThread
 from m2n_async._proto.errors import LocalProtocolError, PeerLostError, PlanError, TransferError
+from m2n_async._proto.stacking import COALESCE_BELOW_BYTES
 
 if TYPE_CHECKING:
     import torch
@@ -129,8 +130,16 @@ class TransportSettings:
     #: Address the CPU data plane binds and advertises (gloo). None: 127.0.0.1 when the
     #: store is on loopback, else torch's default (hostname / ``GLOO_SOCKET_IFNAME``).
     host: str | None = None
+    #: ``m2n``: stack same-geometry parameters of a bucket into one reshard
+    #: (``_proto.stacking``); changes what is on the wire, so the handshake compares it.
+    coalesce: bool = True
+    #: ``m2n``: a parameter any rank moves this many bytes of (or more) stays a single,
+    #: zero-copy reshard; only smaller ones are stacked (``_proto.stacking``).
+    coalesce_below: int = COALESCE_BELOW_BYTES
 
     def __post_init__(self) -> None:
+        if self.coalesce_below < 0:
+            raise PlanError(f"coalesce_below must be >= 0, got {self.coalesce_below}")
         if self.bucket_bytes <= 0:
             raise PlanError(f"bucket_bytes must be > 0, got {self.bucket_bytes}")
         if self.max_inflight < 1:
@@ -199,6 +208,9 @@ class Staging:
     bucket: Bucket
     nbytes: int = 0
     nbytes_moved: int = 0
+    #: Bytes (in the wire dtype) this rank produced by casting a source of another dtype
+    #: while packing the bucket (trainer; 0 when every source already had the wire dtype).
+    cast_bytes: int = 0
     #: Device-measured seconds per stage ("pack", "transfer", "unpack") when the transport
     #: can measure them (CUDA events); the pipeline otherwise uses its own wall times.
     seconds: dict[str, float] = field(default_factory=dict)

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from m2n_async._proto.errors import PlanError
+from m2n_async._proto.stacking import COALESCE_BELOW_BYTES
 
 __all__ = ["EngineConfig", "EngineState", "SyncResult"]
 
@@ -56,6 +57,11 @@ class EngineConfig:
     - ``job``: store namespace; engines of one job share it, different jobs may share a store.
     - ``link_bytes_per_second``: per-rank link bandwidth used for the plan's lower bound and
       ``SyncResult.efficiency`` (None: not computed).
+    - ``coalesce``: on ``m2n``, stack the parameters of a bucket that share shape, dtype and
+      both layouts into one reshard (``docs/tuning.md``, "Coalesced reshards"). Changes
+      the calls on the wire, so it must match on every rank.
+    - ``coalesce_below``: bytes; a parameter any rank moves at least this many bytes of stays
+      a single zero-copy reshard (default 16 MiB). Must match on every rank.
     """
 
     transport: str = "auto"
@@ -69,6 +75,8 @@ class EngineConfig:
     host: str | None = None
     job: str = "m2n"
     link_bytes_per_second: float | None = None
+    coalesce: bool = True
+    coalesce_below: int = COALESCE_BELOW_BYTES
 
     def __post_init__(self) -> None:
         if self.transport not in ("auto", "m2n", "nccl", "gloo"):
@@ -91,6 +99,11 @@ class EngineConfig:
                                 f"got {v!r}")
         if not self.job or "/" in self.job:
             raise PlanError(f"EngineConfig.job must be non-empty without '/', got {self.job!r}")
+        if type(self.coalesce) is not bool:
+            raise PlanError(f"EngineConfig.coalesce must be a bool, got {self.coalesce!r}")
+        if type(self.coalesce_below) is not int or self.coalesce_below < 1:
+            raise PlanError(f"EngineConfig.coalesce_below must be an int >= 1 (bytes), got "
+                            f"{self.coalesce_below!r}")
         bps = self.link_bytes_per_second
         if bps is not None and not (isinstance(bps, int | float) and bps > 0):
             raise PlanError(f"EngineConfig.link_bytes_per_second must be None or > 0, got "

@@ -235,7 +235,8 @@ class _Engine:
         return TransportSettings(bucket_bytes=self._bucket_bytes(transport),
                                  max_inflight=c.max_inflight,
                                  max_cta=c.max_cta, device=c.device,
-                                 connect_timeout=c.phase_timeout, host=host)
+                                 connect_timeout=c.phase_timeout, host=host,
+                                 coalesce=c.coalesce, coalesce_below=c.coalesce_below)
 
     def _capabilities(self) -> list[str]:
         out = []
@@ -255,6 +256,10 @@ class _Engine:
         # bucket's sends and receives, so it is compared like an NCCL variable.
         facts["m2n_async.bucket_bytes"] = str(self._bucket_bytes(name))
         facts["m2n_async.bucket_params"] = str(MAX_BUCKET_PARAMS)
+        # Coalescing decides which reshards are issued: every rank must stack alike.
+        if name == "m2n":
+            c = self.config
+            facts["m2n_async.coalesce"] = f"below {c.coalesce_below}" if c.coalesce else "off"
         return DataPlaneIdentity(libnccl_version=libnccl, max_cta=self.config.max_cta,
                                  env=tuple(sorted(facts.items())))
 
