@@ -65,6 +65,8 @@ from m2n_async._data._cuda import (
 )
 from m2n_async._data._transport import Completion, Sink, Staging, TransportSettings
 from m2n_async._proto.errors import LocalProtocolError, PlanError, TransferError
+from m2n_async._proto.plan import M2N_MAX_CALL_BYTES
+from m2n_async._proto.stacking import bucket_calls, stacked_placement
 
 if TYPE_CHECKING:
     import torch
@@ -104,24 +106,50 @@ class _Param(NamedTuple):
     dst_shape: tuple[int, ...]
 
 
+class _Call(NamedTuple):
+    """One reshard of a bucket: a single parameter, or ``len(members)`` parameters of one
+    geometry stacked along a new leading dim (``_proto.stacking``). ``geo`` describes the
+    tensor M2N sees (for a stack: shapes ``(k, *shape)``, shard dims shifted by one)."""
+
+    key: int                   # the first member's plan index: names the call in caches
+    geo: _Param
+    members: tuple[_Param, ...]
+
+    @property
+    def stacked(self) -> bool:
+        return len(self.members) > 1
+
+    @property
+    def label(self) -> str:
+        if not self.stacked:
+            return repr(self.geo.name)
+        first, last = self.members[0].name, self.members[-1].name
+        return f"{first!r} .. {last!r} ({len(self.members)} stacked)"
+
+
 @dataclass(eq=False)
 class M2NStaging(Staging):
-    """One bucket on this rank: the per-param buffers handed to M2N, in plan order."""
+    """One bucket on this rank: one buffer per reshard call, in call order."""
 
-    params: tuple[_Param, ...] = ()
+    calls: tuple[_Call, ...] = ()
     #: trainer: source buffers; worker: destination buffers (targets or staging tensors)
     buffers: list[Any] = field(default_factory=list)
-    #: worker: indices (into ``params``) whose buffer is staging, not the target itself
+    #: worker: indices (into ``calls``) whose buffer is staging, not the target itself
     staged: list[int] = field(default_factory=list)
     ready: Any = None          # event: producer done (trainer) / targets free (worker)
-    #: trainer: (first param index, event) per cast chunk, in order: the event fires when the
-    #: chunk's casts are done; reshards from that index on wait for it (``GATE_BYTES``)
+    #: trainer: (first call index, event) per cast chunk, in order: the event fires when the
+    #: chunk's packing is done; reshards from that call on wait for it (``GATE_BYTES``)
     gates: list[tuple[int, Any]] = field(default_factory=list)
     transferred: Any = None    # event recorded after the bucket's reshards
     zero_copy: int = 0
+    #: parameters that travelled inside a stacked call
+    stacked_params: int = 0
     #: per buffer: the caller's own tensor (zero-copy), so its descriptor may be reused
     caller_owned: list[bool] = field(default_factory=list)
-
+    #: trainer: the sources the pack stream copies from, held until the bucket is released:
+    #: the copies are only enqueued, and a lazy source dropped meanwhile could be reused by
+    #: the producer before they ran
+    sources: list[Any] = field(default_factory=list)
 
 
 class M2NTransport(GpuTransportBase):
@@ -135,8 +163,11 @@ class M2NTransport(GpuTransportBase):
         self.handle: Any = None
         self.grouped = False
         self.grouping_reason = "not decided yet (connect has not run)"
-        self._params: dict[int, tuple[_Param, ...]] = {}
+        self._calls: dict[int, tuple[_Call, ...]] = {}
         self._moved: dict[int, int] = {}
+        settings = ctx.settings
+        #: 0: coalescing off (every parameter its own reshard)
+        self.coalesce_below = settings.coalesce_below if settings.coalesce else 0
         # Descriptor reuse across rounds (module doc, "Descriptors"): the side this rank
         # does not take part in, per param; the side it does, for tensors seen twice.
         self._absent_side: dict[int, Any] = {}
@@ -186,11 +217,33 @@ class M2NTransport(GpuTransportBase):
         dm, dp, ds = side(p.dst)
         return _Param(i, spec.name, torch_dtype(spec.dtype), spec.nbytes, sm, sp, ss, dm, dp, ds)
 
-    def _bucket(self, bucket: Bucket) -> tuple[_Param, ...]:
-        got = self._params.get(bucket.index)
+    def _stack(self, members: tuple[_Param, ...]) -> _Param:
+        """The geometry of ``members`` (one geometry) stacked along a new dim 0."""
+        m2n, p, k = self._m2n, members[0], len(members)
+
+        def shifted(placements: tuple[Any, ...]) -> tuple[Any, ...]:
+            return tuple(m2n.Shard(stacked_placement(x.dim)) if isinstance(x, m2n.Shard)
+                         else x for x in placements)
+
+        return p._replace(name=f"{p.name} .. {members[-1].name}", nbytes=p.nbytes * k,
+                          src_placements=shifted(p.src_placements),
+                          src_shape=(k, *p.src_shape),
+                          dst_placements=shifted(p.dst_placements),
+                          dst_shape=(k, *p.dst_shape))
+
+    def _bucket(self, bucket: Bucket) -> tuple[_Call, ...]:
+        """The bucket's reshard calls (``_proto.stacking.bucket_calls``), described once."""
+        got = self._calls.get(bucket.index)
         if got is None:
-            got = tuple(self._describe(i) for i in range(bucket.start, bucket.stop))
-            self._params[bucket.index] = got
+            plan = self.ctx.plan
+            groups = bucket_calls(plan, bucket, coalesce_below=self.coalesce_below,
+                                  max_call_bytes=M2N_MAX_CALL_BYTES)
+            calls = []
+            for group in groups:
+                members = tuple(self._describe(i) for i in group)
+                geo = self._stack(members) if len(members) > 1 else members[0]
+                calls.append(_Call(group[0], geo, members))
+            got = self._calls[bucket.index] = tuple(calls)
             rank = self.ctx.rank
             moved = 0
             for i in range(bucket.start, bucket.stop):
@@ -202,7 +255,9 @@ class M2NTransport(GpuTransportBase):
 
     @property
     def detail(self) -> str:
-        return f"m2n submission: {self.grouping_reason}"
+        stacking = (f"parameters below {self.coalesce_below} bytes of one geometry stacked "
+                    f"into one reshard" if self.coalesce_below else "coalescing off")
+        return f"m2n submission: {self.grouping_reason}; {stacking}"
 
     async def _after_connect(self, rendezvous: Rendezvous) -> None:
         await self._decide_grouping(rendezvous)
@@ -318,17 +373,18 @@ class M2NTransport(GpuTransportBase):
     async def stage(self, bucket: Bucket, *,
                     sources: Mapping[str, torch.Tensor] | None = None,
                     sinks: Mapping[str, Sink] | None = None) -> Staging:
-        """See ``Transport.stage``: zero-copy sources/targets where possible, else cast or
-        staging tensors on the pack stream; records the event the transfer waits on.
+        """See ``Transport.stage``: per call, zero-copy sources/targets where possible, else a
+        cast or staging tensor on the pack stream; a stacked call packs its members with one
+        multi-tensor copy (``torch._foreach_copy_``, the cast included). Records the events
+        the transfer waits on.
 
         Cancellation: nothing was submitted; the staging is dropped with the round.
         """
         self.check_usable()
-        torch = _torch()
         streams = self.streams
         assert streams is not None
-        params = self._bucket(bucket)
-        st = M2NStaging(bucket, params=params, nbytes_moved=self._moved[bucket.index])
+        calls = self._bucket(bucket)
+        st = M2NStaging(bucket, calls=calls, nbytes_moved=self._moved[bucket.index])
         producer = streams.producer()
         where = self.ctx.where(bucket=bucket.index)  # once: a bucket may hold 10^4 params
         if self.ctx.role == "trainer":
@@ -337,44 +393,26 @@ class M2NTransport(GpuTransportBase):
             streams.wait(streams.pack, producer)
             # zero-copy sources only need the producer: this event, before any cast
             st.ready = streams.record(streams.pack)
-            chunk_start, chunk_bytes = -1, 0
             with streams.on(streams.pack):
-                for k, p in enumerate(params):
-                    t = lookup_tensor(sources, p.name, where)
-                    if self._zero_copy_ok(t, p, p.src_shape):
-                        st.buffers.append(t)
-                        st.caller_owned.append(True)
-                        st.zero_copy += 1
-                        continue
-                    if tuple(t.shape) != p.src_shape:
-                        raise PlanError(f"parameter {p.name!r}: local source shape "
-                                        f"{tuple(t.shape)} but the plan says {p.src_shape} "
-                                        f"at {where}")
-                    buf = t.to(device=self.device, dtype=p.dtype,
-                               non_blocking=True).contiguous()
-                    st.buffers.append(buf)
-                    st.caller_owned.append(False)
-                    nbytes = buf.numel() * buf.element_size()
-                    st.nbytes += nbytes
-                    if chunk_start < 0:
-                        chunk_start = k
-                    chunk_bytes += nbytes
-                    if chunk_bytes >= GATE_BYTES:
-                        st.gates.append((chunk_start, streams.record(streams.pack)))
-                        chunk_start, chunk_bytes = -1, 0
-                if chunk_start >= 0:
-                    st.gates.append((chunk_start, streams.record(streams.pack)))
+                self._pack(st, sources, where)
         else:
             if sinks is None:
                 raise LocalProtocolError(f"m2n: worker stage without sinks at {where}")
+            torch = _torch()
             with streams.on(streams.pack):
-                for k, p in enumerate(params):
-                    sink = lookup_tensor(sinks, p.name, where)
-                    if self._zero_copy_ok(sink, p, p.dst_shape):
-                        st.buffers.append(sink)
-                        st.caller_owned.append(True)
-                        st.zero_copy += 1
-                        continue
+                for k, call in enumerate(calls):
+                    p = call.geo
+                    if not call.stacked:
+                        sink = lookup_tensor(sinks, p.name, where)
+                        if self._zero_copy_ok(sink, p, p.dst_shape):
+                            st.buffers.append(sink)
+                            st.caller_owned.append(True)
+                            st.zero_copy += 1
+                            continue
+                    else:
+                        for m in call.members:  # a missing target fails before the transfer
+                            lookup_tensor(sinks, m.name, where)
+                        st.stacked_params += len(call.members)
                     buf = torch.empty(p.dst_shape, dtype=p.dtype, device=self.device)
                     st.buffers.append(buf)
                     st.caller_owned.append(False)
@@ -384,41 +422,97 @@ class M2NTransport(GpuTransportBase):
             st.ready = streams.record(producer)
         return st
 
-    def _runs(self, params: tuple[_Param, ...]) -> list[tuple[int, int]]:
-        """[start, stop) index runs submitted as one group each (identical on every rank:
-        computed from global bytes only)."""
+    def _pack(self, st: M2NStaging, sources: Mapping[str, torch.Tensor], where: str) -> None:
+        """Trainer, on the pack stream: one buffer per call. Casts are fenced every
+        ``GATE_BYTES`` of staged bytes (module doc)."""
+        torch = _torch()
+        streams = self.streams
+        assert streams is not None
+        chunk_start, chunk_bytes = -1, 0
+        for k, call in enumerate(st.calls):
+            p = call.geo
+            if call.stacked:
+                srcs = []
+                casts = 0
+                for m in call.members:
+                    t = lookup_tensor(sources, m.name, where)
+                    if tuple(t.shape) != m.src_shape:
+                        raise PlanError(f"parameter {m.name!r}: local source shape "
+                                        f"{tuple(t.shape)} but the plan says {m.src_shape} "
+                                        f"at {where}")
+                    casts += t.dtype != p.dtype
+                    srcs.append(t)
+                st.sources.extend(srcs)
+                buf = torch.empty(p.src_shape, dtype=p.dtype, device=self.device)
+                st.cast_bytes += casts * (buf.numel() // len(srcs)) * buf.element_size()
+                # one multi-tensor copy packs (and casts) every member: per-tensor copy_
+                # launches cost ~9 us each, which is the whole budget of a small expert
+                torch._foreach_copy_(buf.unbind(0), srcs, non_blocking=True)
+                st.stacked_params += len(srcs)
+            else:
+                t = lookup_tensor(sources, p.name, where)
+                if self._zero_copy_ok(t, p, p.src_shape):
+                    st.buffers.append(t)
+                    st.caller_owned.append(True)
+                    st.zero_copy += 1
+                    continue
+                if tuple(t.shape) != p.src_shape:
+                    raise PlanError(f"parameter {p.name!r}: local source shape "
+                                    f"{tuple(t.shape)} but the plan says {p.src_shape} "
+                                    f"at {where}")
+                buf = t.to(device=self.device, dtype=p.dtype, non_blocking=True).contiguous()
+                st.sources.append(t)
+                if t.dtype != p.dtype:
+                    st.cast_bytes += buf.numel() * buf.element_size()
+            st.buffers.append(buf)
+            st.caller_owned.append(False)
+            nbytes = buf.numel() * buf.element_size()
+            st.nbytes += nbytes
+            if chunk_start < 0:
+                chunk_start = k
+            chunk_bytes += nbytes
+            if chunk_bytes >= GATE_BYTES:
+                st.gates.append((chunk_start, streams.record(streams.pack)))
+                chunk_start, chunk_bytes = -1, 0
+        if chunk_start >= 0:
+            st.gates.append((chunk_start, streams.record(streams.pack)))
+
+    def _runs(self, calls: tuple[_Call, ...]) -> list[tuple[int, int]]:
+        """[start, stop) call index runs submitted as one group each (identical on every
+        rank: computed from global bytes only)."""
         if not self.grouped:
-            return [(k, k + 1) for k in range(len(params))]
+            return [(k, k + 1) for k in range(len(calls))]
         runs: list[tuple[int, int]] = []
         start, acc = 0, 0
-        for k, p in enumerate(params):
-            if k > start and acc + p.nbytes > GROUP_MAX_BYTES:
+        for k, call in enumerate(calls):
+            nbytes = call.geo.nbytes
+            if k > start and acc + nbytes > GROUP_MAX_BYTES:
                 runs.append((start, k))
                 start, acc = k, 0
-            acc += p.nbytes
-        if params:
-            runs.append((start, len(params)))
+            acc += nbytes
+        if calls:
+            runs.append((start, len(calls)))
         return runs
 
     def _descriptors(self, st: M2NStaging) -> list[tuple[Any, Any]]:
-        """(src, dst) ``DistTensor`` pairs of the bucket, built on the loop thread so that the
-        native thread does nothing but the native calls, in plan order.
+        """(src, dst) ``DistTensor`` pairs of the bucket's calls, built on the loop thread so
+        that the native thread does nothing but the native calls, in plan order.
 
         Building a ``DistTensor`` costs tens of µs of Python, as much as an M2N call between
         GPUs moves in a small tensor, so descriptors are reused across rounds: the absent side
         (``None`` buffer) always; the own side when the caller's tensor is the very object of
         the previous round with the same storage pointer. A descriptor holds its tensor, so a
         tensor is kept only once it was seen in two consecutive rounds — proof the caller
-        keeps it anyway; a fresh tensor per round (a lazy cast) is never retained."""
+        keeps it anyway; a fresh tensor per round (a lazy cast, a stack's staging) is never
+        retained."""
         trainer = self.ctx.role == "trainer"
         out = []
-        for p, buf, owned in zip(st.params, st.buffers, st.caller_owned, strict=True):
-            i = p.param
-            absent = self._absent_side.get(i)
+        for call, buf, owned in zip(st.calls, st.buffers, st.caller_owned, strict=True):
+            absent = self._absent_side.get(call.key)
             if absent is None:
-                absent = self._side(None, p, src=not trainer)
-                self._absent_side[i] = absent
-            own = self._own_side_of(p, buf, owned, trainer)
+                absent = self._side(None, call.geo, src=not trainer)
+                self._absent_side[call.key] = absent
+            own = self._own_side_of(call, buf, owned, trainer)
             out.append((own, absent) if trainer else (absent, own))
         return out
 
@@ -430,20 +524,21 @@ class M2NTransport(GpuTransportBase):
         return self._m2n.DistTensor(buf, p.dst_shape, p.dtype, mesh=p.dst_mesh,
                                     placements=p.dst_placements)
 
-    def _own_side_of(self, p: _Param, buf: Any, owned: bool, trainer: bool) -> Any:
+    def _own_side_of(self, call: _Call, buf: Any, owned: bool, trainer: bool) -> Any:
+        key = call.key
         ptr = buf.data_ptr()
         if owned:
-            hit = self._own_side.get(p.param)
+            hit = self._own_side.get(key)
             if hit is not None and hit[0] is buf and hit[1] == ptr:
                 return hit[2]
-        desc = self._side(buf, p, src=trainer)
-        self._own_side.pop(p.param, None)
+        desc = self._side(buf, call.geo, src=trainer)
+        self._own_side.pop(key, None)
         if owned:
-            seen = self._seen_once.pop(p.param, None)
+            seen = self._seen_once.pop(key, None)
             if seen is not None and seen[0]() is buf and seen[1] == ptr:
-                self._own_side[p.param] = (buf, ptr, desc)
+                self._own_side[key] = (buf, ptr, desc)
             else:
-                self._seen_once[p.param] = (weakref.ref(buf), ptr)
+                self._seen_once[key] = (weakref.ref(buf), ptr)
         return desc
 
     def transfer(self, staging: Staging) -> Completion:
@@ -453,10 +548,10 @@ class M2NTransport(GpuTransportBase):
         st = staging
         m2n, handle, streams = self._m2n, self.handle, self.streams
         assert streams is not None
-        runs = self._runs(st.params)
+        runs = self._runs(st.calls)
         where = self.ctx.where(round=self.round, bucket=st.bucket.index)
         descs = self._descriptors(st)
-        names = [p.name for p in st.params]
+        labels = [call.label for call in st.calls]
         gates = st.gates
 
         def run() -> Any:
@@ -464,7 +559,7 @@ class M2NTransport(GpuTransportBase):
             k, g = 0, 0
             try:
                 for a, b in runs:
-                    # the casts of every chunk that starts before this run's end
+                    # the packing of every chunk that starts before this run's end
                     while g < len(gates) and gates[g][0] < b:
                         streams.wait(stream, gates[g][1])
                         g += 1
@@ -479,7 +574,7 @@ class M2NTransport(GpuTransportBase):
                             handle.reshard(comm, src, dst, stream=sptr)
             except Exception as exc:
                 raise TransferError(
-                    f"m2n: reshard of param {names[k]!r} failed at {where}: "
+                    f"m2n: reshard of param {labels[k]} failed at {where}: "
                     f"{getattr(exc, 'detail', None) or exc}",
                     rank=self.ctx.rank, round=self.round) from exc
             st.transferred = streams.record(stream)
@@ -488,8 +583,10 @@ class M2NTransport(GpuTransportBase):
         return self.submit(run, st, f"bucket {st.bucket.index} transfer")
 
     async def unpack(self, staging: Staging, sinks: Mapping[str, Sink]) -> None:
-        """Worker: copy staged tensors into their targets (unpack stream, after the transfer
-        event) and call load callbacks in plan order once the bytes are in place.
+        """Worker: copy staged tensors into their targets with one multi-tensor copy (unpack
+        stream, after the transfer event) and call load callbacks in plan order once the
+        bytes are in place; a stacked call's members reach callbacks as views of the stack
+        (no extra copy).
 
         Cancellation: targets may be partly written; the engine aborts and poisons.
         """
@@ -499,23 +596,36 @@ class M2NTransport(GpuTransportBase):
         st = staging
         streams = self.streams
         assert streams is not None
+        torch = _torch()
         callbacks: list[tuple[str, Any, Any]] = []
-        copies = False
-        streams.wait(streams.unpack, st.transferred)
-        with streams.on(streams.unpack):
-            for k in st.staged:
-                p = st.params[k]
-                sink = sinks[p.name]
+        dsts: list[Any] = []
+        srcs: list[Any] = []
+        for k in st.staged:
+            call = st.calls[k]
+            buf = st.buffers[k]
+            parts = buf.unbind(0) if call.stacked else (buf,)
+            for m, part in zip(call.members, parts, strict=True):
+                sink = sinks[m.name]
                 if is_tensor(sink):
-                    sink.copy_(st.buffers[k], non_blocking=True)  # type: ignore[union-attr]
-                    copies = True
+                    dsts.append(sink)
+                    srcs.append(part)
                 else:
-                    callbacks.append((p.name, sink, st.buffers[k]))
-        await self.finish_unpack(st, copies, callbacks)
+                    callbacks.append((m.name, sink, part))
+        # Callbacks run in plan order (the LoadCallback contract): calls are sorted by their
+        # first member, but a stack's later members interleave with other calls.
+        if len(callbacks) > 1:
+            order = {m.name: m.param for call in st.calls for m in call.members}
+            callbacks.sort(key=lambda c: order[c[0]])
+        streams.wait(streams.unpack, st.transferred)
+        if dsts:
+            with streams.on(streams.unpack):
+                torch._foreach_copy_(dsts, srcs, non_blocking=True)
+        await self.finish_unpack(st, bool(dsts), callbacks)
 
     def release(self, staging: Staging) -> None:
         if isinstance(staging, M2NStaging):
             staging.buffers = []
+            staging.sources = []
             staging.gates = []
             staging.ready = staging.transferred = None
 

@@ -21,6 +21,8 @@ import torch
 from m2n_async._data import _cuda
 from m2n_async._data._transport import Transport
 from m2n_async._proto.errors import LocalProtocolError, TransferError
+from m2n_async._proto.plan import M2N_MAX_CALL_BYTES
+from m2n_async._proto.stacking import COALESCE_BELOW_BYTES, bucket_calls
 
 from . import fake_nccl
 from ._world import (
@@ -55,15 +57,31 @@ def defs_for(pairs, dtypes):
     return out
 
 
+#: Big enough for several buckets per plan, each holding repeats of a geometry.
+BUCKET = 12_000
+
+
+def m2n_calls(plan, bucket_bytes, coalesce_below):
+    """Reshards one round issues per rank, from the pure stacking function."""
+    return sum(len(bucket_calls(plan, b, coalesce_below=coalesce_below,
+                                max_call_bytes=M2N_MAX_CALL_BYTES))
+               for b in plan.buckets(bucket_bytes))
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-@pytest.mark.parametrize("name", ["nccl", "m2n"])
+@pytest.mark.parametrize("name", ["nccl", "m2n", "m2n-single"])
 async def test_bit_exact_every_layout(fake_world, name, layout):
+    # Every def three times (same geometry, interleaved with the others), so that m2n
+    # stacks them; "m2n-single" is the same with coalescing off.
     src, dst, pairs = LAYOUTS[layout]
     dtypes = [torch.bfloat16, torch.float32, torch.int8, torch.float8_e4m3fn]
     if name == "nccl":
         dtypes += [torch.bool, torch.int16]
-    plan = make_plan(defs_for(pairs, dtypes), src, dst)
-    results = await run_world(name, plan, bucket_bytes=1500, rounds=2)
+    defs = [(f"{n}.{c}", *rest) for c in range(3) for n, *rest in defs_for(pairs, dtypes)]
+    plan = make_plan(defs, src, dst)
+    coalesce = name == "m2n"
+    name = name.removesuffix("-single")
+    results = await run_world(name, plan, bucket_bytes=BUCKET, rounds=2, coalesce=coalesce)
     raise_first(results)
     for res in results:
         role_bytes = (plan.send_bytes(res.rank) if res.rank < plan.trainer_ranks
@@ -73,7 +91,18 @@ async def test_bit_exact_every_layout(fake_world, name, layout):
             assert res.moved == 2 * role_bytes, (res.rank, res.moved, role_bytes)
     if name == "m2n":
         calls = set(fake_world.reshard_calls.values())
-        assert calls == {2 * len(plan.params) + 2}, fake_world.reshard_calls  # + probe
+        per_round = m2n_calls(plan, BUCKET, COALESCE_BELOW_BYTES if coalesce else 0)
+        assert calls == {2 * per_round + 2}, fake_world.reshard_calls  # + probe
+        if coalesce:  # per bucket: each 3-d param alone, one call per 2-d geometry
+            want = 0
+            for b in plan.buckets(BUCKET):
+                ps = [plan.params[i] for i in range(b.start, b.stop)]
+                want += sum(len(p.spec.shape) > 2 for p in ps)
+                want += len({(p.spec.shape, p.spec.dtype, p.src, p.dst) for p in ps
+                             if len(p.spec.shape) <= 2})
+            assert per_round == want < len(plan.params), (per_round, want)
+        else:
+            assert per_round == len(plan.params)
 
 
 @pytest.mark.parametrize("name", ["nccl", "m2n"])
@@ -122,12 +151,13 @@ async def test_load_callbacks_in_plan_order(fake_world, name):
 async def test_m2n_groups_when_supported(fake_world):
     plan = make_plan([(f"p{i}", (16, 8), torch.bfloat16, (R, 0), (R, 1)) for i in range(6)],
                      (1, 2), (1, 2))
-    results = await run_world("m2n", plan, bucket_bytes=1 << 20)
+    results = await run_world("m2n", plan, bucket_bytes=1 << 20, coalesce=False)
     raise_first(results)
     for res in results:
         assert res.transport.grouped is True
         assert "succeeded on every rank" in res.transport.grouping_reason
-        assert res.transport.detail == f"m2n submission: {res.transport.grouping_reason}"
+        assert res.transport.detail == (f"m2n submission: {res.transport.grouping_reason}; "
+                                        f"coalescing off")
     # probe group (2 per rank) + one group of 6 per rank
     assert sorted(set(fake_world.group_sizes)) == [2, 6]
 
@@ -325,7 +355,8 @@ async def test_m2n_transfer_waits_only_for_its_own_cast_chunk(fake_world, monkey
     monkeypatch.setattr(fake_nccl.Handle, "reshard", reshard)
     plan = make_plan([(f"p{i}", (16, 16), torch.bfloat16, (R, 0), (R, 1)) for i in range(6)],
                      (1, 2), (1, 2))
-    results = await run_world("m2n", plan, bucket_bytes=1 << 20, src_dtype=torch.float32)
+    results = await run_world("m2n", plan, bucket_bytes=1 << 20, src_dtype=torch.float32,
+                              coalesce=False)  # single reshards: one per param to watch
     raise_first(results)  # bytes bit-exact on the workers
     assert results[0].transport.grouped is (grouping == "on")
     native = [(kind, x) for who, kind, x in log if who == "m2n-native-test-r0"]

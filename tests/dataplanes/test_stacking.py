@@ -1,0 +1,194 @@
+"""Coalesced reshards: the pure stacking function, and the ``m2n`` lane stacking over the FAKE
+nccl runtime (one collective per call, metadata checked identical on every rank).
+
+The property tests check what every rank relies on: the calls of a bucket cover its
+parameters exactly once, in an order every rank derives alike, and only parameters of one
+geometry (rank <= 2, below the threshold, within the per-call limit) share a call. The lane
+tests check bytes (bit-exact), call counts, zero-copy of the large, views for load callbacks
+and that the setting is part of what the handshake compares.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from m2n_async import EngineConfig, TrainerEngine
+from m2n_async._proto.plan import M2N_MAX_CALL_BYTES, TransferPlan
+from m2n_async._proto.stacking import (
+    COALESCE_BELOW_BYTES,
+    bucket_calls,
+    stack_problem,
+    stacked_placement,
+)
+from m2n_async.testing import MemoryStore
+
+from ._world import R, expected, make_plan, raise_first, run_world
+
+SHAPES = [(8, 4), (8,), (4, 8), (8, 4, 2), (16, 8)]
+PAIRS = [((R, 0), (R, 1)), (None, (R, 0)), ((R, 1), None), ((R, 0), (R, 0))]
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+def _plan(choices: list[tuple[int, int, int]]) -> TransferPlan:
+    defs = []
+    for k, (s, p, d) in enumerate(choices):
+        shape = SHAPES[s]
+        sp, dp = PAIRS[p]
+        if len(shape) == 1:  # a 1-d tensor has no dim 1 to shard
+            sp = None if sp is not None and sp[1] == 1 else sp
+            dp = None if dp is not None and dp[1] == 1 else dp
+        defs.append((f"p{k}", shape, DTYPES[d], sp, dp))
+    return make_plan(defs, (1, 2), (1, 2))
+
+
+plans = st.lists(st.tuples(st.integers(0, len(SHAPES) - 1), st.integers(0, len(PAIRS) - 1),
+                           st.integers(0, len(DTYPES) - 1)), min_size=1, max_size=40)
+
+
+@settings(max_examples=80, deadline=None)
+@given(plans, st.sampled_from([1, 200, 1 << 20]), st.sampled_from([0, 100, 1 << 20]),
+       st.sampled_from([64, 300, M2N_MAX_CALL_BYTES]))
+def test_calls_partition_each_bucket_by_geometry(choices, bucket_bytes, below, max_call):
+    plan = _plan(choices)
+    again = TransferPlan.from_record(plan.record())  # what another rank builds
+    for b in plan.buckets(bucket_bytes):
+        calls = bucket_calls(plan, b, coalesce_below=below, max_call_bytes=max_call)
+        assert calls == bucket_calls(again, b, coalesce_below=below, max_call_bytes=max_call)
+        flat = [i for c in calls for i in c]
+        assert sorted(flat) == list(range(b.start, b.stop))  # each param exactly once
+        assert [c[0] for c in calls] == sorted(c[0] for c in calls)  # by first member
+        for c in calls:
+            assert list(c) == sorted(c)
+            if len(c) == 1:
+                continue
+            first = plan.params[c[0]]
+            for i in c:
+                p = plan.params[i]
+                assert (p.spec.shape, p.spec.dtype, p.src, p.dst) == (
+                    first.spec.shape, first.spec.dtype, first.src, first.dst)
+                assert stack_problem(plan, i, below) is None
+                assert len(p.spec.shape) <= 2 and plan.param_cost(i) < below
+            assert sum(plan.param_cost(i) for i in c) <= max_call
+
+
+def test_what_is_never_stacked():
+    plan = make_plan([("a", (8, 4, 2), torch.float32, (R, 0), (R, 1)),
+                      ("b", (8, 4, 2), torch.float32, (R, 0), (R, 1)),
+                      ("c", (8, 4), torch.float32, (R, 0), (R, 1)),
+                      ("d", (8, 4), torch.bfloat16, (R, 0), (R, 1)),   # other dtype
+                      ("e", (8, 4), torch.float32, (R, 1), (R, 1)),    # other source layout
+                      ("f", (8, 4), torch.float32, (R, 0), (R, 0)),    # other destination
+                      ("g", (4, 8), torch.float32, (R, 0), (R, 1))],   # other shape
+                     (1, 2), (1, 2))
+    b = plan.buckets(1 << 20)[0]
+    calls = bucket_calls(plan, b, coalesce_below=1 << 20, max_call_bytes=1 << 30)
+    assert calls == tuple((i,) for i in range(7))
+    assert "tensor rank 3" in (stack_problem(plan, 0, 1 << 20) or "")
+    assert stack_problem(plan, 2, 0) == "coalescing is off"
+    assert "coalesce_below 32" in (stack_problem(plan, 2, 32) or "")  # costs 64 bytes
+
+
+def test_a_group_over_the_call_limit_is_cut_in_order():
+    plan = make_plan([(f"p{i}", (8, 4), torch.float32, (R, 0), (R, 1)) for i in range(5)]
+                     + [("x", (4,), torch.float32, None, None)], (1, 2), (1, 2))
+    b = plan.buckets(1 << 20)[0]
+    cost = plan.param_cost(0)
+    calls = bucket_calls(plan, b, coalesce_below=1 << 20, max_call_bytes=2 * cost)
+    assert calls == ((0, 1), (2, 3), (4,), (5,))
+
+
+def test_stacked_placement():
+    assert [stacked_placement(x) for x in (R, 0, 1, 2)] == [R, 1, 2, 3]
+
+
+# -- the m2n lane over the fake runtime ----------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_experts_move_in_one_reshard_per_geometry(fake_world):
+    # a MoE-like bucket: 3 geometries interleaved layer by layer, 8 experts each
+    defs = []
+    for e in range(8):
+        defs += [(f"e{e}.gate", (16, 8), torch.bfloat16, (R, 0), (R, 0)),
+                 (f"e{e}.down", (8, 16), torch.bfloat16, (R, 0), (R, 1)),
+                 (f"e{e}.norm", (16,), torch.float32, None, None)]
+    plan = make_plan(defs, (1, 2), (1, 2))
+    results = await run_world("m2n", plan, bucket_bytes=1 << 20, rounds=2)
+    raise_first(results)  # bit-exact on both workers, both rounds
+    # probe (2) + 3 calls per round, on every rank
+    assert set(fake_world.reshard_calls.values()) == {2 + 2 * 3}, fake_world.reshard_calls
+    for res in results:
+        st0 = res.stagings[0]
+        assert st0.stacked_params == len(defs) and st0.zero_copy == 0
+        assert st0.nbytes > 0  # the stacks are staging, counted against the bucket bound
+        assert "stacked into one reshard" in res.transport.detail
+
+
+@pytest.mark.asyncio
+async def test_large_params_stay_single_and_zero_copy(fake_world):
+    defs = [(f"big{i}", (64, 16), torch.bfloat16, (R, 0), (R, 0)) for i in range(3)]
+    defs += [(f"small{i}", (8, 4), torch.bfloat16, (R, 0), (R, 0)) for i in range(3)]
+    plan = make_plan(defs, (1, 2), (1, 2))
+    below = plan.param_cost(0)  # the big ones cost exactly the threshold: not stacked
+    results = await run_world("m2n", plan, bucket_bytes=1 << 20, coalesce_below=below)
+    raise_first(results)
+    assert set(fake_world.reshard_calls.values()) == {2 + 3 + 1}
+    for res in results:
+        assert res.stagings[0].zero_copy == 3, res.rank  # source shards / targets themselves
+        assert res.stagings[0].stacked_params == 3
+
+
+@pytest.mark.asyncio
+async def test_load_callbacks_get_views_of_the_stack_in_plan_order(fake_world):
+    # two geometries interleaved: the stacks' members must still reach callbacks in plan
+    # order, as views (no copy) of the received stack
+    defs = []
+    for i in range(4):
+        defs += [(f"a{i}", (8, 4), torch.float32, (R, 0), (R, 1)),
+                 (f"b{i}", (4, 8), torch.float32, (R, 0), (R, 1))]
+    plan = make_plan(defs, (1, 2), (1, 2))
+    seen: dict[int, list[tuple[str, torch.Tensor, int | None]]] = {2: [], 3: []}
+
+    def sinks_for(rank, rnd):
+        def cb(name, tensor):
+            base = tensor._base
+            seen[rank].append((name, tensor.clone(), None if base is None else base.dim()))
+        return {p.spec.name: cb for p in plan.params}
+
+    results = await run_world("m2n", plan, bucket_bytes=1 << 20, sinks_for=sinks_for)
+    raise_first(results)
+    for rank in (2, 3):
+        assert [n for n, _, _ in seen[rank]] == [p.spec.name for p in plan.params]
+        assert {d for _, _, d in seen[rank]} == {3}  # a view into the (k, *shape) stack
+        want = expected(plan, rank)
+        for n, got, _ in seen[rank]:
+            assert torch.equal(got, want[n]), (rank, n)
+
+
+@pytest.mark.asyncio
+async def test_fp32_masters_cast_into_the_stack(fake_world):
+    defs = [(f"e{i}", (16, 8), torch.bfloat16, (R, 0), (R, 1)) for i in range(6)]
+    plan = make_plan(defs, (1, 2), (1, 2))
+    results = await run_world("m2n", plan, bucket_bytes=1 << 20, src_dtype=torch.float32)
+    raise_first(results)  # workers hold exactly source.to(bfloat16)
+    for res in results[:2]:
+        st0 = res.stagings[0]
+        assert st0.stacked_params == 6
+        assert st0.cast_bytes == st0.nbytes == 6 * 8 * 8 * 2  # 6 local (8, 8) bf16 shards
+
+
+def test_coalescing_is_compared_in_the_handshake():
+    def identity(cfg):
+        e = TrainerEngine(params=[], store=MemoryStore(), owns_store=False, rank=0,
+                          trainer_ranks=1, world_size=2, config=cfg)
+        return dict(e._identity("m2n").env)
+
+    on = identity(EngineConfig())
+    assert on["m2n_async.coalesce"] == f"below {COALESCE_BELOW_BYTES}"
+    assert identity(EngineConfig(coalesce=False))["m2n_async.coalesce"] == "off"
+    assert identity(EngineConfig(coalesce_below=1 << 10))["m2n_async.coalesce"] == "below 1024"
+    with pytest.raises(Exception, match="coalesce_below"):
+        EngineConfig(coalesce_below=0)
