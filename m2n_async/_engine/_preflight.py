@@ -37,6 +37,7 @@ from m2n_async._proto.handshake import Event, Handshake, Phase, PreflightPlan
 from m2n_async._proto.messages import (
     PROTO_VERSION,
     CommunicatorId,
+    CostInputs,
     DataPlaneIdentity,
     PhaseFailure,
 )
@@ -82,6 +83,8 @@ class PreflightInputs:
     capabilities: Callable[[], Sequence[str]]
     data_plane_identity: Callable[[str], DataPlaneIdentity]
     prepare_runtime: Callable[[PreflightPlan], Awaitable[None]]
+    #: what ``auto`` predicts each lane's round from (``_proto.cost``); None: preference
+    costs: CostInputs | None = None
 
     @property
     def n_params(self) -> int:
@@ -103,11 +106,13 @@ class PreflightOutcome:
     transport: str
     reason: str  # why this transport (names what ruled out the better ones)
     seconds: Mapping[str, float] = field(default_factory=dict)  # phase name -> wall time here
+    predicted_seconds: float | None = None  # the transport's predicted round (_proto.cost)
 
     @property
     def preflight_plan(self) -> PreflightPlan:
         """The agreement as ``prepare_runtime`` saw it."""
-        return PreflightPlan(self.plan, self.digest, self.transport, self.reason)
+        return PreflightPlan(self.plan, self.digest, self.transport, self.reason,
+                             self.predicted_seconds)
 
 
 def phase_deadline(phase_timeout: float, n_params: int,
@@ -150,7 +155,8 @@ async def run_preflight(group: ControlGroup, inputs: PreflightInputs, *, phase_t
     agreed = machine.plan
     return PreflightOutcome(role=inputs.role, rank=inputs.rank, generation=inputs.generation,
                             plan=agreed.plan, digest=agreed.digest, transport=agreed.transport,
-                            reason=agreed.reason, seconds=seconds)
+                            reason=agreed.reason, seconds=seconds,
+                            predicted_seconds=agreed.predicted_seconds)
 
 
 async def share_unique_id(group: ControlGroup, generation: int,
@@ -227,7 +233,8 @@ async def _local_envelope(machine: Handshake, inputs: PreflightInputs, phase: Ph
         return machine.source(inputs.params if inputs.role == "trainer" else None)
     if phase is Phase.DESTINATION:
         caps = await _off_loop(inputs.capabilities)
-        return machine.destination(caps, inputs.mesh_dims, inputs.dst_placements)
+        return machine.destination(caps, inputs.mesh_dims, inputs.dst_placements,
+                                   inputs.costs)
     if phase is Phase.DATA_PLANE:
         assert machine.plan is not None
         identity = await _off_loop(functools.partial(inputs.data_plane_identity,

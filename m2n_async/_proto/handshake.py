@@ -35,10 +35,12 @@ from typing import Final, TypeAlias, TypeVar
 
 import msgspec
 
+from m2n_async._proto.cost import Prediction, predict
 from m2n_async._proto.errors import LocalProtocolError, PlanError, PreflightError
 from m2n_async._proto.layout import Layout, Mesh
 from m2n_async._proto.messages import (
     PROTO_VERSION,
+    CostInputs,
     DataPlaneIdentity,
     DataPlaneReport,
     DestinationPlan,
@@ -185,6 +187,8 @@ class PreflightPlan:
     digest: str
     transport: str
     reason: str
+    #: the agreed transport's predicted round (``_proto.cost``); None without cost inputs
+    predicted_seconds: float | None = None
 
 
 def placements_digest(mesh_dims: tuple[int, int],
@@ -233,6 +237,15 @@ def _outliers(values: Mapping[int, _H], show: Callable[[object], str] = repr
                  for r, x in values.items() if x != ref}
 
 
+def _show_costs(costs: object) -> str:
+    if not isinstance(costs, CostInputs):
+        return "none"
+    lanes = ", ".join(f"{c.lane}: {c.call_seconds:g} s/call, {c.param_seconds:g} s/param, "
+                      f"{c.bytes_per_second:g} B/s, buckets {c.bucket_bytes}"
+                      for c in costs.lanes)
+    return f"[{lanes}; coalesce below {costs.coalesce_below}]"
+
+
 def _short(ranks: Sequence[int], limit: int = 8) -> str:
     if len(ranks) <= limit:
         return str(list(ranks))
@@ -245,14 +258,18 @@ def _add(failures: dict[int, str], rank: int, message: str) -> None:
 
 
 def choose_transport(plan: TransferPlan, requested: str,
-                     capabilities: Mapping[int, Sequence[str]]
-                     ) -> tuple[str, str] | dict[int, str]:
-    """The transport for ``plan`` and why, or ``{rank: message}`` when none can be used.
+                     capabilities: Mapping[int, Sequence[str]],
+                     costs: CostInputs | None = None
+                     ) -> tuple[str, str, Prediction | None] | dict[int, str]:
+    """The transport for ``plan``, why, and its predicted round; or ``{rank: message}`` when
+    none can be used.
 
-    ``auto``: the first of ``TRANSPORT_PREFERENCE`` that every rank can run and that can carry
-    the whole plan (dtypes, tensor rank, fan-in/out limits). An explicit transport must be
-    runnable on every rank (else the ranks that cannot are named) and carry the plan (else
-    every rank is named, with the parameter: the plan is everybody's).
+    ``auto``: of the transports every rank can run and that can carry the whole plan (dtypes,
+    tensor rank, fan-in/out limits), the one with the lowest predicted round time
+    (``_proto.cost``; ties and lanes without terms go by ``TRANSPORT_PREFERENCE``); without
+    ``costs``, the first of ``TRANSPORT_PREFERENCE``. An explicit transport must be runnable
+    on every rank (else the ranks that cannot are named) and carry the plan (else every rank
+    is named, with the parameter: the plan is everybody's).
     """
     ranks = sorted(capabilities)
 
@@ -271,14 +288,12 @@ def choose_transport(plan: TransferPlan, requested: str,
         notes: list[str] = []
         per_rank: dict[int, list[str]] = {}
         global_notes: list[str] = []
+        usable: list[str] = []
         for t in TRANSPORT_PREFERENCE:
             lacking, problem = blocked(t)
             if not lacking and problem is None:
-                why = ("the first of m2n > nccl > gloo that every rank can run and that can "
-                       "carry the whole plan")
-                if notes:
-                    why += "; " + "; ".join(notes)
-                return t, f"auto chose {t!r}: {why}"
+                usable.append(t)
+                continue
             if lacking:
                 notes.append(f"{t} is not available on rank(s) {_short(lacking)}")
                 for r in lacking:
@@ -286,6 +301,8 @@ def choose_transport(plan: TransferPlan, requested: str,
             else:
                 notes.append(f"{t} cannot carry the plan ({problem})")
                 global_notes.append(f"{t} cannot carry the plan ({problem})")
+        if usable:
+            return _cheapest(plan, usable, costs, notes)
         failures: dict[int, str] = {}
         for r in ranks:
             parts = per_rank.get(r, []) + global_notes
@@ -299,7 +316,26 @@ def choose_transport(plan: TransferPlan, requested: str,
     if problem is not None:
         return {r: f"the requested transport {requested!r} cannot carry the plan: {problem}"
                 for r in ranks}
-    return requested, f"requested {requested!r}; every rank can run it and it carries the plan"
+    got = predict(plan, costs, (requested,)).get(requested) if costs is not None else None
+    return (requested, f"requested {requested!r}; every rank can run it and it carries the plan",
+            got)
+
+
+def _cheapest(plan: TransferPlan, usable: Sequence[str], costs: CostInputs | None,
+              notes: Sequence[str]) -> tuple[str, str, Prediction | None]:
+    """``auto``'s pick among ``usable`` (in preference order) and the reason it gives."""
+    extra = "; " + "; ".join(notes) if notes else ""
+    predicted = predict(plan, costs, usable) if costs is not None else {}
+    if not predicted:
+        t = usable[0]
+        return (t, f"auto chose {t!r}: the first of m2n > nccl > gloo that every rank can run "
+                   f"and that can carry the whole plan{extra}", None)
+    # min() keeps the first of equals: preference order breaks ties
+    best = min((t for t in usable if t in predicted), key=lambda t: predicted[t].seconds)
+    ranked = ", ".join(predicted[t].describe() for t in usable if t in predicted)
+    return (best, f"auto chose {best!r}: the lowest predicted round of the transports every "
+                  f"rank can run and that can carry the whole plan ({ranked}){extra}",
+            predicted[best])
 
 
 class Handshake:
@@ -358,9 +394,10 @@ class Handshake:
                           specs if self.rank == 0 else None)
 
     def destination(self, capabilities: Sequence[str], mesh_dims: tuple[int, int] | None,
-                    dst_placements: Mapping[str, tuple[int, int] | None] | None
-                    ) -> DestinationPlan:
-        """This rank's ``destination`` envelope. Workers pass their mesh dims and placements.
+                    dst_placements: Mapping[str, tuple[int, int] | None] | None,
+                    costs: CostInputs | None = None) -> DestinationPlan:
+        """This rank's ``destination`` envelope. Workers pass their mesh dims and placements;
+        every rank its ``costs`` (what ``auto`` predicts from; None: preference order).
 
         Raises ``PlanError`` when a worker's placements do not name exactly the source plan's
         parameters (the message lists the missing and the unexpected names).
@@ -371,7 +408,7 @@ class Handshake:
             raise TypeError(f"capabilities must be transport names, got {caps!r}")
         if self.role != "worker":
             return DestinationPlan(self.proto_version, self.generation, self.rank, caps,
-                                   None, None, None)
+                                   None, None, None, costs)
         specs = self._agreed_specs()
         if mesh_dims is None or dst_placements is None:
             raise PlanError(f"worker rank {self.rank} was given no mesh_dims or "
@@ -394,7 +431,7 @@ class Handshake:
         digest = placements_digest(dims, placements)
         first_worker = self.rank == self.trainer_ranks
         return DestinationPlan(self.proto_version, self.generation, self.rank, caps, dims,
-                               digest, placements if first_worker else None)
+                               digest, placements if first_worker else None, costs)
 
     def data_plane(self, identity: DataPlaneIdentity) -> DataPlaneReport:
         """This rank's ``data_plane`` envelope for the agreed transport and plan."""
@@ -602,6 +639,13 @@ class Handshake:
                 _add(failures, r, "the first worker did not ship its placements")
             elif r != t and d.placements is not None:
                 _add(failures, r, "only the first worker ships the placements")
+        # auto's choice is computed from these, so they must be the same everywhere
+        costs = {r: d.costs for r, d in dests.items() if r not in failures}
+        _, odd_costs = _outliers(costs, _show_costs)
+        for r, note in odd_costs.items():
+            _add(failures, r, f"cost inputs {_show_costs(costs[r])} differ: {note} "
+                              f"(EngineConfig.costs / M2N_ASYNC_COSTS, bucket_bytes and "
+                              f"coalesce settings must match on every rank)")
         workers = {r: (d.mesh_dims, d.placements_digest) for r, d in dests.items()
                    if r >= t and r not in failures}
         ref, odd = _outliers(workers, _show_destination)
@@ -644,13 +688,15 @@ class Handshake:
                 _add(failures, r, f"the plan is invalid: {e}")
             return
         chosen = choose_transport(plan, self._requested,
-                                  {r: d.capabilities for r, d in sorted(dests.items())})
+                                  {r: d.capabilities for r, d in sorted(dests.items())},
+                                  dests[0].costs if 0 in dests else None)
         if isinstance(chosen, dict):
             for r, msg in chosen.items():
                 _add(failures, r, msg)
             return
-        transport, reason = chosen
-        self.plan = PreflightPlan(plan, complete_plan_digest(plan), transport, reason)
+        transport, reason, prediction = chosen
+        self.plan = PreflightPlan(plan, complete_plan_digest(plan), transport, reason,
+                                  None if prediction is None else prediction.seconds)
 
     def _check_data_plane(self, envs: Mapping[int, msgspec.Struct], failures: dict[int, str]
                           ) -> None:

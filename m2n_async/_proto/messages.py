@@ -17,7 +17,7 @@ import msgspec
 from m2n_async._proto.errors import RemoteProtocolError
 from m2n_async._proto.params import ParamSpec, ParamTransfer
 
-PROTO_VERSION: Final[int] = 1
+PROTO_VERSION: Final[int] = 2
 
 # --- plan records (core, issue 2) ---
 
@@ -72,6 +72,24 @@ class SourcePlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=Tr
     params: tuple[ParamSpec, ...] | None  # trainer rank 0 only
 
 
+class LaneCost(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One data plane's cost terms (``_proto.cost``): a round takes about ``calls x
+    call_seconds + params x param_seconds + busiest rank's bytes / bytes_per_second``."""
+
+    lane: str
+    call_seconds: float        # one native call: an M2N reshard; one bucket's exchange
+    param_seconds: float       # host work per parameter per round (lookups, pack bookkeeping)
+    bytes_per_second: float    # per-rank link rate
+    bucket_bytes: int          # the lane's bucket size (its calls depend on it)
+
+
+class CostInputs(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What ``transport="auto"`` predicts each lane's round from; equal on every rank."""
+
+    lanes: tuple[LaneCost, ...]
+    coalesce_below: int        # m2n coalescing threshold; 0: off
+
+
 class DestinationPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
     """Phase ``destination``: capabilities of every rank; workers' mesh and placements.
 
@@ -87,6 +105,7 @@ class DestinationPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True, t
     mesh_dims: tuple[int, int] | None  # workers only
     placements_digest: str | None  # workers only
     placements: tuple[tuple[int, int] | None, ...] | None  # the first worker only
+    costs: CostInputs | None  # what auto's choice is predicted from (None: preference)
 
 
 class DataPlaneIdentity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -32,6 +32,7 @@ from m2n_async._proto.handshake import (
 from m2n_async._proto.layout import REPLICATE, Layout, Mesh
 from m2n_async._proto.messages import (
     PROTO_VERSION,
+    CostInputs,
     DataPlaneIdentity,
     DataPlaneReport,
     DestinationPlan,
@@ -64,7 +65,8 @@ class World:
     """T trainers + N workers, each with a Handshake and default local inputs."""
 
     def __init__(self, t: int, n: int, *, transport: str = "auto", dtype: str = "float32",
-                 caps: Mapping[int, tuple[str, ...]] | None = None) -> None:
+                 caps: Mapping[int, tuple[str, ...]] | None = None,
+                 costs: Mapping[int, CostInputs | None] | None = None) -> None:
         self.t, self.n, self.w = t, n, t + n
         self.machines = [
             Handshake(role="trainer" if r < t else "worker", rank=r, world_size=t + n,
@@ -72,6 +74,7 @@ class World:
             for r in range(t + n)]
         self.specs = make_specs(t, dtype)
         self.caps = dict(caps or {})
+        self.costs = dict(costs or {})
         self.identity = {r: DataPlaneIdentity("2.30.7", None, (("NCCL_RESHARD_X", "1"),))
                          for r in range(t + n)}
 
@@ -83,9 +86,10 @@ class World:
             return m.source(self.specs if r < self.t else None)
         if m.phase is Phase.DESTINATION:
             caps = self.caps.get(r, ("m2n", "nccl", "gloo"))
+            costs = self.costs.get(r)
             if r < self.t:
-                return m.destination(caps, None, None)
-            return m.destination(caps, (1, self.n), make_placements())
+                return m.destination(caps, None, None, costs)
+            return m.destination(caps, (1, self.n), make_placements(), costs)
         if m.phase is Phase.DATA_PLANE:
             return m.data_plane(self.identity[r])
         return m.runtime_ready()
@@ -591,3 +595,28 @@ def test_fuzzed_envelope_is_named_never_crashes(phase: Phase, bad: int,
     # capabilities order) accepted everywhere; World.step already checked every rank agrees.
     if isinstance(result, PreflightError):
         assert bad in result.failures, result
+
+
+def test_auto_chooses_by_predicted_cost_and_names_a_rank_whose_costs_differ() -> None:
+    from m2n_async._proto.cost import DEFAULT_LANES, cost_inputs
+
+    buckets = {"m2n": 1 << 28, "nccl": 1 << 28, "gloo": 1 << 26}
+    costs = cost_inputs(DEFAULT_LANES, buckets, 16 << 20)
+    # a host whose M2N calls are dear: auto takes nccl, and says what it predicted
+    dear = cost_inputs({**DEFAULT_LANES, "m2n": (1.0, 0.0, 1e9)}, buckets, 16 << 20)
+    world = World(2, 3, costs=dict.fromkeys(range(5), dear))
+    world.run_to(Phase.DATA_PLANE)
+    agreed = world.machines[0].plan
+    assert agreed is not None and agreed.transport == "nccl", agreed
+    assert "lowest predicted round" in agreed.reason and "m2n 2e+03 ms" in agreed.reason
+    assert agreed.predicted_seconds is not None and agreed.predicted_seconds < 0.01
+    # the same inputs everywhere but on rank 3: rank 3 is named, in destination
+    mixed = {**dict.fromkeys(range(5), costs), 3: dear}
+    err = World(2, 3, costs=mixed).fail_at(Phase.DESTINATION, {})
+    assert sorted(err.failures) == [3], err.failures
+    assert "cost inputs" in err.failures[3] and "differ" in err.failures[3]
+    # without cost inputs: preference order, as before
+    world = World(2, 3)
+    world.run_to(Phase.DATA_PLANE)
+    agreed = world.machines[0].plan
+    assert agreed is not None and agreed.transport == "m2n" and agreed.predicted_seconds is None
