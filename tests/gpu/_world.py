@@ -49,6 +49,51 @@ def layout_defs(topology: str, transport: str) -> list[tuple[str, tuple[int, ...
     return out
 
 
+def mixed_defs(*, layers: int = 4, hidden: int = 2048, heads: int = 32, kv_heads: int = 4,
+               head_dim: int = 64, experts: int = 64, moe_inter: int = 256,
+               vocab: int = 32768, dtype: str = "bfloat16", fused_experts: bool = False
+               ) -> list[tuple[str, tuple[int, ...], str, Any, Any]]:
+    """A scaled Qwen3-MoE-like stack in checkpoint order, as ``make_plan`` defs.
+
+    Trainers: FSDP-like ``Shard(0)`` on mesh (1, T) for everything. Workers: vLLM-like TP on
+    mesh (1, N): q/k/v, expert gate/up, embedding and lm_head ``Shard(0)`` (column parallel,
+    vocab parallel); o and expert down ``Shard(1)`` (row parallel); layer norms, q/k norms and
+    the router replicated. Every dim that is sharded is a multiple of 4, so T, N in {1, 2, 4}
+    all divide. Shapes repeat across layers and experts (and k/v share the expert gate/up
+    shape at the defaults): the geometry groups the ``m2n`` lane stacks.
+    ``fused_experts`` adds per layer the rank-3 fused expert tensors vLLM keeps (``w13``
+    (E, 2I, H) and ``w2`` (E, H, I)), which are never stacked.
+    """
+    row, col = (R, 0), (R, 1)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    out: list[tuple[str, tuple[int, ...], str, Any, Any]] = [
+        ("model.embed_tokens.weight", (vocab, hidden), dtype, row, row)]
+    for layer in range(layers):
+        p = f"model.layers.{layer}"
+        out += [(f"{p}.input_layernorm.weight", (hidden,), dtype, row, None),
+                (f"{p}.self_attn.q_proj.weight", (q, hidden), dtype, row, row),
+                (f"{p}.self_attn.k_proj.weight", (kv, hidden), dtype, row, row),
+                (f"{p}.self_attn.v_proj.weight", (kv, hidden), dtype, row, row),
+                (f"{p}.self_attn.o_proj.weight", (hidden, q), dtype, row, col),
+                (f"{p}.self_attn.q_norm.weight", (head_dim,), dtype, row, None),
+                (f"{p}.self_attn.k_norm.weight", (head_dim,), dtype, row, None),
+                (f"{p}.post_attention_layernorm.weight", (hidden,), dtype, row, None),
+                (f"{p}.mlp.gate.weight", (experts, hidden), dtype, row, None)]
+        for e in range(experts):
+            x = f"{p}.mlp.experts.{e}"
+            out += [(f"{x}.gate_proj.weight", (moe_inter, hidden), dtype, row, row),
+                    (f"{x}.up_proj.weight", (moe_inter, hidden), dtype, row, row),
+                    (f"{x}.down_proj.weight", (hidden, moe_inter), dtype, row, col)]
+        if fused_experts:
+            out += [(f"{p}.mlp.experts.w13_weight", (experts, 2 * moe_inter, hidden), dtype,
+                     row, col),
+                    (f"{p}.mlp.experts.w2_weight", (experts, hidden, moe_inter), dtype, row,
+                     (R, 2))]
+    out += [("model.norm.weight", (hidden,), dtype, row, None),
+            ("lm_head.weight", (vocab, hidden), dtype, row, row)]
+    return out
+
+
 def make_plan(defs: Sequence[tuple[str, tuple[int, ...], str, Any, Any]],
               src_dims: tuple[int, int], dst_dims: tuple[int, int]) -> Any:
     from m2n_async._proto.layout import Layout, Mesh
@@ -145,8 +190,12 @@ class RankCtx:
 
 
 async def open_transport(ctx: RankCtx, name: str, plan: Any, *, bucket_bytes: int,
-                         max_inflight: int, tag: str, max_cta: int | None = None) -> Any:
-    """Create, prepare and connect transport ``name`` for ``plan`` (a new communicator)."""
+                         max_inflight: int, tag: str, max_cta: int | None = None,
+                         coalesce: bool = True, coalesce_below: int | None = None) -> Any:
+    """Create, prepare and connect transport ``name`` for ``plan`` (a new communicator).
+
+    ``coalesce`` / ``coalesce_below`` go to ``TransportSettings`` (the ``m2n`` lane's stacked
+    reshards; None keeps the settings' default threshold)."""
     from m2n_async._data._native import NativeThread
     from m2n_async._data._transport import (
         Rendezvous,
@@ -155,8 +204,12 @@ async def open_transport(ctx: RankCtx, name: str, plan: Any, *, bucket_bytes: in
         create_transport,
     )
 
+    extra: dict[str, Any] = {"coalesce": coalesce}
+    if coalesce_below is not None:
+        extra["coalesce_below"] = coalesce_below
     settings = TransportSettings(bucket_bytes=bucket_bytes, max_inflight=max_inflight,
-                                 max_cta=max_cta, device=str(ctx.device), connect_timeout=60.0)
+                                 max_cta=max_cta, device=str(ctx.device), connect_timeout=60.0,
+                                 **extra)
     native = NativeThread(f"{tag}-r{ctx.rank}")
     tctx = TransportContext(plan=plan, rank=ctx.rank, generation=1, settings=settings,
                             native=native, buckets=plan.buckets(bucket_bytes))
