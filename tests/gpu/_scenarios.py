@@ -8,14 +8,17 @@ from typing import Any
 
 from ._world import (
     LAYOUTS,
+    TINY_MIXED,
     LagMonitor,
     R,
     RankCtx,
     close_transport,
+    coalesce_layout_defs,
     expected_shards,
     layout_defs,
     make_plan,
     mismatches,
+    mixed_defs,
     open_transport,
     run_round,
     source_shards,
@@ -76,6 +79,55 @@ async def planes(ctx: RankCtx) -> dict[str, Any]:
             finally:
                 rec.update(await close_transport(t))
             out[tag] = rec
+    return out
+
+
+def coalesce_plan(case: dict[str, Any]) -> Any:
+    """The plan of a ``coalesce_planes`` case: the suite's layout pairs with repeats, or a
+    tiny mixed (MoE-like) model on 2+2: stackable groups, rank-3 tensors, replicated targets
+    and parameters above a low ``coalesce_below``."""
+    if case["plan"] == "mixed":
+        src_dims, dst_dims, _ = LAYOUTS["2+2"]
+        return make_plan(mixed_defs(**TINY_MIXED), src_dims, dst_dims)
+    src_dims, dst_dims, _ = LAYOUTS[case["topology"]]
+    return make_plan(coalesce_layout_defs(case["topology"]), src_dims, dst_dims)
+
+
+async def coalesce_planes(ctx: RankCtx) -> dict[str, Any]:
+    """The ``m2n`` lane with coalescing on and off (``case["variants"]``: tag, coalesce,
+    coalesce_below or None, bucket_bytes, source dtype or None), two rounds of different bytes
+    each, every worker byte checked; byte counts vs the plan; the calls the lane should issue
+    (``_proto.stacking.bucket_calls``) next to the parameter count."""
+    from m2n_async._proto.stacking import COALESCE_BELOW_BYTES, bucket_calls
+
+    plan = coalesce_plan(ctx.case)
+    trainer = ctx.rank < ctx.trainer_ranks
+    out: dict[str, Any] = {}
+    for tag, coalesce, below, bucket_bytes, src_dtype in ctx.case["variants"]:
+        t = await open_transport(ctx, "m2n", plan, bucket_bytes=bucket_bytes, max_inflight=2,
+                                 tag=f"co-{tag}", coalesce=coalesce, coalesce_below=below)
+        thr = COALESCE_BELOW_BYTES if below is None else below
+        rec: dict[str, Any] = {
+            "params": len(plan.params), "buckets": len(t.ctx.buckets), "moved": [], "bad": [],
+            "calls": (sum(len(bucket_calls(plan, b, coalesce_below=thr, max_call_bytes=2 << 30))
+                          for b in t.ctx.buckets) if coalesce else len(plan.params))}
+        targets = None if trainer else zero_targets(plan, ctx.rank, ctx.device)
+        try:
+            for rnd in range(2):
+                sources = (source_shards(plan, ctx.rank, rnd, ctx.device, src_dtype)
+                           if trainer else None)
+                await ctx.barrier(f"co-{tag}-{rnd}")
+                stats = await run_round(t, round=rnd, deadline_s=60.0, sources=sources,
+                                        sinks=targets)
+                rec["moved"].append(stats.nbytes)
+                if not trainer:
+                    want = expected_shards(plan, ctx.rank, rnd, ctx.device)
+                    rec["bad"].append(mismatches(targets, want))
+            rec["plan_bytes"] = (plan.send_bytes(ctx.rank) if trainer
+                                 else plan.recv_bytes(ctx.rank))
+        finally:
+            rec.update(await close_transport(t))
+        out[tag] = rec
     return out
 
 

@@ -49,6 +49,26 @@ def layout_defs(topology: str, transport: str) -> list[tuple[str, tuple[int, ...
     return out
 
 
+def coalesce_layout_defs(topology: str) -> list[tuple[str, tuple[int, ...], str, Any, Any]]:
+    """The suite's layout pairs for the coalescing tests: every (pair, dtype) three times, the
+    repeats far apart in the plan (stacking groups by geometry, not by neighbourhood), and a
+    rank-3 tensor per pair (never stacked)."""
+    _src, _dst, pairs = LAYOUTS[topology]
+    out: list[tuple[str, tuple[int, ...], str, Any, Any]] = []
+    for rep in range(3):
+        for k, (sp, dp) in enumerate(pairs):
+            out += [(f"r{rep}.l{k}.{dt}", (96, 48), dt, sp, dp) for dt in M2N_DTYPES]
+            if rep == 1:
+                out.append((f"r{rep}.l{k}.rank3", (12, 6, 24), "bfloat16", sp, dp))
+    return out
+
+
+#: ``mixed_defs`` arguments of a tiny mixed model for the GPU tests (seconds, not minutes).
+TINY_MIXED: dict[str, Any] = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2,
+                              "head_dim": 16, "experts": 8, "moe_inter": 32, "vocab": 512,
+                              "fused_experts": True}
+
+
 def mixed_defs(*, layers: int = 4, hidden: int = 2048, heads: int = 32, kv_heads: int = 4,
                head_dim: int = 64, experts: int = 64, moe_inter: int = 256,
                vocab: int = 32768, dtype: str = "bfloat16", fused_experts: bool = False
