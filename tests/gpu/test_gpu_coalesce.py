@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.gpu,
 
 #: (tag, coalesce, coalesce_below or None for the default, bucket_bytes, source dtype)
 VARIANTS = [("on", True, None, 1 << 20, None),
-            ("on-small-buckets", True, None, 1 << 14, None),
+            ("on-small-buckets", True, None, 160 << 10, None),
             ("on-low-threshold", True, 4096, 1 << 20, None),
             ("off", False, None, 1 << 20, None)]
 
