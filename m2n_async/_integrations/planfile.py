@@ -40,6 +40,7 @@ from pathlib import Path
 
 import msgspec
 
+from m2n_async._proto.cost import DEFAULT_LANES, cost_inputs, predict
 from m2n_async._proto.errors import PlanError
 from m2n_async._proto.layout import REPLICATE, Layout, Mesh
 from m2n_async._proto.params import ParamSpec, ParamTransfer
@@ -50,6 +51,7 @@ from m2n_async._proto.plan import (
     complete_plan_digest,
     split_buckets,
 )
+from m2n_async._proto.stacking import COALESCE_BELOW_BYTES
 
 __all__ = [
     "PlanFile",
@@ -129,6 +131,10 @@ class PlanSummary(msgspec.Struct, frozen=True):
     bandwidth_bytes_per_second: float
     lower_bound_seconds: float
     transports: dict[str, str]  # transport -> "ok" or why it cannot carry the plan
+    #: transport -> predicted round with the default cost terms (``_proto.cost``), m2n with
+    #: coalescing at its default threshold; only transports that can carry the plan
+    predicted: dict[str, str]
+    auto: str  # what transport="auto" would choose on a host that runs every transport
 
 
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -318,6 +324,11 @@ def summarize(plan: TransferPlan, *, source: str = "", bucket_bytes: int = DEFAU
             transports[t] = str(e)
         else:
             transports[t] = "ok"
+    ok = [t for t in TRANSPORT_ORDER if transports[t] == "ok"]
+    costs = cost_inputs(DEFAULT_LANES, dict.fromkeys(DEFAULT_LANES, bucket_bytes),
+                        COALESCE_BELOW_BYTES)
+    predicted = predict(plan, costs, ok)
+    auto = min(ok, key=lambda t: predicted[t].seconds) if ok else "none"
     ranks = [RankLoad(r, "trainer" if r < plan.trainer_ranks else "worker",
                       plan.send_bytes(r), plan.recv_bytes(r)) for r in range(plan.world_size)]
     return PlanSummary(
@@ -338,6 +349,8 @@ def summarize(plan: TransferPlan, *, source: str = "", bucket_bytes: int = DEFAU
         bandwidth_bytes_per_second=bandwidth_bytes_per_second,
         lower_bound_seconds=plan.lower_bound_seconds(bandwidth_bytes_per_second),
         transports=transports,
+        predicted={t: predicted[t].describe().removeprefix(f"{t} ") for t in ok},
+        auto=auto,
     )
 
 
@@ -380,6 +393,11 @@ def format_summary(s: PlanSummary, *, all_ranks: bool = False) -> str:
     lines.append("  transports   (can express the plan; the runtime is checked at connect)")
     for t, verdict in s.transports.items():
         lines.append(f"    {t:<5} {'ok' if verdict == 'ok' else 'no: ' + verdict}")
+    if s.predicted:
+        lines.append("  predicted    one round with the default cost terms (docs/tuning.md), "
+                     "m2n coalesced")
+        for t, text in s.predicted.items():
+            lines.append(f"    {t:<5} {text}{'   <- auto' if t == s.auto else ''}")
     return "\n".join(lines)
 
 

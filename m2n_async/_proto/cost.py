@@ -80,7 +80,8 @@ class Prediction(NamedTuple):
     nbytes: int  # the busiest rank's bytes
 
     def describe(self) -> str:
-        return f"{self.lane} {self.seconds * 1e3:.3g} ms ({self.calls} calls)"
+        t = (f"{self.seconds * 1e3:.3g} ms" if self.seconds < 1 else f"{self.seconds:.3g} s")
+        return f"{self.lane} {t} ({self.calls} calls)"
 
 
 def cost_inputs(lanes: Mapping[str, tuple[float, float, float]],

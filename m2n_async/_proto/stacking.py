@@ -79,14 +79,19 @@ def bucket_calls(plan: TransferPlan, bucket: Bucket, *, coalesce_below: int,
     if max_call_bytes < 1:
         raise ValueError(f"max_call_bytes must be >= 1, got {max_call_bytes}")
     gids = plan._geo_index()
+    # Per geometry, once: its cost, or -1 when it travels alone (10^5 params, ~10^2 keys).
+    costs: dict[int, int] = {}
     calls: list[list[int]] = []
     open_: dict[int, tuple[int, int]] = {}  # geometry id -> (index into calls, bytes so far)
     for i in range(bucket.start, bucket.stop):
-        if stack_problem(plan, i, coalesce_below) is not None:
+        gid = gids[i]
+        cost = costs.get(gid)
+        if cost is None:
+            cost = -1 if stack_problem(plan, i, coalesce_below) else plan.param_cost(i)
+            costs[gid] = cost
+        if cost < 0:
             calls.append([i])
             continue
-        gid = gids[i]
-        cost = plan.param_cost(i)
         slot = open_.get(gid)
         if slot is not None and slot[1] + cost <= max_call_bytes:
             calls[slot[0]].append(i)

@@ -67,3 +67,18 @@ def test_bad_terms_are_plan_errors() -> None:
             parse_costs(text)
     with pytest.raises(PlanError, match="bytes_per_second"):
         cost_inputs({"m2n": (1.0, 1.0, 0.0)}, BUCKETS, 0)
+
+
+def test_plan_command_reports_the_predictions() -> None:
+    from pathlib import Path
+
+    from m2n_async._integrations.planfile import format_summary, load_plan_file, summarize
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "plan.toml"
+    plan, bucket = load_plan_file(example)
+    s = summarize(plan, bucket_bytes=bucket or 0)
+    assert sorted(s.predicted) == ["gloo", "m2n", "nccl"] and s.auto in s.predicted
+    calls = int(s.predicted["m2n"].split("(")[1].split()[0])
+    assert calls < len(plan.params)  # layers repeat their shapes: coalesced
+    text = format_summary(s)
+    assert "predicted" in text and f"{s.predicted[s.auto]}   <- auto" in text
