@@ -68,8 +68,11 @@ __all__ = [
     "Bucket",
     "ParamTransfer",
     "Piece",
+    "CAST_DTYPES",
     "TransferPlan",
+    "cast_problem",
     "check_plan_limits",
+    "check_source_dtype",
     "split_buckets",
     "complete_plan_digest",
     "source_plan_digest",
@@ -648,16 +651,66 @@ class TensorLike(Protocol):
     def is_contiguous(self) -> bool: ...
 
 
+#: Dtypes a trainer's source may have when the wire dtype is another of them: the transports
+#: convert while packing, in the copy that packs, exactly as ``Tensor.to`` does
+#: (round-to-nearest-even). Everything else needs a policy the plan does not carry: int <->
+#: float (rounding, range), fp8 (scales), bool, integer widths (overflow).
+CAST_DTYPES: Final[frozenset[str]] = frozenset({"float64", "float32", "bfloat16", "float16"})
+
+
+def cast_problem(source: str, wire: str) -> str | None:
+    """Why a source of dtype ``source`` cannot be sent as ``wire`` (canonical names), or None
+    when it can: the same dtype, or a plain float cast between two of ``CAST_DTYPES``."""
+    if source == wire or (source in CAST_DTYPES and wire in CAST_DTYPES):
+        return None
+    kinds = {source, wire}
+    if any(k.startswith("float8") for k in kinds):
+        why = "fp8 needs scales, which the plan does not carry"
+    elif "bool" in kinds:
+        why = "bool is not a number to cast"
+    elif any(k.startswith("complex") for k in kinds):
+        why = "complex values do not cast to or from real ones without losing a part"
+    elif source in CAST_DTYPES or wire in CAST_DTYPES:
+        why = "int <-> float is not a plain cast (rounding and range are a policy)"
+    else:
+        why = "a different integer width or signedness may overflow"
+    return (f"only float-to-float casts ({', '.join(sorted(CAST_DTYPES))}) are done while "
+            f"packing, and {why}; convert the tensor yourself or declare the ParamSpec with "
+            f"dtype {source}")
+
+
+def check_source_dtype(spec: ParamSpec, dtype: object, rank: int) -> None:
+    """Raise ``PlanError`` naming the parameter, the rank and both dtypes unless a source of
+    ``dtype`` (a ``torch.dtype`` or a name) can be sent as ``spec``'s wire dtype
+    (``cast_problem``)."""
+    try:
+        got = dtype_name(dtype)
+    except PlanError:  # e.g. a quantized dtype: report it as it spells itself
+        got = str(dtype).removeprefix("torch.")
+    problem = cast_problem(got, spec.dtype)
+    if problem is not None:
+        raise PlanError(f"parameter {spec.name!r} (source side, rank {rank}): tensor dtype "
+                        f"{got} cannot be sent as the planned (wire) dtype {spec.dtype}: "
+                        f"{problem}")
+
+
 def validate_local_buffer(spec_or_transfer: ParamSpec | ParamTransfer, tensor_like: TensorLike,
-                          rank: int, side: str, *, device: str | None = None) -> None:
+                          rank: int, side: str, *, device: str | None = None,
+                          cast: bool = False) -> None:
     """Check a tensor a rank hands in for one param: dtype, local shape, contiguity, device.
 
     ``side`` is ``"source"`` (checked against the spec's layout) or ``"destination"`` (needs
     a ``ParamTransfer``; checked against its ``dst`` layout). ``device``, if given, is the
-    expected device (``"cuda:1"``; ``"cuda"`` accepts any index). Duck-typed: no torch here.
+    expected device (``"cuda:1"``; ``"cuda"`` accepts any index). ``cast`` (source side only):
+    accept a dtype the transports cast to the planned (wire) dtype while packing
+    (``cast_problem``); without it, and always on the destination side, the dtype must be the
+    planned one — a worker's target is written as wire bytes. Duck-typed: no torch here.
     """
     if side not in ("source", "destination"):
         raise PlanError(f"side must be 'source' or 'destination', got {side!r}")
+    if cast and side != "source":
+        raise PlanError("validate_local_buffer: cast=True applies to the source side only "
+                        "(a destination is written as wire bytes)")
     if isinstance(spec_or_transfer, ParamTransfer):
         spec = spec_or_transfer.spec
         layout = spec_or_transfer.dst if side == "destination" else spec.layout
@@ -677,7 +730,9 @@ def validate_local_buffer(spec_or_transfer: ParamSpec | ParamTransfer, tensor_li
     except PlanError:  # e.g. a quantized dtype: report it as it spells itself
         got_dtype = str(tensor_like.dtype).removeprefix("torch.")
     if got_dtype != spec.dtype:
-        raise PlanError(f"{where}: tensor dtype {got_dtype} != planned dtype {spec.dtype}")
+        if not cast:
+            raise PlanError(f"{where}: tensor dtype {got_dtype} != planned dtype {spec.dtype}")
+        check_source_dtype(spec, got_dtype, rank)
     want = layout.local_shape(spec.shape, rank)
     got_shape = tuple(int(n) for n in tensor_like.shape)
     if got_shape != want:
