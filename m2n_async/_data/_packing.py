@@ -25,6 +25,21 @@ shard or straight into the worker's target — and needs no staging; each side d
 alone (the wire bytes are the same either way), so a row-sharded source feeding a
 column-sharded destination packs on the trainer and lands in place on the worker.
 
+Casts. A trainer may hand in a source whose dtype differs from the wire dtype when the
+conversion is a plain float cast (fp32 master weights, bf16 on the wire:
+``_proto.plan.cast_problem``). Such a segment is copied *typed*: the destination is its
+region of the packed buffer viewed in the wire dtype, the source the same region of the
+shard in elements, and the copy that packs does the cast (``Tensor.copy_`` rounds as
+``Tensor.to``: to nearest, ties to even). No cast copy of the shard is made first, and a cast
+source never moves zero-copy (its bytes are not the wire's). A region that does not start at
+a multiple of the wire item size in the buffer (a message mixing dtypes of different sizes)
+cannot be viewed typed; it is cast into a temporary of its own size and copied as bytes.
+
+Executors copy many segments with ONE multi-tensor call (``torch._foreach_copy_``, chunked by
+``FOREACH_CHUNK``): per-segment ``copy_`` calls cost a dispatcher round trip each, which
+dominates many small tensors (GPU: 1024 fp32 → bf16 copies 9.5 ms one by one, 0.5 ms as one
+``_foreach_copy_``). The casting copies go in the same call.
+
 This module is the planner (pure Python over the plan, cached per rank and bucket) plus the
 CPU/torch executors that copy segments; the GPU ``nccl`` transport reuses both (its copies
 then run on a CUDA stream).
@@ -46,6 +61,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DIRECT_MIN_BYTES",
+    "FOREACH_CHUNK",
     "BucketPacking",
     "Message",
     "PeerBuffer",
@@ -54,13 +70,17 @@ __all__ = [
     "byte_view",
     "copy_in",
     "copy_out",
+    "element_region",
     "flat_bytes",
+    "foreach_copy",
+    "pack_pair",
     "pack_peer",
     "pack_segments",
     "plan_bucket",
     "scatter",
     "scatter_plan",
     "split_messages",
+    "unpack_pair",
     "unpack_peer",
     "unpack_segments",
 ]
@@ -315,6 +335,102 @@ def copy_out(buf: torch.Tensor, seg: Segment, dst_bytes: torch.Tensor, base: int
     dst_bytes[seg.slices].copy_(buf[a:a + seg.nbytes].view(seg.shape))
 
 
+#: Segments per ``torch._foreach_copy_`` call. A CPU caller's Python between calls holds the
+#: GIL and the call releases it, so chunks keep the event loop from waiting for the GIL
+#: behind thousands of tiny parameters; on a GPU stream a chunk is one launch batch.
+FOREACH_CHUNK = 512
+
+
+def foreach_copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor], *,
+                 chunk: int = FOREACH_CHUNK, non_blocking: bool = False) -> None:
+    """``dsts[k].copy_(srcs[k])`` for every k, as few multi-tensor calls as ``chunk`` allows
+    (a cast where the dtypes differ, exactly as ``copy_``).
+
+    On CUDA the pairs are grouped by (destination, source) dtype first: the fused
+    multi-tensor kernel takes lists of one dtype pair and falls back to one copy per tensor
+    otherwise (on the CPU every pair is its own copy anyway, so the order is kept).
+    """
+    if len(dsts) == 1:
+        dsts[0].copy_(srcs[0], non_blocking=non_blocking)
+        return
+    if dsts and dsts[0].is_cuda:
+        groups: dict[tuple[torch.dtype, torch.dtype],
+                     tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for d, s in zip(dsts, srcs, strict=True):
+            g = groups.setdefault((d.dtype, s.dtype), ([], []))
+            g[0].append(d)
+            g[1].append(s)
+        if len(groups) > 1:
+            for gd, gs in groups.values():
+                foreach_copy(gd, gs, chunk=chunk, non_blocking=non_blocking)
+            return
+    for c in range(0, len(dsts), chunk):
+        torch._foreach_copy_(dsts[c:c + chunk], srcs[c:c + chunk], non_blocking=non_blocking)
+
+
+def element_region(seg: Segment, itemsize: int
+                   ) -> tuple[tuple[slice, ...], tuple[int, ...]]:
+    """``seg``'s region of the local shard in elements: (slices, shape). ``Segment.slices``
+    and ``.shape`` are in bytes (last dim scaled by the item size); a 0-d shard is (1,)."""
+    *head, last = seg.slices
+    *hshape, n = seg.shape
+    return ((*head, slice(last.start // itemsize, last.stop // itemsize)),
+            (*hshape, n // itemsize))
+
+
+def _typed_region(src: torch.Tensor, seg: Segment, itemsize: int) -> torch.Tensor:
+    """``seg``'s region of the typed local shard ``src`` (any dtype), as a view."""
+    if src.dim() == 0:
+        return src.reshape(1)
+    if seg.whole:
+        return src
+    if seg.span is not None:
+        a, b = seg.span
+        return src.reshape(-1)[a // itemsize:b // itemsize]
+    return src[element_region(seg, itemsize)[0]]
+
+
+def pack_pair(buf: torch.Tensor, seg: Segment, src: torch.Tensor, wire: torch.dtype,
+              base: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(destination in ``buf``, source) of one segment for a multi-tensor copy.
+
+    ``buf`` is flat uint8 holding buffer offsets ``base`` on; ``src`` the param's local shard
+    (contiguous). Same dtype as the wire: both sides as bytes (bit-exact for every dtype).
+    Another dtype (a float cast, checked by the caller): both typed, so the copy casts; when
+    the destination is not aligned to the wire item size, the cast goes through a temporary
+    of the segment's size and the pair is bytes again (module docstring).
+    """
+    a = seg.offset - base
+    piece = buf[a:a + seg.nbytes]
+    if src.dtype == wire:
+        sb = byte_view(src)
+        if seg.span is not None:
+            lo, hi = seg.span
+            return piece, (sb.view(-1) if seg.whole else sb.view(-1)[lo:hi])
+        return piece.view(seg.shape), sb[seg.slices]
+    itemsize = wire.itemsize
+    region = _typed_region(src, seg, itemsize)
+    if piece.storage_offset() % itemsize == 0 and piece.data_ptr() % itemsize == 0:
+        typed = piece.view(wire)
+        return (typed if seg.span is not None and not seg.whole
+                else typed.view(region.shape)), region
+    cast = region.to(wire).contiguous()  # unaligned: a temporary of this segment's size
+    return piece.view(seg.shape), byte_view(cast)
+
+
+def unpack_pair(buf: torch.Tensor, seg: Segment, dst_bytes: torch.Tensor, base: int = 0
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(region of the destination byte view ``dst_bytes``, its bytes in ``buf``) of one
+    segment, for a multi-tensor copy (the mirror of ``pack_pair``; no casts on this side)."""
+    a = seg.offset - base
+    piece = buf[a:a + seg.nbytes]
+    if seg.span is not None:
+        lo, hi = seg.span
+        flat = dst_bytes.view(-1)
+        return (flat if seg.whole else flat[lo:hi]), piece
+    return dst_bytes[seg.slices], piece.view(seg.shape)
+
+
 def pack_segments(buf: torch.Tensor, segs: tuple[Segment, ...],
                   src_bytes: Callable[[int], torch.Tensor], base: int = 0,
                   src_flat: Callable[[int], torch.Tensor] | None = None) -> None:
@@ -322,8 +438,8 @@ def pack_segments(buf: torch.Tensor, segs: tuple[Segment, ...],
 
     ``src_bytes(i)`` returns the byte view of param ``i``'s local shard (``byte_view``),
     ``src_flat(i)`` its flat byte view (``flat_bytes``). When every segment is a contiguous
-    range, one ``torch.cat(out=...)`` does the whole buffer: per-segment Python overhead
-    dominates packing of many small tensors.
+    range, one ``torch.cat(out=...)`` does the whole buffer; otherwise one multi-tensor copy
+    (per-segment Python and dispatch overhead dominates packing of many small tensors).
     """
     if len(segs) > 1 and all(s.span is not None for s in segs):
         flat = src_flat or (lambda i: src_bytes(i).view(-1))
@@ -338,8 +454,14 @@ def pack_segments(buf: torch.Tensor, segs: tuple[Segment, ...],
         last = segs[-1].offset + segs[-1].nbytes - base
         torch.cat(parts, out=buf[first:last])
         return
+    dsts: list[torch.Tensor] = []
+    srcs: list[torch.Tensor] = []
     for s in segs:
-        copy_in(buf, s, src_bytes(s.param), base)
+        a = s.offset - base
+        dsts.append(buf[a:a + s.nbytes].view(s.shape))
+        srcs.append(src_bytes(s.param)[s.slices])
+    if dsts:
+        foreach_copy(dsts, srcs)
 
 
 def pack_peer(buf: torch.Tensor, peer: PeerBuffer,
@@ -352,11 +474,17 @@ def unpack_segments(buf: torch.Tensor, segs: tuple[Segment, ...],
                     dst_bytes: Mapping[int, torch.Tensor], base: int = 0) -> None:
     """Scatter ``segs`` from ``buf`` (holding offsets ``base`` on) into the byte views
     ``dst_bytes[param]`` (params absent from the mapping are skipped: the caller handles
-    them)."""
+    them), with one multi-tensor copy."""
+    dsts: list[torch.Tensor] = []
+    srcs: list[torch.Tensor] = []
     for s in segs:
         dst = dst_bytes.get(s.param)
         if dst is not None:
-            copy_out(buf, s, dst, base)
+            a = s.offset - base
+            dsts.append(dst[s.slices])
+            srcs.append(buf[a:a + s.nbytes].view(s.shape))
+    if dsts:
+        foreach_copy(dsts, srcs)
 
 
 class ScatterPlan(NamedTuple):

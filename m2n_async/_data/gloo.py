@@ -20,6 +20,14 @@ its targets or hands shards to load callbacks. A message that is one contiguous 
 local shard moves zero-copy: sent straight from the trainer's shard, received straight into
 the worker's target.
 
+Casts (fp32 master weights, bf16 on the wire; ``_packing`` module docstring). A source whose
+dtype is not the wire dtype is cast by the packing copy itself: its segments go into the
+same ``_foreach_copy_`` calls as everything else, typed (wire dtype in the arena, source dtype
+in the shard), so there is no cast copy of the shard and no second pass. Its messages never
+move zero-copy; they are staged in the arena, which grows (once, at the first round that
+casts) to what the bucket then stages — at most the bucket's bytes for this rank, the bound
+the pipeline already holds. ``Staging.cast_bytes`` counts the wire bytes produced by casting.
+
 Staging comes from ``max_inflight`` equal arenas (sized once from this rank's largest bucket;
 the trainer's are allocated and touched in ``prepare``), so pages are faulted in once, not
 every round; bucket i takes arena slot i mod ``max_inflight``, so it gets the same arena
@@ -65,14 +73,16 @@ import torch
 from m2n_async._data._native import NativeCall, NativeThread, threadsafe_notifier
 from m2n_async._data._packing import (
     DIRECT_MIN_BYTES,
+    FOREACH_CHUNK,
     BucketPacking,
     Message,
     Segment,
     byte_view,
-    copy_out,
+    element_region,
     flat_bytes,
+    foreach_copy,
     plan_bucket,
-    unpack_segments,
+    unpack_pair,
 )
 from m2n_async._data._transport import (
     Completion,
@@ -104,7 +114,7 @@ _INLINE_MESSAGES = 64
 _HANDOFF_EVERY = 16
 _HANDOFF_SECONDS = 100e-6
 #: Segments per ``_foreach_copy_`` call when packing or scattering many small tensors.
-_FOREACH_CHUNK = 512
+_FOREACH_CHUNK = FOREACH_CHUNK
 #: Niceness of the pack/unpack threads: bulk copies give way to the event loop (and to the
 #: latency-bound native/wait threads) when the machine is oversubscribed.
 _BULK_NICE = 5
@@ -235,11 +245,31 @@ class _Arenas:
         self._slot_of: dict[int, int] = {}          # arena data_ptr -> slot
         self._free: set[int] = set()
         self._lock = threading.Lock()
-        self.allocated = 0
+        self.allocated = 0         # arenas alive (slots and temporary extra ones)
+        self.allocated_bytes = 0
 
     def _new(self) -> torch.Tensor:
         self.allocated += 1
+        self.allocated_bytes += self.size
         return torch.empty(self.size, dtype=torch.uint8)
+
+    def _drop(self, buf: torch.Tensor) -> None:
+        self.allocated -= 1
+        self.allocated_bytes -= buf.numel()
+
+    def grow(self, size: int) -> None:
+        """Make arenas ``size`` bytes from now on (a round that casts stages messages that
+        otherwise move zero-copy): free slot arenas are dropped at once, busy ones when they
+        are released."""
+        with self._lock:
+            if size <= self.size:
+                return
+            self.size = size
+            for slot in self._free:
+                arena = self._arenas.pop(slot)
+                del self._slot_of[arena.data_ptr()]
+                self._drop(arena)
+            self._free.clear()
 
     def acquire(self, nbytes: int, slot: int = 0) -> torch.Tensor:
         if nbytes > self.size:  # cannot happen: size is the largest bucket's staging
@@ -262,7 +292,10 @@ class _Arenas:
         with self._lock:
             slot = self._slot_of.get(buf.data_ptr())
             if slot is None or self._arenas.get(slot) is not buf:
-                self.allocated -= 1
+                self._drop(buf)
+            elif buf.numel() < self.size:  # outgrown while busy (``grow``)
+                del self._arenas[slot], self._slot_of[buf.data_ptr()]
+                self._drop(buf)
             else:
                 self._free.add(slot)
 
@@ -292,14 +325,21 @@ class _Copies(NamedTuple):
 
     ptr: int                                   # data_ptr of the message's buffer
     dsts: list[torch.Tensor]
-    #: per segment: (param, how, arg). _WHOLE: the source is the local shard itself (the
-    #: destination is typed and shaped like it); _SPAN: its flat bytes [arg[0]:arg[1]];
-    #: _STRIDED: its byte view [arg] (a tuple of slices; the destination has the region's
-    #: shape).
-    srcs: list[tuple[int, int, Any]]
+    #: per segment: (param, how, arg, nbytes). _WHOLE: the source is the local shard itself
+    #: (the destination is typed and shaped like it, so a float source of another dtype is
+    #: cast by the copy); _SPAN: its flat bytes [arg[0]:arg[1]]; _STRIDED: its byte view
+    #: [arg] (a tuple of slices; the destination has the region's shape). Cast sources:
+    #: _CAST_SPAN: its flat elements [arg[0]:arg[1]] (typed destination); _CAST_STRIDED: its
+    #: elements [arg] (typed destination of the region's shape); _CAST_TEMP: the region
+    #: ``arg`` (element slices) cast into a temporary, copied as bytes (the destination is not
+    #: aligned to the wire item size).
+    srcs: list[tuple[int, int, Any, int]]
+    #: (param, cast) for every param whose copies depend on whether its source is cast
+    #: (everything but _WHOLE): the copies are rebuilt when that changes.
+    casts: tuple[tuple[int, bool], ...]
 
 
-_WHOLE, _SPAN, _STRIDED = 0, 1, 2
+_WHOLE, _SPAN, _STRIDED, _CAST_SPAN, _CAST_STRIDED, _CAST_TEMP = range(6)
 
 
 @dataclass(eq=False)
@@ -372,6 +412,8 @@ class GlooTransport(Transport):
         self._parts: dict[int, tuple[int, list[torch.Tensor]]] = {}
         self._shapes: dict[int, tuple[int, ...]] = {}
         self._send_need: dict[int, int] = {}  # bucket -> staging bytes (trainer)
+        #: bucket -> (param, bytes) of its direct messages: staged when the source is cast
+        self._directs: dict[int, list[tuple[int, int]]] = {}
         self._names = [p.spec.name for p in ctx.plan.params]
         self._dtypes = [getattr(torch, p.spec.dtype) for p in ctx.plan.params]
         self._closed = False
@@ -381,7 +423,7 @@ class GlooTransport(Transport):
     @property
     def static_bytes(self) -> int:
         a = self._arenas
-        return 0 if a is None else a.allocated * a.size
+        return 0 if a is None else a.allocated_bytes
 
     def packing(self, bucket: Bucket) -> BucketPacking:
         """This rank's side of ``bucket`` (computed once, cached)."""
@@ -517,22 +559,46 @@ class GlooTransport(Transport):
             thread = self._pack_thread
             if thread is None:
                 raise LocalProtocolError("gloo transport used before prepare()")
-            if self._copy_free(bp):  # only views to build: a thread hop would cost more
+            if self._copy_free(bp, sources):  # only views to build: a thread hop costs more
                 return self._pack(bp, sources)
             return await thread.run(self._pack, bp, sources,
                                     description=f"pack bucket {bucket.index}")
         return self._alloc_recv(bp, sinks or {})
 
-    @staticmethod
-    def _copy_free(bp: BucketPacking) -> bool:
-        """Every message of the bucket moves zero-copy on this side and there are few."""
+    def _copy_free(self, bp: BucketPacking, sources: Mapping[str, torch.Tensor]) -> bool:
+        """Every message of the bucket moves zero-copy on this side (a direct message of a
+        source that must be cast does not) and there are few."""
         n = 0
+        directs = []
         for peer in bp.peers:
             for msg in peer.messages:
                 if msg.direct is None:
                     return False
+                directs.append(msg.direct.param)
                 n += 1
-        return n <= _INLINE_MESSAGES
+                if n > _INLINE_MESSAGES:
+                    return False
+        names, dtypes = self._names, self._dtypes
+        for i in directs:
+            t = sources.get(names[i])
+            if t is not None and t.dtype is not dtypes[i]:
+                return False
+        return True
+
+    def _cast_of(self, sources: Mapping[str, torch.Tensor]) -> Callable[[int], bool]:
+        """``cast(i)``: param ``i``'s source is not in the wire dtype (the engine checked it
+        is a float cast); memoized for one bucket. A missing source reads as not cast (the
+        byte getters raise the ``PlanError`` naming it)."""
+        memo: dict[int, bool] = {}
+        names, dtypes = self._names, self._dtypes
+
+        def cast(i: int) -> bool:
+            v = memo.get(i)
+            if v is None:
+                t = sources.get(names[i])
+                v = memo[i] = t is not None and t.dtype is not dtypes[i]
+            return v
+        return cast
 
     def _byte_source(self, sources: Mapping[str, torch.Tensor]
                      ) -> tuple[Callable[[int], torch.Tensor], Callable[[int], torch.Tensor]]:
@@ -564,60 +630,103 @@ class GlooTransport(Transport):
     def _acquire(self, staged: GlooStaging, need: int) -> torch.Tensor | None:
         if not need or self._arenas is None:
             return None
+        if need > self._arenas.size:  # casting: messages that are zero-copy otherwise stage
+            self._arenas.grow(need)
         arena = self._arenas.acquire(need, staged.bucket.index)
         staged.arena = arena
         staged.nbytes = arena.numel()
         return arena
 
-    def _copies(self, msg: Message, buf: torch.Tensor, cache: bool) -> _Copies:
+    def _copies(self, msg: Message, buf: torch.Tensor, cache: bool,
+                cast: Callable[[int], bool]) -> _Copies:
         """The ``_Copies`` of a packed message for its buffer ``buf``, cached when ``cache``
         (``buf`` lies in a slot arena; rebuilt when the buffer moved, which per-bucket arena
-        slots make rare)."""
+        slots make rare, or when a source's dtype changed to or from the wire's)."""
         ptr = buf.data_ptr()
         got = self._copy_cache.get(id(msg))
-        if got is not None and got.ptr == ptr:
+        if got is not None and got.ptr == ptr and all(cast(i) is c for i, c in got.casts):
             return got
         dsts: list[torch.Tensor] = []
-        srcs: list[tuple[int, int, Any]] = []
+        srcs: list[tuple[int, int, Any, int]] = []
+        casts: dict[int, bool] = {}
         for seg in msg.segments:
             rel = seg.offset - msg.offset
             piece = buf[rel:rel + seg.nbytes]
             dtype = self._dtypes[seg.param]
-            if seg.span is None:
-                dsts.append(piece.view(seg.shape))
-                srcs.append((seg.param, _STRIDED, seg.slices))
-            elif seg.whole and (ptr + rel) % dtype.itemsize == 0:
-                # Typed like the shard: the shard itself is the source, no view per round.
+            aligned = (ptr + rel) % dtype.itemsize == 0
+            if seg.whole and aligned:
+                # Typed like the shard: the shard itself is the source, no view per round,
+                # and a float source of another dtype is cast by the copy.
                 dsts.append(piece.view(dtype).view(self._local_shape(seg.param)))
-                srcs.append((seg.param, _WHOLE, None))
+                srcs.append((seg.param, _WHOLE, None, seg.nbytes))
+                continue
+            c = casts[seg.param] = cast(seg.param)
+            if not c:
+                if seg.span is None:
+                    dsts.append(piece.view(seg.shape))
+                    srcs.append((seg.param, _STRIDED, seg.slices, seg.nbytes))
+                else:
+                    dsts.append(piece)
+                    srcs.append((seg.param, _SPAN, seg.span, seg.nbytes))
+                continue
+            w = dtype.itemsize
+            slices, shape = element_region(seg, w)
+            if not aligned:  # cannot be viewed typed: cast through a temporary, copy bytes
+                dsts.append(piece.view(seg.shape))
+                srcs.append((seg.param, _CAST_TEMP, slices, seg.nbytes))
+            elif seg.span is not None:
+                a, b = seg.span
+                dsts.append(piece.view(dtype))
+                srcs.append((seg.param, _CAST_SPAN, (a // w, b // w), seg.nbytes))
             else:
-                dsts.append(piece)
-                srcs.append((seg.param, _SPAN, seg.span))
-        got = _Copies(ptr, dsts, srcs)
+                dsts.append(piece.view(dtype).view(shape))
+                srcs.append((seg.param, _CAST_STRIDED, slices, seg.nbytes))
+        got = _Copies(ptr, dsts, srcs, tuple(casts.items()))
         if cache:
             self._copy_cache[id(msg)] = got
         return got
 
     def _copy_from(self, copies: _Copies, sources: Mapping[str, torch.Tensor],
                    get: Callable[[int], torch.Tensor],
-                   get_flat: Callable[[int], torch.Tensor]) -> None:
-        """Run ``copies``: one ``_foreach_copy_`` per ``_FOREACH_CHUNK`` segments. Whole
-        shards need no view per round (the engine checked their dtype, shape and contiguity).
+                   get_flat: Callable[[int], torch.Tensor],
+                   batch: tuple[list[torch.Tensor], list[torch.Tensor]]) -> int:
+        """Add ``copies``' (destination, source) pairs to ``batch``, running a
+        ``_foreach_copy_`` whenever it holds ``_FOREACH_CHUNK`` of them (the caller runs the
+        rest): the whole bucket's segments go through multi-tensor copies, casts included.
+        Whole shards need no view per round (the engine checked their shape and contiguity).
         Chunked because this Python loop holds the GIL and the torch call releases it: the
-        event loop never waits for the GIL behind thousands of tiny parameters."""
-        names = self._names
-        dsts, specs = copies.dsts, copies.srcs
-        for c in range(0, len(specs), _FOREACH_CHUNK):
-            srcs = []
-            for i, how, arg in specs[c:c + _FOREACH_CHUNK]:
-                if how == _WHOLE:
-                    src = sources.get(names[i])
-                    srcs.append(src if src is not None else get(i))  # get raises PlanError
-                elif how == _SPAN:
-                    srcs.append(get_flat(i)[arg[0]:arg[1]])
+        event loop never waits for the GIL behind thousands of tiny parameters. Returns the
+        wire bytes produced by casting."""
+        names, dtypes = self._names, self._dtypes
+        bdsts, bsrcs = batch
+        cast_bytes = 0
+        for dst, (i, how, arg, nbytes) in zip(copies.dsts, copies.srcs, strict=True):
+            if how == _WHOLE:
+                src = sources.get(names[i])
+                if src is None:
+                    src = get(i)  # raises the PlanError naming the parameter
+                elif src.dtype is not dtypes[i]:
+                    cast_bytes += nbytes
+            elif how == _SPAN:
+                src = get_flat(i)[arg[0]:arg[1]]
+            elif how == _STRIDED:
+                src = get(i)[arg]
+            else:
+                t = sources[names[i]]
+                cast_bytes += nbytes
+                if how == _CAST_SPAN:
+                    src = t.reshape(-1)[arg[0]:arg[1]]
                 else:
-                    srcs.append(get(i)[arg])
-            torch._foreach_copy_(dsts[c:c + _FOREACH_CHUNK], srcs)
+                    region = (t.reshape(1) if t.dim() == 0 else t)[arg]
+                    src = region if how == _CAST_STRIDED else byte_view(
+                        region.to(dtypes[i]).contiguous())
+            bdsts.append(dst)
+            bsrcs.append(src)
+            if len(bdsts) >= _FOREACH_CHUNK:
+                torch._foreach_copy_(bdsts, bsrcs)
+                bdsts.clear()
+                bsrcs.clear()
+        return cast_bytes
 
     def _local_shape(self, i: int) -> tuple[int, ...]:
         shape = self._shapes.get(i)
@@ -630,18 +739,24 @@ class GlooTransport(Transport):
     def _pack(self, bp: BucketPacking, sources: Mapping[str, torch.Tensor]) -> GlooStaging:
         t0 = time.perf_counter()
         get, get_flat = self._byte_source(sources)
+        cast = self._cast_of(sources)
         staged = GlooStaging(bp.bucket, packing=bp, nbytes_moved=bp.nbytes)
-        need = self._send_need.get(bp.bucket.index)
+        index = bp.bucket.index
+        need = self._send_need.get(index)
         if need is None:
-            need = self._send_need[bp.bucket.index] = _staging_need(
-                bp, lambda m: m.direct is not None)
+            need = self._send_need[index] = _staging_need(bp, lambda m: m.direct is not None)
+            self._directs[index] = [(m.direct.param, m.nbytes) for p in bp.peers
+                                    for m in p.messages if m.direct is not None]
+        # A direct message of a source that must be cast is staged too.
+        need += sum(n for i, n in self._directs[index] if cast(i))
         arena = self._acquire(staged, need)
         cacheable = arena is not None and self._arenas is not None and self._arenas.owns(arena)
+        batch: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         off = 0
         for peer in bp.peers:
             for msg in peer.messages:
                 seg = msg.direct
-                if seg is not None:  # zero-copy: send straight from the shard
+                if seg is not None and not cast(seg.param):  # zero-copy: from the shard
                     a, b = seg.span  # type: ignore[misc]
                     flat = get_flat(seg.param)
                     staged.messages.append((peer.peer, msg, flat if seg.whole else flat[a:b],
@@ -650,8 +765,11 @@ class GlooTransport(Transport):
                 assert arena is not None
                 buf = arena[off:off + msg.nbytes]
                 off += msg.nbytes
-                self._copy_from(self._copies(msg, buf, cacheable), sources, get, get_flat)
+                staged.cast_bytes += self._copy_from(
+                    self._copies(msg, buf, cacheable, cast), sources, get, get_flat, batch)
                 staged.messages.append((peer.peer, msg, buf, False))
+        if batch[0]:
+            foreach_copy(*batch)
         staged.seconds["pack"] = time.perf_counter() - t0
         return staged
 
@@ -839,6 +957,16 @@ class GlooTransport(Transport):
         up = self._unpack_plan(bp, sinks)
         arenas, arena = self._arenas, staged.arena
         cacheable = arena is not None and arenas is not None and arenas.owns(arena)
+        # Every staged segment of the bucket, across messages and peers, goes through
+        # multi-tensor copies of up to _FOREACH_CHUNK pairs.
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+
+        def flush(force: bool = False) -> None:
+            while len(dsts) >= _FOREACH_CHUNK or (force and dsts):
+                torch._foreach_copy_(dsts[:_FOREACH_CHUNK], srcs[:_FOREACH_CHUNK])
+                del dsts[:_FOREACH_CHUNK], srcs[:_FOREACH_CHUNK]
+
         for _, msg, buf, direct in staged.messages:
             if direct:
                 continue
@@ -855,12 +983,17 @@ class GlooTransport(Transport):
                         for seg in msg.segments])
                     if cacheable:
                         self._parts[id(msg)] = parts
-                srcs = parts[1]
-                for c in range(0, len(srcs), _FOREACH_CHUNK):
-                    torch._foreach_copy_(targets[c:c + _FOREACH_CHUNK],
-                                         srcs[c:c + _FOREACH_CHUNK])
-            else:
-                unpack_segments(buf, msg.segments, up.views, msg.offset)
+                dsts.extend(targets)
+                srcs.extend(parts[1])
+            else:  # some segments feed load callbacks (below); the others are copied here
+                for seg in msg.segments:
+                    view = up.views.get(seg.param)
+                    if view is not None:
+                        d, sv = unpack_pair(buf, seg, view, msg.offset)
+                        dsts.append(d)
+                        srcs.append(sv)
+            flush()
+        flush(force=True)
         if up.callbacks:
             self._run_callbacks(staged, up.callbacks)
         staged.seconds["unpack"] = time.perf_counter() - t0
@@ -933,8 +1066,8 @@ class GlooTransport(Transport):
             if tensor is None:
                 tensor = torch.empty(shape, dtype=dtype)
                 dst = byte_view(tensor)
-                for buf, seg, base in parts:
-                    copy_out(buf, seg, dst, base)
+                pairs = [unpack_pair(buf, seg, dst, base) for buf, seg, base in parts]
+                foreach_copy([d for d, _ in pairs], [sv for _, sv in pairs])
             try:
                 fn(p.spec.name, tensor)
             except Exception as exc:

@@ -10,22 +10,28 @@ NCCL (>= 2.28, PyTorch's default) because only point-to-point calls are used.
 
 Per bucket:
 
-* ``stage`` (loop thread, pack stream, after waiting on the producer stream): a trainer casts a
-  source to the wire dtype if needed (fp32 master → bf16), then for each peer either sends a
-  byte range of the source directly (**zero-copy**: the peer's buffer is one contiguous
-  segment) or packs the segments into one staging arena for the bucket. A worker receives
-  directly into a contiguous byte range of a target tensor when the peer's buffer is one
-  contiguous segment of it (**in place**), else into the arena.
+* ``stage`` (loop thread, pack stream, after waiting on the producer stream): a trainer, for
+  each peer, either sends a byte range of the source directly (**zero-copy**: the peer's
+  buffer is one contiguous segment of a source already in the wire dtype) or packs the
+  segments into one staging arena for the bucket — every packed segment of every peer in ONE
+  multi-tensor copy (``_packing.pack_pair`` / ``foreach_copy``), which also casts a source
+  of another float dtype to the wire dtype (fp32 master → bf16: no cast copy of the shard
+  first, the arena is the only extra memory). A worker receives directly into a contiguous
+  byte range of a target tensor when the peer's buffer is one contiguous segment of it
+  (**in place**), else into the arena.
 * ``transfer`` (native thread, transfer stream): one ``nccl.core.group()`` holding every send
   (trainer) or recv (worker) of the bucket, in ascending peer order; then a blocking-sync
   event the completion waits on.
 * ``unpack`` (worker, unpack stream after the transfer event): scatters arena segments into the
   targets' byte views (or into a temporary local shard for load callbacks and targets that
-  cannot be written as bytes), then copies/calls in plan order.
+  cannot be written as bytes) with one multi-tensor copy, then copies the temporaries into
+  their targets (one more) and calls load callbacks in plan order.
 
-Memory: the arena is ``Staging.nbytes`` (at most the bucket's bytes for this rank); cast
-copies of sources count too. Abort and close are the base class's (bounded communicator abort
-on a daemon thread; DEVELOPERS "GPU notes": an NCCL recv from a dead peer returns after abort).
+Memory: the arena is ``Staging.nbytes`` (at most the bucket's bytes for this rank: a cast
+source's pieces are staged there instead of moving zero-copy); a source that had to be moved
+to our device or made contiguous counts too (the engine hands in neither). Abort and close
+are the base class's (bounded communicator abort on a daemon thread; DEVELOPERS "GPU notes":
+an NCCL recv from a dead peer returns after abort).
 """
 
 from __future__ import annotations
@@ -41,7 +47,14 @@ from m2n_async._data._cuda import (
     lookup_tensor,
     torch_dtype,
 )
-from m2n_async._data._packing import BucketPacking, byte_view, pack_peer, plan_bucket, unpack_peer
+from m2n_async._data._packing import (
+    BucketPacking,
+    byte_view,
+    foreach_copy,
+    pack_pair,
+    plan_bucket,
+    unpack_pair,
+)
 from m2n_async._data._transport import Completion, Sink, Staging
 from m2n_async._proto.errors import LocalProtocolError, PlanError, TransferError
 
@@ -95,16 +108,16 @@ class NcclTransport(GpuTransportBase):
         return got
 
     def _local(self, i: int, t: Any, shape: tuple[int, ...], where: str) -> tuple[Any, bool]:
-        """``t`` as a contiguous tensor of the wire dtype on our device; second value: True
-        when that needed a copy (cast, device move or contiguity)."""
+        """``t`` as a contiguous tensor on our device, in its own dtype (a cast to the wire
+        dtype happens in the packing copy); second value: True when that needed a copy
+        (device move or contiguity; the engine hands in neither)."""
         spec = self.ctx.plan.params[i].spec
         if tuple(t.shape) != shape:
             raise PlanError(f"parameter {spec.name!r}: local shape {tuple(t.shape)} but the "
                             f"plan says {shape} at {where}")
-        dtype = torch_dtype(spec.dtype)
-        if t.device == self.device and t.dtype == dtype and t.is_contiguous():
+        if t.device == self.device and t.is_contiguous():
             return t, False
-        return t.to(device=self.device, dtype=dtype, non_blocking=True).contiguous(), True
+        return t.to(device=self.device, non_blocking=True).contiguous(), True
 
     async def stage(self, bucket: Bucket, *,
                     sources: Mapping[str, torch.Tensor] | None = None,
@@ -128,6 +141,8 @@ class NcclTransport(GpuTransportBase):
             streams.wait(streams.pack, producer)
             with streams.on(streams.pack):
                 local: dict[int, Any] = {}
+                wire: dict[int, Any] = {}
+                cast: set[int] = set()
                 for i in pk.params:
                     spec = plan.params[i].spec
                     t = lookup_tensor(sources, spec.name, where)
@@ -140,27 +155,43 @@ class NcclTransport(GpuTransportBase):
                     if copied:
                         st.keep.append(buf)
                         st.nbytes += buf.numel() * buf.element_size()
-                    local[i] = byte_view(buf)
-                packed = [pb for pb in pk.peers if pb.direct is None]
+                    local[i] = buf
+                    wire[i] = dtype = torch_dtype(spec.dtype)
+                    if buf.dtype != dtype:  # the engine checked it is a float cast
+                        cast.add(i)
+
+                def zero_copy(pb: Any) -> bool:  # the wire bytes are the source's own
+                    d = pb.direct
+                    return d is not None and d.param not in cast
+
+                need = sum(pb.nbytes for pb in pk.peers if not zero_copy(pb))
                 arena = None
-                need = sum(pb.nbytes for pb in packed)
                 if need:
                     arena = torch.empty(need, dtype=torch.uint8, device=self.device)
                     st.keep.append(arena)
                     st.nbytes += need
+                dsts: list[Any] = []
+                srcs: list[Any] = []
                 off = 0
                 for pb in pk.peers:
                     d = pb.direct
-                    if d is not None and d.span is not None:
+                    if d is not None and d.span is not None and d.param not in cast:
                         a, b = d.span
-                        st.wires.append((pb.peer, local[d.param].view(-1)[a:b]))
+                        st.wires.append((pb.peer, byte_view(local[d.param]).view(-1)[a:b]))
                         st.zero_copy += 1
                         continue
                     assert arena is not None
                     view = arena[off:off + pb.nbytes]
                     off += pb.nbytes
-                    pack_peer(view, pb, local.__getitem__)
+                    for seg in pb.segments:
+                        dst, src = pack_pair(view, seg, local[seg.param], wire[seg.param])
+                        dsts.append(dst)
+                        srcs.append(src)
+                        if seg.param in cast:
+                            st.cast_bytes += seg.nbytes
                     st.wires.append((pb.peer, view))
+                if dsts:  # every peer's packed segments, casts included: one multi-tensor copy
+                    foreach_copy(dsts, srcs)
             st.ready = streams.record(streams.pack)
             return st
         if sinks is None:
@@ -256,16 +287,29 @@ class NcclTransport(GpuTransportBase):
         streams.wait(streams.unpack, st.transferred)
         with streams.on(streams.unpack):
             wires = dict(st.wires)
+            dsts: list[Any] = []
+            srcs: list[Any] = []
             for k in st.scatter:
                 pb = pk.peers[k]
-                unpack_peer(wires[pb.peer], pb, st.dst_bytes)
+                buf = wires[pb.peer]
+                for seg in pb.segments:
+                    dst, src = unpack_pair(buf, seg, st.dst_bytes[seg.param])
+                    dsts.append(dst)
+                    srcs.append(src)
+            if dsts:  # every peer's segments of the bucket: one multi-tensor copy
+                foreach_copy(dsts, srcs)
+            into: list[Any] = []
+            temps: list[Any] = []
             for i, tmp in st.temps:
                 name = plan.params[i].spec.name
                 sink = sinks[name]
                 if is_tensor(sink):
-                    sink.copy_(tmp, non_blocking=True)  # type: ignore[union-attr]
+                    into.append(sink)
+                    temps.append(tmp)
                 else:
                     callbacks.append((name, sink, tmp))
+            if into:  # targets that cannot take bytes (strided, another device): one more
+                foreach_copy(into, temps, non_blocking=True)
         await self.finish_unpack(st, bool(st.scatter or st.temps), callbacks)
 
     def release(self, staging: Staging) -> None:
