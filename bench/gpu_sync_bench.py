@@ -749,7 +749,11 @@ async def api_paths(ctx: _world.RankCtx, case: dict[str, Any], plan: Any, source
             else:
                 res = await eng[0].receive(timeout=deadline)
             last[tag] = {"transport": res.transport, "reason": res.reason[:300],
-                         "buckets": res.buckets, "peak_extra_bytes": res.peak_extra_bytes,
+                         "seconds": round(res.seconds, 5), "buckets": res.buckets,
+                         "peak_extra_bytes": res.peak_extra_bytes,
+                         # newer SyncResult fields, where this engine has them
+                         "predicted_seconds": getattr(res, "predicted_seconds", None),
+                         "cast_bytes": getattr(res, "cast_bytes", None),
                          "phases": {k: round(v, 5) for k, v in res.phases.items()}}
         return run
 
@@ -1302,6 +1306,11 @@ def table_lines(summary: Mapping[str, Any]) -> list[str]:
     errs = summary.get("path_errors") or {}
     for sec, per in errs.items():
         rows.append(f"{'! ' + sec:<32} failed: {next(iter(per.values()))[:150]}")
+    api = (summary.get("api_rounds") or {}).get(0) or {}
+    for tag in ("api_bf16", "api_fp32"):
+        if tag in api:
+            rows.append(f"{tag}: transport {api[tag]['transport']!r}, predicted "
+                        f"{api[tag].get('predicted_seconds')} s ({api[tag]['reason'][:120]})")
     gp = summary.get("gpus") or {}
     rows.append(f"bytes received by workers: {summary.get('bytes_received_by_workers')}; "
                 f"lower bound at the link rate: {gp.get('lower_bound_s')} s; bit-exact: "

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The coalescing comparison on the GPU: every model, the threshold sweep and tests/gpu, each
+# step's log and JSON under $OUT; a failing (or hanging: per-step timeout) step does not stop
+# the next one. Run from the repository root once the GPU kit is installed (DEVELOPERS.md,
+# "GPU tests on the H200"), e.g.
+#     source .gpu/kit/install.sh && OUT=$OUT bash bench/gpu_coalesce_run.sh
+#     OUT=$OUT bash bench/gpu_coalesce_run.sh moe mixed threshold     # a subset, in this order
+# Steps: moe mixed dense large threshold tests (default: all, ~10-12 min on one H200).
+set -u
+OUT=${OUT:-/tmp/m2n-gpu-out}
+mkdir -p "$OUT"
+PY=${PY:-python3}
+STEP_TIMEOUT=${STEP_TIMEOUT:-480}
+JSON="$OUT/bench-gpu.jsonl"
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(moe mixed dense large threshold tests)
+
+run_step() {  # name, command...
+    local name=$1; shift
+    local t0=$SECONDS
+    echo "== $name: $*" | tee -a "$OUT/steps.log"
+    timeout -k 20 "$STEP_TIMEOUT" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "   $name: rc=$rc, $((SECONDS - t0)) s" | tee -a "$OUT/steps.log"
+    # the table and the GOAL lines are printed last
+    sed -n '/^== model\|^== threshold/,$p' "$OUT/$name.log" | tee -a "$OUT/goals.log"
+    [ $rc -ne 0 ] && tail -n 30 "$OUT/$name.log"
+    return 0
+}
+
+{ nvidia-smi -L; "$PY" -c "import torch; print('torch', torch.__version__)"; \
+  "$PY" -c "from m2n_async._data import _cuda; print('libnccl', _cuda.libnccl_version())"; \
+  git log --oneline -1; } >"$OUT/env.log" 2>&1
+
+for s in "${steps[@]}"; do
+    case $s in
+        moe|mixed|dense|large)
+            run_step "$s" "$PY" bench/gpu_sync_bench.py --model "$s" --timeout 420 --out "$JSON" ;;
+        threshold)
+            run_step threshold "$PY" bench/gpu_sync_bench.py --threshold-sweep --timeout 420 \
+                --out "$JSON" ;;
+        tests)
+            STEP_TIMEOUT=${TESTS_TIMEOUT:-900} run_step tests env M2N_GPU_REPORT="$OUT/gpu-report.jsonl" "$PY" -m pytest tests/gpu \
+                -q -rs -p no:cacheprovider ;;
+        *) echo "unknown step $s (moe mixed dense large threshold tests)" | tee -a "$OUT/steps.log" ;;
+    esac
+done
+echo "done: $OUT/steps.log, $OUT/goals.log, $JSON" | tee -a "$OUT/steps.log"
