@@ -122,7 +122,10 @@ class SyncResult:
     ``EngineConfig.link_bytes_per_second`` is set. ``peak_extra_bytes`` is the peak staging
     held by the pipeline (≤ ``max_inflight x bucket_bytes``). ``transport`` is the agreed data
     plane and ``reason`` why it was chosen, followed by how it runs when it says more (``m2n``:
-    grouped submission or ordered single reshards, and why).
+    grouped submission or ordered single reshards, and why). ``cast_bytes`` (trainer) is how
+    many of ``bytes`` this rank produced by casting a source to the wire dtype while packing
+    (fp32 master weights, bf16 on the wire); 0 when every source already had the wire dtype,
+    and on a worker.
     """
 
     version: int
@@ -137,6 +140,7 @@ class SyncResult:
     peak_extra_bytes: int = 0
     transport: str = ""
     reason: str = ""
+    cast_bytes: int = 0
 
     @property
     def gbps(self) -> float:

@@ -39,6 +39,7 @@ from collections.abc import (
     Sequence,
 )
 from contextlib import contextmanager
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal, Self
 
 import anyio
@@ -81,8 +82,10 @@ from m2n_async._proto.messages import (
 )
 from m2n_async._proto.params import ParamSpec
 from m2n_async._proto.plan import (
+    CAST_DTYPES,
     MAX_BUCKET_PARAMS,
     TransferPlan,
+    check_source_dtype,
     split_buckets,
     validate_local_buffer,
 )
@@ -736,7 +739,7 @@ class _Engine:
                           bytes=stats.nbytes, seconds=seconds, phases=phases,
                           buckets=stats.buckets, lower_bound_seconds=lower, efficiency=eff,
                           peak_extra_bytes=stats.peak_extra_bytes, transport=self.transport,
-                          reason=self.transport_reason)
+                          reason=self.transport_reason, cast_bytes=stats.cast_bytes)
 
     async def _cleanup_round(self, round_: int) -> None:
         # Every rank gathered round k's outcome, so all finished round k-1: its keys can go.
@@ -839,11 +842,24 @@ class _no_deadline:
 _INLINE_PARAMS = 512
 
 
+#: Mappings whose values are stored tensors (a dict or MappingProxyType, its ``__getitem__``
+#: not overridden): reading a dtype computes nothing, so the
+#: dtypes are checked before the round (``_Sources.precheck``). Any other Mapping may compute
+#: on lookup (a ``to_local()``, a cast) and is checked bucket by bucket, at staging.
+_STORED_GETITEM: tuple[object, ...] = (dict.__getitem__, MappingProxyType.__getitem__)
+
+
 class _Sources:
-    """Resolves one bucket's local shards from whatever ``sync_weights`` was given."""
+    """Resolves one bucket's local shards from whatever ``sync_weights`` was given.
+
+    Dtypes: a source may have the planned (wire) dtype or one the transports cast to it
+    while packing (``_proto.plan.cast_problem``: a float-to-float cast). ``precheck`` refuses
+    any other dtype before the round wherever it can be read without computing a shard; the
+    per-bucket check catches the rest at staging.
+    """
 
     def __init__(self, weights: Weights, plan: TransferPlan, rank: int, device: str,
-                 expect: list[tuple[Any, torch.Size]], names: Sequence[str]) -> None:
+                 expect: list[_Expect], names: Sequence[str]) -> None:
         import torch
 
         self._plan = plan
@@ -868,10 +884,20 @@ class _Sources:
         self._call: Callable[[Sequence[str]], Mapping[str, torch.Tensor]] | None = None
         self._map: Mapping[str, torch.Tensor] | None = None
         self._expect = expect
-        if isinstance(weights, torch.nn.Module):
-            from m2n_async._integrations.sources import module_shards
+        #: name -> the dtype a lookup would give, without computing it (None: unknown)
+        self._dtype_of: Callable[[str], Any] | None = None
+        from m2n_async._integrations.sources import ModuleShards, module_shards
 
-            weights = module_shards(weights, names=[p.spec.name for p in plan.params])
+        if isinstance(weights, torch.nn.Module):
+            # Its parameters as they are (fp32 masters stay fp32): the transports cast to
+            # the wire dtype while packing, with no cast copy per bucket.
+            weights = module_shards(weights, names=names)
+        if isinstance(weights, ModuleShards):
+            self._dtype_of = weights.dtype_of
+        elif isinstance(weights, dict | MappingProxyType) and (
+                type(weights).__getitem__ in _STORED_GETITEM):
+            get = weights.get
+            self._dtype_of = lambda n: getattr(get(n), "dtype", None)
         if isinstance(weights, Mapping):
             self._map = weights
             # A plain dict is looked up on the loop (cheap) for small buckets; any other
@@ -888,6 +914,26 @@ class _Sources:
                 f"sync_weights: weights must be a Mapping name -> tensor, a torch.nn.Module, "
                 f"a callable(names) -> Mapping, or an iterable of (name, tensor); got "
                 f"{type(weights).__name__}")
+
+    async def precheck(self) -> None:
+        """Refuse, before the round, a source whose dtype is neither the wire dtype nor one
+        cast to it while packing, for sources whose dtypes can be read without computing a
+        shard (a dict of tensors, a module or ``module_shards``): ``PlanError`` naming the
+        parameter, the rank and both dtypes. Chunked like the per-bucket check of a dict,
+        so that 10^5 parameters never hold the loop for long."""
+        dtype_of = self._dtype_of
+        if dtype_of is None:
+            return
+        expect, names = self._expect, self._names
+        for a in range(0, len(names), _INLINE_PARAMS):
+            if a:
+                await anyio.lowlevel.checkpoint()
+            for (_, _, ok), n in zip(expect[a:a + _INLINE_PARAMS],
+                                     names[a:a + _INLINE_PARAMS], strict=True):
+                d = dtype_of(n)
+                if d is not None and d not in ok:
+                    i = a + names[a:a + _INLINE_PARAMS].index(n)
+                    check_source_dtype(self._plan.params[i].spec, d, self._rank)
 
     async def __call__(self, bucket: Bucket) -> Mapping[str, torch.Tensor]:
         names = self._names[bucket.start:bucket.stop]
@@ -947,26 +993,36 @@ class _Sources:
         """Check params ``start, start + 1, ...`` (named ``names``) in ``got``."""
         expect = self._expect
         on_device = self._on_device
-        for (dtype, shape), n in zip(expect[start:start + len(names)], names, strict=True):
+        for (dtype, shape, ok), n in zip(expect[start:start + len(names)], names,
+                                         strict=True):
             t = got.get(n)
             # Fast path (a few attribute reads, ~0.7 us); the full check explains a mismatch.
-            if (t is None or t.dtype is not dtype or t.shape != shape or not on_device(t)
-                    or not t.is_contiguous()):
+            if (t is None or (t.dtype is not dtype and t.dtype not in ok) or t.shape != shape
+                    or not on_device(t) or not t.is_contiguous()):
                 if t is None:
                     raise PlanError(f"sync_weights: no local shard for parameter {n!r} "
                                     f"(rank {self._rank})")
                 i = start + names.index(n)
                 validate_local_buffer(self._plan.params[i].spec, t, self._rank, "source",
-                                      device=self._device)
+                                      device=self._device, cast=True)
 
 
-def _source_expectations(plan: TransferPlan, rank: int) -> list[tuple[Any, torch.Size]]:
-    """Per param, the (torch dtype, local shape) this rank's shard must have."""
+#: Per param: (wire torch dtype, local shape, the source dtypes accepted: the wire dtype and
+#: those the transports cast to it while packing).
+_Expect = tuple[Any, "torch.Size", frozenset[Any]]
+
+
+def _source_expectations(plan: TransferPlan, rank: int) -> list[_Expect]:
+    """Per param, the dtype, local shape and accepted source dtypes of this rank's shard."""
     import torch
 
-    return [(getattr(torch, p.spec.dtype), torch.Size(p.spec.layout.local_shape(p.spec.shape,
-                                                                               rank)))
-            for p in plan.params]
+    floats = frozenset(getattr(torch, n) for n in CAST_DTYPES)
+    out: list[_Expect] = []
+    for p in plan.params:
+        wire = getattr(torch, p.spec.dtype)
+        out.append((wire, torch.Size(p.spec.layout.local_shape(p.spec.shape, rank)),
+                    floats if wire in floats else frozenset((wire,))))
+    return out
 
 
 class TrainerEngine(_Engine):
@@ -977,7 +1033,7 @@ class TrainerEngine(_Engine):
     def __init__(self, *, params: Sequence[ParamSpec], **kw: Any) -> None:
         super().__init__(**kw)
         self._params = tuple(params)
-        self._expect: list[tuple[Any, torch.Size]] = []
+        self._expect: list[_Expect] = []
         self._names: list[str] = []
 
     @classmethod
@@ -1033,6 +1089,22 @@ class TrainerEngine(_Engine):
         iterable of ``(name, tensor)`` pairs — lazy sources are materialized bucket by bucket.
         Each shard is checked against the plan (dtype, local shape, contiguity, device) when
         its bucket is staged; keep the tensors unchanged until this returns.
+
+        Dtypes: a shard may have its parameter's planned (wire) dtype, or another float
+        dtype among float64 / float32 / bfloat16 / float16 when the wire dtype is one of them
+        (fp32 master weights, bf16 on the wire). Such a shard is cast while it is packed, in
+        the copy that packs, on every transport; the workers get exactly
+        ``shard.to(wire_dtype)`` (round to nearest even) and ``SyncResult.cast_bytes`` says
+        how many bytes were cast. Any other conversion (int <-> float, to or from fp8,
+        bool, integer widths) raises ``PlanError`` naming the parameter, the rank and both
+        dtypes. For a dict (or ``MappingProxyType``) of tensors, a module and
+        ``module_shards(...)`` it is raised before the round: nothing was sent and the
+        engine stays READY (on a trainer rank other than 0, whose peers may have begun the
+        round: call again with fixed weights to join it, or close the engine so they fail
+        at once). A lazy source (a callable, an iterable, any other Mapping, which may
+        compute on lookup) is checked when its bucket is staged: the round then fails on
+        every rank with a ``TransferError`` naming the parameter, as any other bad shard,
+        and the engine is POISONED.
         ``version`` (rank 0): the version to commit (default: current + 1; must increase).
         ``timeout`` (rank 0): the round deadline for every rank (default
         ``config.round_timeout``). ``progress(bytes_done, bytes_total)`` after each bucket.
@@ -1043,7 +1115,9 @@ class TrainerEngine(_Engine):
 
         Raises ``LocalProtocolError`` (nothing happened, the engine stays READY) for a
         ``version`` that is not an int above the committed one, a ``timeout`` that is not a
-        finite number > 0, or a second ``sync_weights`` while one runs on this engine.
+        finite number > 0, ``weights`` of none of the kinds above, or a second
+        ``sync_weights`` while one runs on this engine; ``PlanError`` (likewise) for a
+        module lacking a plan parameter or a dtype refused before the round (above).
 
         Cancellation: if cancelled before rank 0 publishes the round, nothing happened and
         the engine stays READY. Rank 0's publish itself is shielded (bounded by the round
@@ -1071,9 +1145,16 @@ class TrainerEngine(_Engine):
             raise LocalProtocolError(f"sync_weights: timeout must be a finite number of "
                                      f"seconds > 0, got {timeout!r}")
         assert self._plan is not None and self._transport is not None
+        plan, transport, rank = self._plan, self._transport, self.rank
+        device = transport.ctx.settings.device or "cpu"
+        # Before the round: a weights object of the wrong kind, a module lacking plan names,
+        # or a dtype that is not a float cast of the wire dtype is refused with nothing
+        # sent, the engine still READY.
+        t0 = time.perf_counter()
+        sources = _Sources(weights, plan, rank, device, self._expect, self._names)
+        await sources.precheck()
         k = self._round + 1
         keys = _RoundKeys(self._namespace, k)
-        t0 = time.perf_counter()
         try:
             if self.rank == 0:
                 v = self._version + 1 if version is None else version
@@ -1100,11 +1181,7 @@ class TrainerEngine(_Engine):
         except (M2NError, TimeoutError) as exc:
             self._poison_with(exc)
             raise
-        plan, transport, rank = self._plan, self._transport, self.rank
-        device = self._transport.ctx.settings.device or "cpu"
-
         async def work() -> PipelineStats:
-            sources = _Sources(weights, plan, rank, device, self._expect, self._names)
             stats = await run_pipeline(transport, self._buckets,
                                        max_inflight=self.config.max_inflight, sources=sources,
                                        progress=progress, total_bytes=plan.send_bytes(rank))

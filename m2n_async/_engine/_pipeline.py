@@ -57,6 +57,8 @@ class PipelineStats:
     wall: float = 0.0
     peak_extra_bytes: int = 0
     live_extra_bytes: int = 0
+    #: wire-dtype bytes the transport produced by casting sources while packing (trainer)
+    cast_bytes: int = 0
 
 
 SourceResolver = Callable[["Bucket"], Awaitable[Mapping[str, "torch.Tensor"]]]
@@ -124,6 +126,7 @@ async def run_pipeline(transport: Transport, buckets: Sequence[Bucket], *, max_i
                     t0 = clock()
                     staging = await transport.stage(bucket, sources=src, sinks=sinks)
                     stats.busy["pack"] += staging.seconds.get("pack", clock() - t0)
+                    stats.cast_bytes += staging.cast_bytes
                     stats.live_extra_bytes += staging.nbytes
                     stats.peak_extra_bytes = max(stats.peak_extra_bytes,
                                                  stats.live_extra_bytes)

@@ -22,8 +22,12 @@ default every rank of the default process group), which is right for DDP-style t
 
 ``module_shards`` is the lazy counterpart the engine calls when ``sync_weights`` is given a
 module: it resolves names once, then computes each local shard (``to_local()``, detached,
-optionally cast) only when the pipeline looks it up, bucket by bucket, and keeps no cache —
-so a cast to the wire dtype costs one bucket of memory at a time, not a model's worth.
+optionally cast) only when the pipeline looks it up, bucket by bucket, and keeps no cache.
+The engine calls it without ``dtype``: shards keep the module's dtype (fp32 master weights
+stay fp32) and the transports cast them to the wire dtype while packing, in the copy that
+packs, so ``specs_from_module(model, dtype=torch.bfloat16)`` + ``sync_weights(model)`` needs
+no cast copy at all. ``ModuleShards.dtype_of`` tells the engine each shard's dtype without
+computing it, so a dtype that cannot be cast is refused before the round.
 """
 
 from __future__ import annotations
@@ -214,8 +218,9 @@ def specs_from_module(module: torch.nn.Module, *, mesh: Mesh | None = None,
             checkpointing and FSDP are looked through for names).
         mesh: the mesh plain tensors are replicated on.
         dtype: the wire dtype for floating-point tensors (e.g. ``torch.bfloat16`` when the
-            trainer keeps fp32 master weights); integer and bool tensors keep theirs. Pass
-            the same ``dtype`` to ``module_shards``.
+            trainer keeps fp32 master weights); integer and bool tensors keep theirs.
+            ``sync_weights(module)`` then casts the fp32 shards while packing; there is no
+            need to pass ``dtype`` to ``module_shards`` (doing so casts a copy first).
         buffers: include persistent buffers too.
         rename: maps each name to its plan name, or to ``None`` to leave the tensor out.
 
@@ -280,6 +285,17 @@ class ModuleShards(Mapping[str, "torch.Tensor"]):
             local = local.contiguous()
         return local
 
+    def dtype_of(self, name: str) -> torch.dtype:
+        """The dtype ``self[name]`` has, read from the module without computing the shard
+        (the engine refuses a dtype it cannot cast to the wire dtype before a round)."""
+        try:
+            t = self._tensors[name]
+        except KeyError:
+            raise KeyError(f"parameter {name!r} is not in this module's shards") from None
+        if self._dtype is not None and t.is_floating_point():
+            return self._dtype
+        return t.dtype
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._tensors)
 
@@ -309,8 +325,10 @@ def module_shards(module: torch.nn.Module, names: Sequence[str] | None = None, *
     """This rank's local shards of ``module`` as a lazy ``Mapping[str, torch.Tensor]``.
 
     What ``TrainerEngine.sync_weights`` uses when given a module; pass the result yourself
-    when ``specs_from_module`` had non-default ``dtype``/``buffers``/``rename`` (give the same
-    ones here). ``names`` restricts and orders the mapping (the plan's names); any name not
-    in the module raises ``PlanError`` listing the missing ones, before any round starts.
+    when ``specs_from_module`` had non-default ``buffers``/``rename`` (give the same ones
+    here). A ``dtype`` here casts each shard on lookup, a copy per bucket; without it the
+    transports cast fp32 shards to a bf16 wire dtype while packing, at no extra memory.
+    ``names`` restricts and orders the mapping (the plan's names); any name not in the module
+    raises ``PlanError`` listing the missing ones, before any round starts.
     """
     return ModuleShards(module, names, dtype=dtype, buffers=buffers, rename=rename)

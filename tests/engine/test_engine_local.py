@@ -198,7 +198,11 @@ async def test_bad_source_fails_every_rank_identically() -> None:
     async def send(e: TrainerEngine) -> None:
         shards = source_shards(plan, e.rank, 1)
         if e.rank == 1:
-            shards["rep"] = shards["rep"].float()  # wrong dtype on one trainer
+            # Wrong dtype on one trainer (int: not a float cast), from a lazy source, so it
+            # is found when its bucket is staged, inside the round.
+            shards["rep"] = shards["rep"].to(torch.int16)
+            await e.sync_weights(lambda names: {n: shards[n] for n in names})
+            return
         await e.sync_weights(shards)
 
     async def guard(r: int, fn: Callable[[], Awaitable[Any]]) -> None:
@@ -219,7 +223,7 @@ async def test_bad_source_fails_every_rank_identically() -> None:
         assert len(msgs) == 1, msgs
         err = errors[0]
         assert isinstance(err, TransferError) and err.rank == 1 and err.round == 1
-        assert "'rep'" in str(err) and "float32" in str(err)
+        assert "'rep'" in str(err) and "int16" in str(err) and "float16" in str(err)
         for e in [*trainers, *workers]:
             assert e.state.value == "poisoned" and e.version == 0
             with pytest.raises(EnginePoisonedError) as info:

@@ -57,7 +57,7 @@ def test_every_param_is_checked(where: int, fault: str) -> None:
     name = plan.params[where].spec.name
     t = shards[name]
     if fault == "dtype":
-        shards[name] = t.to(torch.float64)
+        shards[name] = t.to(torch.int32)  # a float cast is accepted; int <-> float is not
     elif fault == "shape":
         shards[name] = torch.cat([t.reshape(-1), t.reshape(-1)])
     elif fault == "noncontiguous":
