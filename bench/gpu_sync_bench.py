@@ -92,8 +92,14 @@ MODELS: dict[str, dict[str, Any]] = {
 #: Models whose default comparison includes the packed broadcast (cheap enough there).
 BROADCAST_BY_DEFAULT = ("moe", "mixed")
 
+def _max_call_bytes() -> int:
+    from m2n_async._proto import plan
+
+    return int(getattr(plan, "M2N_MAX_CALL_BYTES", 2 << 30))
+
+
 #: M2N's per-call limit the lane respects (the 2 GiB PACK bin per rank).
-MAX_CALL_BYTES = 2 << 30
+MAX_CALL_BYTES = _max_call_bytes()
 
 #: Per-rank sizes of the threshold sweep (bytes).
 THRESHOLD_SIZES = tuple(64 << 10 << (2 * k) for k in range(6))  # 64 KiB .. 64 MiB
