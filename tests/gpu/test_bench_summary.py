@@ -313,3 +313,23 @@ def test_command_line(bench) -> None:
     th = bench.build_case(p.parse_args(["--threshold-sweep"]))
     assert th["sizes"] == list(bench.THRESHOLD_SIZES)
     assert th["sizes"][0] == 64 << 10 and th["sizes"][-1] == 64 << 20
+
+
+def test_fp32_refusal_asks_the_engines_own_source_check(bench) -> None:
+    from types import SimpleNamespace
+
+    import torch
+
+    from m2n_async._engine._engine import _source_expectations
+
+    w = bench._world
+    plan = w.make_plan(w.mixed_defs(**{**w.TINY_MIXED, "layers": 1}), (1, 2), (1, 2))
+    eng = SimpleNamespace(_plan=plan, _expect=_source_expectations(plan, 0),
+                          _names=[p.spec.name for p in plan.params])
+    srcs = w.source_shards(plan, 0, 0, "cpu")
+    assert bench.fp32_refusal(eng, srcs, 0, "cpu") is None  # the wire dtype itself
+    as_int = {k: v.to(torch.int16) for k, v in srcs.items()}
+    assert "PlanError" in (bench.fp32_refusal(eng, as_int, 0, "cpu") or "")
+    # fp32 masters for a bf16 wire: whatever the engine says, before any round
+    got = bench.fp32_refusal(eng, {k: v.float() for k, v in srcs.items()}, 0, "cpu")
+    assert got is None or got.startswith("PlanError")
