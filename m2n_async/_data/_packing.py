@@ -415,7 +415,7 @@ def pack_pair(buf: torch.Tensor, seg: Segment, src: torch.Tensor, wire: torch.dt
         return (typed if seg.span is not None and not seg.whole
                 else typed.view(region.shape)), region
     cast = region.to(wire).contiguous()  # unaligned: a temporary of this segment's size
-    return piece.view(seg.shape), byte_view(cast)
+    return piece, byte_view(cast).view(-1)  # its bytes in row-major order: the wire order
 
 
 def unpack_pair(buf: torch.Tensor, seg: Segment, dst_bytes: torch.Tensor, base: int = 0
