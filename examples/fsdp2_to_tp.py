@@ -4,14 +4,17 @@ What it shows:
 
 - the trainer is an ordinary FSDP2 job with a Gloo world of its own (``init_process_group``
   over its ranks only); ``m2n_async`` never touches that group;
-- ``specs_from_module(model)`` derives names, dtypes, global shapes and layouts from the FSDP2
-  DTensors, and ``sync_weights(model)`` takes the module itself — each local shard
-  (``to_local()``) is looked up lazily, bucket by bucket;
-- the workers hold plain tensors already cut for TP=2 and declare them with
+- mixed precision: the trainer keeps fp32 master weights and the workers serve bf16.
+  ``specs_from_module(model, dtype=torch.bfloat16)`` derives names, global shapes and layouts
+  from the FSDP2 DTensors with bf16 on the wire, and ``sync_weights(model)`` takes the fp32
+  module itself — each local shard (``to_local()``) is looked up lazily, bucket by bucket, and
+  cast to bf16 while it is packed (no cast copy; ``SyncResult.cast_bytes`` counts it);
+- the workers hold plain bf16 tensors already cut for TP=2 and declare them with
   ``targets_from_module(model, TP_PLAN)``;
 - verification: every worker's received shard is compared, by SHA-256 of its bytes, with the
   box the agreed plan (``engine.plan``) assigns that worker in the trainer's updated full
-  tensor (gathered with ``full_tensor()``). Workers start from zeros, so a match proves the
+  tensor (gathered with ``full_tensor()``) cast with ``.to(torch.bfloat16)``: the engine's
+  cast must round exactly as torch does. Workers start from zeros, so a match proves the
   bytes moved.
 
 Run: ``python examples/fsdp2_to_tp.py`` (CPU; ``--trainers``/``--tp`` to change the shape).
@@ -47,6 +50,7 @@ from m2n_async import (
 )
 
 CONFIG = EngineConfig(transport="gloo", bucket_bytes=16 << 10, round_timeout=60.0)
+WIRE = torch.bfloat16  # the workers' dtype; the trainer's masters are fp32
 
 
 # -- trainer ranks ---------------------------------------------------------------------------
@@ -75,7 +79,8 @@ def trainer(rank: int, trainers: int, tp: int, address: str, token: str, out: Pa
         opt.step()
         opt.zero_grad()
 
-        specs = specs_from_module(model)
+        # fp32 masters, bf16 on the wire: the engine casts while packing.
+        specs = specs_from_module(model, dtype=WIRE)
         result, plan = anyio.run(partial(_sync, rank, trainers, tp, address, token, specs,
                                          model))
 
@@ -85,12 +90,15 @@ def trainer(rank: int, trainers: int, tp: int, address: str, token: str, out: Pa
         expected: dict[str, dict[str, str]] = {}
         for p in plan.params:
             full = params[p.name].full_tensor()  # a collective: same order on every rank
+            assert full.dtype == torch.float32  # the masters stay fp32
+            full = full.to(WIRE)  # what the workers must hold, bit for bit
             for w in p.dst.mesh.ranks:
                 expected.setdefault(str(w), {})[p.name] = digest(
                     boxed(full, p.dst.box(p.spec.shape, w)))
         if rank == 0:
             write_json(out / "expected.json", {"digests": expected, "version": result.version,
-                                              "bytes": result.bytes, "loss": loss.item()})
+                                              "bytes": result.bytes, "loss": loss.item(),
+                                              "cast_bytes": result.cast_bytes})
     finally:
         dist.destroy_process_group()
 
@@ -111,7 +119,7 @@ async def _sync(rank: int, trainers: int, tp: int, address: str, token: str,
 # -- worker ranks ----------------------------------------------------------------------------
 
 def worker(index: int, trainers: int, tp: int, address: str, token: str, out: Path) -> None:
-    model = Policy(tp)  # this TP rank's local shards
+    model = Policy(tp).to(WIRE)  # this TP rank's local shards, in the serving dtype
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()  # so that matching digests prove the bytes moved
@@ -170,9 +178,13 @@ def main(argv: list[str] | None = None) -> int:
                 return fail(f"worker rank {w} at version {got['version']}, trainer at "
                             f"{expected['version']}")
             checked += len(want)
+    if expected["cast_bytes"] != expected["bytes"]:
+        return fail(f"trainer rank 0 cast {expected['cast_bytes']} of {expected['bytes']} "
+                    f"bytes; every fp32 master should have been cast to bf16")
     print(f"verified: {checked} shards on {args.tp} TP workers bit-exact after one FSDP2 step "
-          f"on {args.trainers} trainers (loss {expected['loss']:.4f}, version "
-          f"{expected['version']}, {expected['bytes']} bytes from trainer rank 0)")
+          f"on {args.trainers} trainers, fp32 masters cast to bf16 while packing (loss "
+          f"{expected['loss']:.4f}, version {expected['version']}, {expected['bytes']} bytes "
+          f"from trainer rank 0, all cast)")
     return 0
 
 
