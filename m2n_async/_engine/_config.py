@@ -15,6 +15,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from m2n_async._proto.cost import DEFAULT_LANES, cost_inputs
 from m2n_async._proto.errors import PlanError
 from m2n_async._proto.stacking import COALESCE_BELOW_BYTES
 
@@ -62,6 +63,11 @@ class EngineConfig:
       the calls on the wire, so it must match on every rank.
     - ``coalesce_below``: bytes; a parameter any rank moves at least this many bytes of stays
       a single zero-copy reshard (default 16 MiB). Must match on every rank.
+    - ``costs``: per-transport cost terms ``{"m2n": (call_seconds, param_seconds,
+      bytes_per_second), ...}`` that ``transport="auto"`` predicts each lane's round from
+      (``docs/tuning.md``, "How auto chooses"); lanes left out keep the measured defaults.
+      None: the ``M2N_ASYNC_COSTS`` environment variable (the same, as JSON), else the
+      defaults. Must match on every rank (compared in the handshake).
     """
 
     transport: str = "auto"
@@ -77,6 +83,7 @@ class EngineConfig:
     link_bytes_per_second: float | None = None
     coalesce: bool = True
     coalesce_below: int = COALESCE_BELOW_BYTES
+    costs: Mapping[str, tuple[float, float, float]] | None = None
 
     def __post_init__(self) -> None:
         if self.transport not in ("auto", "m2n", "nccl", "gloo"):
@@ -104,6 +111,12 @@ class EngineConfig:
         if type(self.coalesce_below) is not int or self.coalesce_below < 1:
             raise PlanError(f"EngineConfig.coalesce_below must be an int >= 1 (bytes), got "
                             f"{self.coalesce_below!r}")
+        if self.costs is not None:
+            if not isinstance(self.costs, Mapping):
+                raise PlanError(f"EngineConfig.costs must be None or a mapping transport -> "
+                                f"(call_seconds, param_seconds, bytes_per_second), got "
+                                f"{self.costs!r}")
+            cost_inputs({**DEFAULT_LANES, **self.costs}, dict.fromkeys(DEFAULT_LANES, 1), 0)
         bps = self.link_bytes_per_second
         if bps is not None and not (isinstance(bps, int | float) and bps > 0):
             raise PlanError(f"EngineConfig.link_bytes_per_second must be None or > 0, got "
@@ -141,6 +154,8 @@ class SyncResult:
     transport: str = ""
     reason: str = ""
     cast_bytes: int = 0
+    #: the round time ``_proto.cost`` predicted for this plan on this transport at connect
+    predicted_seconds: float | None = None
 
     @property
     def gbps(self) -> float:

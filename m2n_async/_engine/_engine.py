@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import (
     AsyncIterator,
@@ -61,6 +62,7 @@ from m2n_async._engine._config import EngineConfig, EngineState, SyncResult
 from m2n_async._engine._generation import join_generation
 from m2n_async._engine._pipeline import PipelineStats, run_pipeline, unwrap_group
 from m2n_async._engine._preflight import PreflightInputs, PreflightOutcome, run_preflight
+from m2n_async._proto.cost import COSTS_ENV, DEFAULT_LANES, cost_inputs, parse_costs
 from m2n_async._proto.errors import (
     EnginePoisonedError,
     LocalProtocolError,
@@ -74,6 +76,7 @@ from m2n_async._proto.handshake import Phase, PreflightPlan
 from m2n_async._proto.messages import (
     PROTO_VERSION,
     Abort,
+    CostInputs,
     DataPlaneIdentity,
     RoundDone,
     RoundStart,
@@ -240,6 +243,19 @@ class _Engine:
                                  max_cta=c.max_cta, device=c.device,
                                  connect_timeout=c.phase_timeout, host=host,
                                  coalesce=c.coalesce, coalesce_below=c.coalesce_below)
+
+    def _costs(self) -> CostInputs:
+        """What ``auto`` predicts from: the config's (or ``M2N_ASYNC_COSTS``'s) terms over the
+        defaults, each lane's bucket size and the coalescing threshold; compared in the
+        handshake, so a rank configured differently is named."""
+        c = self.config
+        lanes = dict(DEFAULT_LANES)
+        if c.costs is not None:
+            lanes.update(c.costs)
+        elif os.environ.get(COSTS_ENV, "").strip():
+            lanes = parse_costs(os.environ[COSTS_ENV])
+        return cost_inputs(lanes, {t: self._bucket_bytes(t) for t in lanes},
+                           c.coalesce_below if c.coalesce else 0)
 
     def _capabilities(self) -> list[str]:
         out = []
@@ -739,7 +755,9 @@ class _Engine:
                           bytes=stats.nbytes, seconds=seconds, phases=phases,
                           buckets=stats.buckets, lower_bound_seconds=lower, efficiency=eff,
                           peak_extra_bytes=stats.peak_extra_bytes, transport=self.transport,
-                          reason=self.transport_reason, cast_bytes=stats.cast_bytes)
+                          reason=self.transport_reason, cast_bytes=stats.cast_bytes,
+                          predicted_seconds=(self._outcome.predicted_seconds
+                                             if self._outcome is not None else None))
 
     async def _cleanup_round(self, round_: int) -> None:
         # Every rank gathered round k's outcome, so all finished round k-1: its keys can go.
@@ -1077,7 +1095,8 @@ class TrainerEngine(_Engine):
             trainer_ranks=self.trainer_ranks, generation=self._generation,
             params=self._params, mesh_dims=None, dst_placements=None,
             transport=self.config.transport, capabilities=self._capabilities,
-            data_plane_identity=self._identity, prepare_runtime=self._prepare_runtime)
+            data_plane_identity=self._identity, prepare_runtime=self._prepare_runtime,
+            costs=self._costs())
 
     async def sync_weights(self, weights: Weights, *, version: int | None = None,
                            timeout: float | None = None,  # noqa: ASYNC109 - DESIGN §3 API
@@ -1257,7 +1276,8 @@ class WorkerEngine(_Engine):
             trainer_ranks=self.trainer_ranks, generation=self._generation, params=None,
             mesh_dims=self._mesh_dims, dst_placements=self._placements,
             transport=self.config.transport, capabilities=self._capabilities,
-            data_plane_identity=self._identity, prepare_runtime=self._prepare_runtime)
+            data_plane_identity=self._identity, prepare_runtime=self._prepare_runtime,
+            costs=self._costs())
 
     def _in_place(self, plan: TransferPlan) -> frozenset[int] | None:
         # Targets given as tensors take their messages in place; load callbacks need staging.

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import msgspec
 
-from m2n_async._proto.cost import DEFAULT_LANES, cost_inputs, predict
+from m2n_async._proto.cost import DEFAULT_LANES, cost_inputs, pick, predict
 from m2n_async._proto.errors import PlanError
 from m2n_async._proto.layout import REPLICATE, Layout, Mesh
 from m2n_async._proto.params import ParamSpec, ParamTransfer
@@ -328,7 +328,7 @@ def summarize(plan: TransferPlan, *, source: str = "", bucket_bytes: int = DEFAU
     costs = cost_inputs(DEFAULT_LANES, dict.fromkeys(DEFAULT_LANES, bucket_bytes),
                         COALESCE_BELOW_BYTES)
     predicted = predict(plan, costs, ok)
-    auto = min(ok, key=lambda t: predicted[t].seconds) if ok else "none"
+    auto = pick(predicted, ok)[0] if ok else "none"
     ranks = [RankLoad(r, "trainer" if r < plan.trainer_ranks else "worker",
                       plan.send_bytes(r), plan.recv_bytes(r)) for r in range(plan.world_size)]
     return PlanSummary(

@@ -35,7 +35,7 @@ from typing import Final, TypeAlias, TypeVar
 
 import msgspec
 
-from m2n_async._proto.cost import Prediction, predict
+from m2n_async._proto.cost import Prediction, pick, predict
 from m2n_async._proto.errors import LocalProtocolError, PlanError, PreflightError
 from m2n_async._proto.layout import Layout, Mesh
 from m2n_async._proto.messages import (
@@ -146,6 +146,7 @@ _PHASE_DOC: Final[Mapping[Phase, str]] = {
 KNOWN_TRANSPORTS: Final[frozenset[str]] = frozenset({"m2n", "nccl", "gloo"})
 REQUESTABLE_TRANSPORTS: Final[frozenset[str]] = KNOWN_TRANSPORTS | {"auto"}
 TRANSPORT_PREFERENCE: Final[tuple[str, ...]] = ("m2n", "nccl", "gloo")
+
 """``transport="auto"`` takes the first of these every rank can run and that fits the plan."""
 
 # NCCL M2N reads these only for logs and traces, so ranks may differ (REFERENCE §1).
@@ -265,9 +266,10 @@ def choose_transport(plan: TransferPlan, requested: str,
     none can be used.
 
     ``auto``: of the transports every rank can run and that can carry the whole plan (dtypes,
-    tensor rank, fan-in/out limits), the one with the lowest predicted round time
-    (``_proto.cost``; ties and lanes without terms go by ``TRANSPORT_PREFERENCE``); without
-    ``costs``, the first of ``TRANSPORT_PREFERENCE``. An explicit transport must be runnable
+    tensor rank, fan-in/out limits), the first of ``TRANSPORT_PREFERENCE`` — unless another
+    is predicted ``AUTO_MARGIN`` times faster (``_proto.cost.pick``), then the fastest; lanes
+    without terms are not predicted; without ``costs``, the first of
+    ``TRANSPORT_PREFERENCE``. An explicit transport must be runnable
     on every rank (else the ranks that cannot are named) and carry the plan (else every rank
     is named, with the parameter: the plan is everybody's).
     """
@@ -330,12 +332,10 @@ def _cheapest(plan: TransferPlan, usable: Sequence[str], costs: CostInputs | Non
         t = usable[0]
         return (t, f"auto chose {t!r}: the first of m2n > nccl > gloo that every rank can run "
                    f"and that can carry the whole plan{extra}", None)
-    # min() keeps the first of equals: preference order breaks ties
-    best = min((t for t in usable if t in predicted), key=lambda t: predicted[t].seconds)
+    best, why = pick(predicted, usable)
     ranked = ", ".join(predicted[t].describe() for t in usable if t in predicted)
-    return (best, f"auto chose {best!r}: the lowest predicted round of the transports every "
-                  f"rank can run and that can carry the whole plan ({ranked}){extra}",
-            predicted[best])
+    return (best, f"auto chose {best!r}: {why} among the transports every rank can run and "
+                  f"that can carry the whole plan ({ranked}){extra}", predicted[best])
 
 
 class Handshake:

@@ -82,3 +82,14 @@ def test_plan_command_reports_the_predictions() -> None:
     assert calls < len(plan.params)  # layers repeat their shapes: coalesced
     text = format_summary(s)
     assert "predicted" in text and f"{s.predicted[s.auto]}   <- auto" in text
+
+
+def test_auto_leaves_the_preferred_lane_only_for_a_clear_win() -> None:
+    from m2n_async._proto.cost import AUTO_MARGIN
+
+    plan = _experts(16, (4096, 4096))  # dense: the lanes predicted close together
+    costs = cost_inputs(DEFAULT_LANES, BUCKETS, 16 << 20)
+    got = predict(plan, costs)
+    assert got["nccl"].seconds < got["m2n"].seconds < AUTO_MARGIN * got["nccl"].seconds
+    chosen = choose_transport(plan, "auto", EVERYTHING, costs)
+    assert chosen[0] == "m2n" and "none is predicted 1.5x faster" in chosen[1]

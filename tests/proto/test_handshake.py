@@ -608,7 +608,7 @@ def test_auto_chooses_by_predicted_cost_and_names_a_rank_whose_costs_differ() ->
     world.run_to(Phase.DATA_PLANE)
     agreed = world.machines[0].plan
     assert agreed is not None and agreed.transport == "nccl", agreed
-    assert "lowest predicted round" in agreed.reason and "m2n 2 s (2 calls)" in agreed.reason
+    assert "1.5x faster than 'm2n'" in agreed.reason and "m2n 2 s (2 calls)" in agreed.reason
     assert agreed.predicted_seconds is not None and agreed.predicted_seconds < 0.01
     # the same inputs everywhere but on rank 3: rank 3 is named, in destination
     mixed = {**dict.fromkeys(range(5), costs), 3: dear}
