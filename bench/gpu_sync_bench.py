@@ -26,6 +26,8 @@ per receiving GPU and the efficiency against ``--link-gbps`` (370 GB/s, NVLink o
                         one ``torch._foreach_copy_`` of the fp32 shards into bf16 stacked staging;
                         ``pack_per_tensor`` one ``.to(bf16)`` per shard (the old lane);
                         ``pack_flat`` one flat copy of the same bytes (the HBM floor);
+* ``pack_lane``      -- the m2n lane's own ``stage`` of every bucket from the fp32 shards (its
+                        stack arenas and cached views: what a round's pack costs), nothing sent;
 * ``broadcast``      -- vLLM's packed broadcast (trainer rank 0 gathers full tensors and
                         broadcasts 64 MiB buckets; workers slice their shards). Default on for
                         ``moe`` and ``mixed`` (``--broadcast``/``--no-broadcast``);
@@ -550,6 +552,16 @@ async def bench_rank(ctx: _world.RankCtx) -> dict[str, Any]:
             zero()
             await timed("m2n_cast", lambda: pipeline(t, sources32))
             check("m2n_cast")
+
+            async def pack_lane() -> None:
+                # the lane's own trainer pack (its arenas and cached views), nothing sent
+                if trainer:
+                    for b in t.ctx.buckets:
+                        st = await t.stage(b, sources=sources32)
+                        t.streams.pack.synchronize()
+                        t.release(st)
+
+            await timed("pack_lane", pack_lane)
             if case.get("diagnose"):
                 await diagnose(t, descs)
             if case.get("timeline"):
@@ -1144,8 +1156,8 @@ def write_timeline_png(path: str, lanes: dict[str, list[dict[str, float]]]) -> N
 
 #: Every timed path, in the order the table prints them.
 PATHS = ("m2n", "m2n_nocoalesce", "nccl", "api_bf16", "api_fp32", "api_bf16_alone", "raw",
-         "raw_stacked", "per_param", "broadcast", "m2n_cast", "pack_only", "pack_per_tensor",
-         "pack_flat", "raw_after_default_stream_event", "raw_transfer_stream",
+         "raw_stacked", "per_param", "broadcast", "m2n_cast", "pack_lane", "pack_only",
+         "pack_per_tensor", "pack_flat", "raw_after_default_stream_event", "raw_transfer_stream",
          "raw_build_descs", "m2n_cast_one_fence", "m2n_blocking_events", "m2n_poll_events",
          "m2n_bucket_64MiB", "m2n_bucket_1GiB", "m2n_one_bucket")
 
@@ -1172,6 +1184,8 @@ def model_goals(model: str | None, s: Mapping[str, float]) -> list[dict[str, Any
                          _div(g("m2n_nocoalesce"), g("m2n")), ">=", 50))
         out.append(_goal("MoE: pack_only fp32 -> bf16 (ms)",
                          None if g("pack_only") is None else g("pack_only") * 1e3, "<=", 1.5))
+        out.append(_goal("MoE: the lane's own pack (pack_lane) fp32 -> bf16 (ms)",
+                         None if g("pack_lane") is None else g("pack_lane") * 1e3, "<=", 1.5))
     if model == "mixed":
         out.append(_goal("mixed: packed broadcast / engine (m2n, coalescing on)",
                          _div(g("broadcast"), g("m2n")), ">=", 3))
