@@ -101,7 +101,6 @@ from m2n_async._store import (
 from m2n_async._store._group import drop_departed, gather_past_departures
 
 if TYPE_CHECKING:
-
     from m2n_async._proto.plan import Bucket
 
 __all__ = ["TrainerEngine", "WorkerEngine"]
