@@ -242,3 +242,13 @@ def test_a_busy_arena_slot_gets_a_temporary_buffer():
     arenas.give(s3)
     s4, bigger = arenas.take(0, 400, "cpu")
     assert s4 == 0 and bigger.numel() == 400
+
+
+def test_the_gpu_kernel_declines_cpu_tensors():
+    # the Triton copy is GPU-only and optional: on CPU (or without Triton) it does nothing
+    # and says so, and the lane copies with torch._foreach_copy_ (every test above)
+    from m2n_async._data._kernels import copy_many
+
+    dsts = [torch.empty(4, 4) for _ in range(16)]
+    srcs = [torch.ones(4, 4) for _ in range(16)]
+    assert copy_many(dsts, srcs) is False

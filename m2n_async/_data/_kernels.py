@@ -1,0 +1,177 @@
+"""Multi-tensor copies on CUDA: many same-shape pieces in one Triton launch.
+
+Theory of operation. Packing a stack of 1024 experts, scattering it into 1024 targets, and
+packing 1024 strided column blocks for a peer are each "copy n pieces of one geometry". The
+obvious tool, ``torch._foreach_copy_``, costs ~0.5 ms for 1024 contiguous 128 KiB pieces
+on an H200 and falls back to one launch per piece for strided ones (8.3 ms for 1024 column
+blocks of (256, 256) shards), while one kernel that reads every piece through a table of
+base pointers moves the same bytes in 0.07 ms (``bench/gpu_strided_copy.py``; BENCHMARKS
+"GPU sync", strided pieces). So where Triton is installed (an optional, GPU-only
+dependency), ``copy_many`` launches one such kernel per group of pieces that share shape,
+row strides and dtypes; everything else — CPU tensors, no Triton, mixed shapes, more than
+two dims, a dtype pair the kernel does not convert exactly — returns False and the caller
+runs ``torch._foreach_copy_`` as before.
+
+Exactness. Equal dtypes are copied as same-width integers (bits, never a float round trip).
+A float cast (fp32 / bf16 / fp16 / fp64 to another of them) must give the bytes of
+``Tensor.to``: the first use of each dtype pair in a process runs the kernel and torch on
+ties, subnormals, infinities, NaNs and -0 and turns the pair off if a single bit differs.
+
+The pointer tables live on the device (one int64 per piece); callers that copy the same
+pieces every round (a stack's member views, a worker's fixed targets) build them once with
+``pointer_table`` and pass them in. A table and the pieces must stay referenced until the
+copy ran on the stream (the transports keep them with the staging).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["available", "copy_many", "pointer_table"]
+
+#: Fewer pieces than this: ``_foreach_copy_`` costs about the same, skip the launch.
+MIN_PIECES = 8
+_BLOCK = 1024
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {}        # "kernel": the jitted kernel, or None if unavailable
+_pairs: dict[tuple[Any, Any], bool] = {}   # (src dtype, dst dtype) -> exact cast
+
+
+def _kernel() -> Any:
+    with _lock:
+        if "kernel" in _state:
+            return _state["kernel"]
+        try:
+            import triton
+            import triton.language as tl
+
+            # Triton reads the parameters' annotations (tl.constexpr): no others here.
+            @triton.jit  # type: ignore[untyped-decorator]
+            def copy(src_ptrs, dst_ptrs, rows, cols, sstride, dstride,  # type: ignore[no-untyped-def]
+                     BLOCK: tl.constexpr, SRC: tl.constexpr, DST: tl.constexpr):
+                p = tl.program_id(0)
+                offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+                mask = offs < rows * cols
+                r = offs // cols
+                c = offs % cols
+                src = tl.load(src_ptrs + p).to(tl.pointer_type(SRC))
+                dst = tl.load(dst_ptrs + p).to(tl.pointer_type(DST))
+                x = tl.load(src + r * sstride + c, mask=mask)
+                tl.store(dst + r * dstride + c, x.to(DST), mask=mask)
+
+            _state["kernel"] = (copy, triton, tl)
+        except Exception:  # Triton absent or broken: the caller's fallback is exact anyway
+            _state["kernel"] = None
+        return _state["kernel"]
+
+
+def available() -> bool:
+    """True when the Triton kernel can be used in this process (CUDA tensors only)."""
+    return _kernel() is not None
+
+
+def _tl_type(tl: Any, dtype: Any, bits: bool) -> Any:
+    import torch
+
+    if bits:  # same dtype on both sides: copy the bits as integers of its width
+        return {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}.get(dtype.itemsize)
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16,
+            torch.float16: tl.float16, torch.float64: tl.float64}.get(dtype)
+
+
+def _geometry(t: Any) -> tuple[int, int, int] | None:
+    """(rows, cols, row stride) of a piece the kernel can address, else None."""
+    if t.dim() == 0:
+        return 1, 1, 1
+    if t.dim() == 1:
+        return (1, t.shape[0], t.shape[0]) if t.stride(0) == 1 or t.shape[0] == 1 else None
+    if t.dim() == 2 and (t.stride(1) == 1 or t.shape[1] == 1):
+        return t.shape[0], t.shape[1], t.stride(0)
+    return None
+
+
+def pointer_table(tensors: Sequence[Any], device: Any) -> Any:
+    """The pieces' base addresses as a device int64 tensor (for ``copy_many``)."""
+    import torch
+
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64).to(
+        device, non_blocking=True)
+
+
+def _exact(src_dtype: Any, dst_dtype: Any, device: Any) -> bool:
+    """Does the kernel cast ``src_dtype`` -> ``dst_dtype`` exactly as ``Tensor.to``?"""
+    import torch
+
+    key = (src_dtype, dst_dtype)
+    got = _pairs.get(key)
+    if got is not None:
+        return got
+    specials = [0.0, -0.0, 1.0, -1.0, 1.00390625, 1.01171875, 3.0e38, -3.0e38, 6.0e-8,
+                1.0e-40, -1.0e-40, 1.0e-45, 65504.0, 65520.0, 1.0e-5, 3.14159265]
+    special = torch.tensor(specials, dtype=torch.float64)
+    special = torch.cat([special, torch.tensor([float("inf"), float("-inf"), float("nan")],
+                                               dtype=torch.float64)])
+    gen = torch.Generator().manual_seed(0)
+    raw = torch.randint(-(2**31), 2**31 - 1, (4096,), dtype=torch.int32, generator=gen)
+    values = torch.cat([special.to(src_dtype),
+                        raw.view(torch.float32).to(src_dtype)]).to(device)
+    values = values.reshape(1, -1)
+    want = values.to(dst_dtype)
+    out = torch.empty_like(want)
+    ok = False
+    try:
+        if _launch([out], [values], device, check=False):
+            torch.cuda.synchronize(device)
+            ok = bool(torch.equal(out.view(torch.uint8), want.view(torch.uint8)))
+    except Exception:
+        ok = False
+    _pairs[key] = ok
+    return ok
+
+
+def copy_many(dsts: Sequence[Any], srcs: Sequence[Any], *, src_table: Any = None,
+              dst_table: Any = None) -> bool:
+    """``dsts[i].copy_(srcs[i])`` for every i in one launch on the current stream, cast to
+    the destinations' dtype; False (nothing done) when the pieces do not qualify — then
+    the caller copies them some other way. ``*_table``: ``pointer_table`` of that side, if
+    the caller keeps one."""
+    n = len(dsts)
+    if n < MIN_PIECES or n != len(srcs) or _kernel() is None:
+        return False
+    d0, s0 = dsts[0], srcs[0]
+    if not (getattr(d0, "is_cuda", False) and getattr(s0, "is_cuda", False)):
+        return False
+    if d0.dtype != s0.dtype and not _exact(s0.dtype, d0.dtype, d0.device):
+        return False
+    return _launch(dsts, srcs, d0.device, src_table=src_table, dst_table=dst_table)
+
+
+def _launch(dsts: Sequence[Any], srcs: Sequence[Any], device: Any, *, check: bool = True,
+            src_table: Any = None, dst_table: Any = None) -> bool:
+    got = _kernel()
+    if got is None:
+        return False
+    kernel, triton, tl = got
+    d0, s0 = dsts[0], srcs[0]
+    bits = d0.dtype == s0.dtype
+    src_ty, dst_ty = _tl_type(tl, s0.dtype, bits), _tl_type(tl, d0.dtype, bits)
+    gs, gd = _geometry(s0), _geometry(d0)
+    if src_ty is None or dst_ty is None or gs is None or gd is None or gs[:2] != gd[:2]:
+        return False
+    if check:  # one geometry and one dtype pair for every piece
+        for s, d in zip(srcs, dsts, strict=True):
+            if (s.dtype != s0.dtype or d.dtype != d0.dtype or not s.is_cuda or not d.is_cuda
+                    or _geometry(s) != gs or _geometry(d) != gd):
+                return False
+    rows, cols = gs[0], gs[1]
+    blocks = triton.cdiv(rows * cols, _BLOCK)
+    if blocks > 65535:  # the grid's second dim; pieces this large gain nothing here anyway
+        return False
+    st = src_table if src_table is not None else pointer_table(srcs, device)
+    dt = dst_table if dst_table is not None else pointer_table(dsts, device)
+    grid = (len(dsts), blocks)
+    kernel[grid](st, dt, rows, cols, gs[2], gd[2], BLOCK=_BLOCK, SRC=src_ty, DST=dst_ty)
+    return True
