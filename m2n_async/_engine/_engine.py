@@ -58,8 +58,9 @@ from m2n_async._data._transport import (
 )
 from m2n_async._engine._config import EngineConfig, EngineState, SyncResult
 from m2n_async._engine._generation import join_generation
-from m2n_async._engine._pipeline import PipelineStats, run_pipeline, unwrap_group
+from m2n_async._engine._pipeline import PipelineStats, run_pipeline
 from m2n_async._engine._preflight import PreflightInputs, PreflightOutcome, run_preflight
+from m2n_async._engine._round import JobEnded, RoundDriver, RoundOutcome
 from m2n_async._engine._sources import (  # _INLINE_PARAMS: re-exported for callers
     _INLINE_PARAMS as _INLINE_PARAMS,
 )
@@ -76,13 +77,9 @@ from m2n_async._proto.errors import (
 from m2n_async._proto.handshake import Phase, PreflightPlan
 from m2n_async._proto.messages import (
     PROTO_VERSION,
-    Abort,
     CostInputs,
     DataPlaneIdentity,
-    RoundDone,
     RoundStart,
-    decode_as,
-    encode,
 )
 from m2n_async._proto.params import ParamSpec
 from m2n_async._proto.plan import (
@@ -95,10 +92,8 @@ from m2n_async._store import (
     ControlGroup,
     Store,
     StoreClient,
-    SupportsExchange,
     generation_namespace,
 )
-from m2n_async._store._group import drop_departed, gather_past_departures
 
 if TYPE_CHECKING:
     from m2n_async._proto.plan import Bucket
@@ -109,23 +104,6 @@ log = logging.getLogger("m2n_async")
 
 Placements = tuple[int, int] | None
 Progress = Callable[[int, int], None]
-
-
-#: How often a round's watchdog looks for peers that left the job cleanly (a clean leave
-#: wakes no waiter, so it is polled: two store reads per rank per interval).
-_LEFT_POLL_S = 1.0
-
-
-class _RoundKeys:
-    def __init__(self, namespace: str, round_: int) -> None:
-        self.round = round_
-        base = f"{namespace}/round/{round_}"
-        self.start = f"{base}/start"
-        self.abort = f"{base}/abort"
-        self.done_prefix = f"{base}/done/"
-
-    def done(self, rank: int) -> str:
-        return f"{self.done_prefix}{rank}"
 
 
 class _Engine:
@@ -152,9 +130,11 @@ class _Engine:
         self._generation = 0
         self._namespace = ""
         self._watch: tuple[str, ...] = ()
+        self._rounds: RoundDriver | None = None
         self._round = 0
         self._version = 0
         self._job_closed = False
+        self._job_end = "trainer rank 0 closed the job"
         self._busy: str | None = None  # the sync_weights/receive call in progress, if any
 
     # -- public read-only facts ------------------------------------------------------------
@@ -310,6 +290,11 @@ class _Engine:
                 self._group = group
                 self._watch = tuple(group.alive_key(r) for r in range(self.world_size)
                                     if r != self.rank)
+                self._rounds = RoundDriver(store=self._store, group=group, namespace=ns,
+                                           generation=self._generation, rank=self.rank,
+                                           world_size=self.world_size,
+                                           trainer_ranks=self.trainer_ranks,
+                                           abort_grace=c.abort_grace)
                 self._native = NativeThread(f"{c.job}-g{self._generation}-r{self.rank}")
                 self._outcome = await run_preflight(group, self._preflight_inputs(),
                                                     phase_timeout=c.phase_timeout)
@@ -410,214 +395,7 @@ class _Engine:
         if self._poison is None:
             self._poison = exc
 
-    # -- the round -------------------------------------------------------------------------
-
-    def _where(self, round_: int) -> str:
-        return f"round {round_} of generation {self._generation}"
-
-    async def _wait_start(self, round_: int) -> RoundStart:
-        try:
-            raw = await self._store.get(_RoundKeys(self._namespace, round_).start, wait=True,
-                                        watch=self._watch)
-        except PeerLostError as exc:
-            # The store only knows a key; say which rank, in which role, and where we stood.
-            lost = self._lost_rank(exc)
-            who = "a peer" if lost is None else f"rank {self._named([lost])}"
-            raise PeerLostError(f"rank {self.rank} ({self._role}), waiting for "
-                                f"{self._where(round_)} to start: {who} was lost (its store "
-                                f"session ended: process died or disconnected)",
-                                ranks=() if lost is None else (lost,), key=exc.key) from None
-        assert raw is not None
-        keys = _RoundKeys(self._namespace, round_)
-        try:
-            start = decode_as(raw, RoundStart)
-        except M2NError as exc:  # abort the round, so that rank 0 does not wait it out
-            await self._post_abort(keys, round_, self.rank,
-                                   f"rank {self.rank} could not read the round start: {exc}")
-            raise
-        if (start.generation, start.round) != (self._generation, round_):
-            reason = (f"{self._where(round_)}: round start names generation "
-                      f"{start.generation} round {start.round}")
-            await self._post_abort(keys, round_, self.rank, f"rank {self.rank}: {reason}")
-            raise TransferError(reason, round=round_)
-        return start
-
-    async def _post_abort(self, keys: _RoundKeys, round_: int, rank: int, reason: str) -> None:
-        """First writer wins: every rank later reads the same first failure."""
-        record = encode(Abort(PROTO_VERSION, self._generation, round_, rank, reason))
-        with anyio.move_on_after(self.config.abort_grace):
-            try:
-                await self._store.compare_set(keys.abort, None, record)
-            except M2NError as exc:  # the store is gone: peers learn from liveness/deadline
-                log.warning("rank %d could not post the abort of %s: %r", self.rank,
-                            self._where(round_), exc)
-
-    async def _run_round(self, start: RoundStart, work: Callable[[], Awaitable[PipelineStats]],
-                         waited: float) -> SyncResult:
-        """Steps 2 and 3 of the module docstring, with cancellation handling."""
-        assert self._transport is not None
-        transport = self._transport
-        k = start.round
-        keys = _RoundKeys(self._namespace, k)
-        t0 = time.perf_counter()
-        self._state = EngineState.UPDATING
-        transport.begin_round(k, time.monotonic() + start.round_timeout)
-        stats: PipelineStats | None = None
-        failure: tuple[int, str] | None = None
-        local_exc: BaseException | None = None
-        remote: list[tuple[int, str]] = []
-        try:
-            try:
-                with anyio.CancelScope() as round_scope:
-                    async with anyio.create_task_group() as tg:
-                        tg.start_soon(self._watchdog, keys, transport, round_scope, remote)
-                        with anyio.fail_after(start.round_timeout):
-                            stats = await work()
-                        tg.cancel_scope.cancel()
-            except BaseExceptionGroup as group:
-                local_exc = unwrap_group(group)
-            except Exception as exc:
-                local_exc = exc
-            if isinstance(local_exc, anyio.get_cancelled_exc_class()):
-                raise local_exc
-            if remote and (local_exc is None or round_scope.cancelled_caught):
-                failure, local_exc = remote[0], None
-            elif local_exc is not None:
-                failure = (self.rank, self._describe(local_exc, k, start.round_timeout))
-                peer = getattr(local_exc, "peer", None)
-                if isinstance(peer, int):
-                    failure = await self._attribute(keys, peer) or failure
-            if failure is not None:
-                transport.abort(f"{self._where(k)} failed: rank {failure[0]}: {failure[1]}")
-                if local_exc is not None:
-                    await self._post_abort(keys, k, *failure)
-            pipeline_s = time.perf_counter() - t0
-            t_commit = time.perf_counter()
-            # Shielded (every step is bounded): once this rank has reported its outcome, its
-            # peers may commit on it, so a cancel landing here must not leave this rank
-            # poisoned at the old version while they move on. It takes effect afterwards.
-            with anyio.CancelScope(shield=True):
-                dones, gather_failure = await self._gather_outcome(keys, k, stats, failure,
-                                                                   pipeline_s, start)
-                if failure is None and gather_failure is not None:
-                    failure = gather_failure
-                    transport.abort(f"{self._where(k)} failed: rank {failure[0]}: "
-                                    f"{failure[1]}")
-                    await self._post_abort(keys, k, *failure)
-                if failure is None and dones is not None and all(d.ok for d in dones):
-                    assert stats is not None
-                    transport.end_round()
-                    return await self._commit(start, stats, waited, t0, t_commit)
-                err = await self._round_error(keys, k, dones, failure)
-        except anyio.get_cancelled_exc_class():
-            with anyio.CancelScope(shield=True):
-                reason = f"the round was cancelled by its caller on rank {self.rank}"
-                transport.abort(reason)
-                await self._post_abort(keys, k, self.rank, reason)
-                self._poison_with(TransferError(f"{self._where(k)}: {reason}", rank=self.rank,
-                                                round=k))
-            raise
-        transport.end_round()
-        self._poison_with(err)
-        if local_exc is not None and err.__cause__ is None:
-            raise err from local_exc
-        raise err
-
-    async def _watchdog(self, keys: _RoundKeys, transport: Transport,
-                        round_scope: anyio.CancelScope, remote: list[tuple[int, str]]) -> None:
-        """Abort the data plane as soon as any rank posts the round's abort, is lost, or has
-        left the job."""
-        watch = list(self._watch)
-        try:
-            while True:
-                raw: bytes | None = None
-                with anyio.move_on_after(_LEFT_POLL_S):  # then look for leavers
-                    while True:
-                        try:
-                            raw = await self._store.get(keys.abort, wait=True, watch=watch)
-                            break
-                        except PeerLostError as exc:
-                            # A rank that already reported this round done and then died
-                            # is not this round's problem: its part moved (the next round
-                            # names it).
-                            if not await drop_departed(self._store, exc, watch,
-                                                       self._done_keys(keys)):
-                                raise
-                if raw is not None:
-                    ab = decode_as(raw, Abort)
-                    remote.append((ab.rank, ab.reason))
-                    break
-                # A peer that closed its engine cleanly (its program ended) leaves no
-                # tombstone, and its data plane may not even close its sockets: the round
-                # would wait out its deadline. Its liveness key is simply gone. (One that
-                # died is caught above at once, by the watch.)
-                left = await self._left_ranks(keys)
-                if left:
-                    remote.append((left[0], f"rank {self._named(left[:1])} left the job "
-                                            f"before finishing its part of "
-                                            f"{self._where(keys.round)} (it closed its "
-                                            "engine)"))
-                    await self._post_abort(keys, keys.round, *remote[-1])
-                    break
-        except PeerLostError as exc:
-            lost = self._lost_rank(exc)
-            remote.append((lost if lost is not None else self.rank,
-                           f"rank {lost if lost is not None else '?'} was lost during the "
-                           f"round (its store session ended: process died or disconnected)"))
-            await self._post_abort(keys, keys.round, *remote[-1])
-        except M2NError as exc:  # store broken or generation superseded
-            remote.append((self.rank, f"rank {self.rank} lost the control plane: {exc}"))
-        transport.abort(f"{remote[-1][1]} (rank {remote[-1][0]})")
-        round_scope.cancel()
-
-    async def _left_ranks(self, keys: _RoundKeys) -> list[int]:
-        """Peers whose liveness key is gone and that have not reported this round done (a
-        rank that reported and then closed is not this round's problem). Two reads."""
-        assert self._group is not None
-        group = self._group
-        alive = await self._store.gather(group.alive_prefix, 0)
-        missing = [r for r in range(self.world_size)
-                   if r != self.rank and group.alive_key(r) not in alive]
-        if not missing:
-            return []
-        reported = await self._store.gather(keys.done_prefix, 0)
-        return [r for r in missing if keys.done(r) not in reported]
-
-    async def _attribute(self, keys: _RoundKeys, peer: int) -> tuple[int, str] | None:
-        """The data plane saw ``peer`` close its connection: the store tells, within a
-        second, whether it died (blame it) or aborted first (use its record), so that every
-        rank reports the root cause rather than its own symptom."""
-        assert self._group is not None
-        with anyio.move_on_after(1.0):
-            try:
-                raw = await self._store.get(keys.abort, wait=True,
-                                            watch=[self._group.alive_key(peer)])
-                assert raw is not None
-                ab = decode_as(raw, Abort)
-                return ab.rank, ab.reason
-            except PeerLostError:
-                return peer, (f"rank {peer} was lost during the round (its store session "
-                              f"ended: process died or disconnected)")
-            except M2NError:
-                return None
-        # Neither a record nor a loss: a peer whose liveness key is simply gone closed its
-        # engine on purpose (a clean leave) while the round needed it.
-        with anyio.move_on_after(1.0):
-            try:
-                if await self._store.get(self._group.alive_key(peer)) is None:
-                    return peer, (f"rank {self._named([peer])} left the job during the round "
-                                  "(it closed its engine)")
-            except M2NError:
-                pass
-        return None
-
-    def _done_keys(self, keys: _RoundKeys) -> dict[str, str]:
-        """Each rank's liveness key -> its RoundDone key of this round (departure rule)."""
-        assert self._group is not None
-        return {self._group.alive_key(r): keys.done(r) for r in range(self.world_size)}
-
-    def _role_of(self, rank: int) -> str:
-        return "trainer" if rank < self.trainer_ranks else "worker"
+    # -- the round (the driver: _engine/_round.py; the decisions: _proto/round.py) --------
 
     def _lost_rank(self, exc: PeerLostError) -> int | None:
         if self._group is None:
@@ -626,122 +404,38 @@ class _Engine:
 
     def _named(self, ranks: Sequence[int]) -> str:
         """``"2 (worker), 3 (worker)"``: ranks with their roles, for messages."""
-        return ", ".join(f"{r} ({self._role_of(r)})" for r in ranks)
+        return ", ".join(f"{r} ({'trainer' if r < self.trainer_ranks else 'worker'})"
+                         for r in ranks)
 
-    def _describe(self, exc: BaseException, round_: int, timeout: float) -> str:
-        if isinstance(exc, TimeoutError):
-            # Name the peers this rank was still waiting for, when the transport knows: a
-            # deadline is almost always someone else's hang, and that someone is the news.
-            peers = self._transport.waiting_on() if self._transport is not None else []
-            waiting = f" (still waiting on rank(s) {self._named(peers)})" if peers else ""
-            return (f"rank {self.rank} ({self._role}) did not finish within the round deadline "
-                    f"of {timeout:g} s{waiting}: {exc}".rstrip(": "))
-        return f"rank {self.rank} ({self._role}): {type(exc).__name__}: {exc}"
+    async def _run_round(self, start: RoundStart, work: Callable[[], Awaitable[PipelineStats]],
+                         waited: float) -> SyncResult:
+        """Steps 2 and 3 of the module docstring (``RoundDriver.run``), then the commit."""
+        assert self._transport is not None and self._rounds is not None
+        t0 = time.perf_counter()
+        self._state = EngineState.UPDATING
+        outcome = await self._rounds.run(start, self._transport, work, self._committed,
+                                         self._poison_with)
+        return await self._commit(start, outcome, waited, t0)
 
-    async def _gather_outcome(self, keys: _RoundKeys, round_: int,
-                              stats: PipelineStats | None, failure: tuple[int, str] | None,
-                              seconds: float, start: RoundStart
-                              ) -> tuple[list[RoundDone] | None, tuple[int, str] | None]:
-        """Publish this rank's RoundDone and gather everybody's (bounded)."""
-        done = RoundDone(PROTO_VERSION, self._generation, round_, self.rank, failure is None,
-                         None if failure is None else f"rank {failure[0]}: {failure[1]}",
-                         stats.nbytes if stats is not None else 0, seconds)
-        grace = self.config.abort_grace
-        bound = grace if failure is not None else max(start.round_timeout - seconds, 0) + grace
-        store = self._store
-        watch = list(self._watch)
-        try:
-            with anyio.fail_after(bound):
-                try:
-                    if isinstance(store, SupportsExchange):
-                        # One round trip: publish ours, drop our round k-2 one, gather all.
-                        # Not round k-1's: a rank still finishing k-1 past a departed peer
-                        # (``gather_past_departures``) gathers k-1 again and needs every key.
-                        previous = (_RoundKeys(self._namespace, round_ - 2).done(self.rank)
-                                    if round_ > 2 else None)
-                        got = await store.exchange(keys.done(self.rank), encode(done),
-                                                   keys.done_prefix, self.world_size,
-                                                   watch=watch, delete=previous)
-                    else:
-                        await store.set(keys.done(self.rank), encode(done))
-                        got = await store.gather(keys.done_prefix, self.world_size,
-                                                 watch=watch)
-                except PeerLostError as exc:
-                    # A rank that posted its RoundDone and then died is not lost to this
-                    # round (its part moved; the next round names it).
-                    got = await gather_past_departures(store, exc, keys.done_prefix,
-                                                       self.world_size, watch,
-                                                       self._done_keys(keys))
-        except PeerLostError as exc:
-            lost = self._lost_rank(exc)
-            return None, (lost if lost is not None else self.rank,
-                          f"rank {lost} was lost before reporting the round's outcome")
-        except TimeoutError:
-            missing = await self._not_reported(keys)
-            who = f" (no report from rank(s) {self._named(missing)})" if missing else ""
-            return None, (self.rank, f"rank {self.rank} gave up waiting {bound:g} s for the "
-                                     f"other ranks to report the round's outcome{who}")
-        except M2NError as exc:
-            return None, (self.rank, f"rank {self.rank} lost the control plane: {exc}")
-        dones: list[RoundDone] = []
-        for key, raw in sorted(got.items(), key=lambda kv: int(kv[0].rsplit("/", 1)[1])):
-            try:
-                d = decode_as(raw, RoundDone)
-            except M2NError as exc:
-                return None, (int(key.rsplit("/", 1)[1]), f"sent an invalid outcome: {exc}")
-            if (d.generation, d.round) != (self._generation, round_):
-                return None, (d.rank, f"reported generation {d.generation} round {d.round}")
-            dones.append(d)
-        return dones, None
-
-    async def _not_reported(self, keys: _RoundKeys) -> list[int]:
-        """Ranks with no RoundDone for this round (best effort, bounded: for messages)."""
-        with anyio.move_on_after(min(1.0, self.config.abort_grace)):
-            try:
-                present = await self._store.gather(keys.done_prefix, 0)
-            except M2NError:
-                return []
-            reported = {int(k.rsplit("/", 1)[1]) for k in present}
-            return [r for r in range(self.world_size) if r not in reported]
-        return []
-
-    async def _round_error(self, keys: _RoundKeys, round_: int, dones: list[RoundDone] | None,
-                           failure: tuple[int, str] | None) -> TransferError:
-        """The same error on every rank: from the first abort record when there is one."""
-        first: tuple[int, str] | None = None
-        with anyio.move_on_after(self.config.abort_grace):
-            try:
-                raw = await self._store.get(keys.abort)
-                if raw is not None:
-                    ab = decode_as(raw, Abort)
-                    first = (ab.rank, ab.reason)
-            except M2NError:
-                pass
-        if first is None and dones:
-            bad = [d for d in dones if not d.ok]
-            if bad:
-                first = (bad[0].rank, bad[0].error or "failed")
-        if first is None:
-            first = failure or (self.rank, "unknown failure")
-        return TransferError(f"{self._where(round_)} failed; first failure on rank {first[0]}: "
-                             f"{first[1]}", rank=first[0], round=round_)
-
-    async def _commit(self, start: RoundStart, stats: PipelineStats, waited: float, t0: float,
-                      t_commit: float) -> SyncResult:
-        k = start.round
-        self._round = k
+    def _committed(self, start: RoundStart) -> None:
+        """Every rank reported the round ok: its version is this engine's now."""
+        self._round = start.round
         self._version = start.version
         self._state = EngineState.READY
-        now = time.perf_counter()
-        seconds = now - t0
+
+    async def _commit(self, start: RoundStart, outcome: RoundOutcome, waited: float,
+                      t0: float) -> SyncResult:
+        assert self._rounds is not None
+        k, stats = start.round, outcome.stats
+        seconds = time.perf_counter() - t0
         phases = {"wait_start": waited, **stats.busy, "pipeline": stats.wall,
-                  "commit": now - t_commit}
+                  "commit": outcome.commit_seconds}
         lower = eff = None
         bps = self.config.link_bytes_per_second
         if bps is not None and self._plan is not None:
             lower = self._plan.lower_bound_seconds(bps)
             eff = lower / seconds if seconds > 0 else None
-        await self._cleanup_round(k - 1)
+        await self._rounds.cleanup(k)
         return SyncResult(version=self._version, round=k, generation=self._generation,
                           bytes=stats.nbytes, seconds=seconds, phases=phases,
                           buckets=stats.buckets, lower_bound_seconds=lower, efficiency=eff,
@@ -749,21 +443,6 @@ class _Engine:
                           reason=self.transport_reason, cast_bytes=stats.cast_bytes,
                           predicted_seconds=(self._outcome.predicted_seconds
                                              if self._outcome is not None else None))
-
-    async def _cleanup_round(self, round_: int) -> None:
-        # Every rank gathered round k's outcome, so all finished round k-1: its keys can go.
-        if round_ < 1:
-            return
-        keys = _RoundKeys(self._namespace, round_)
-        with anyio.move_on_after(self.config.abort_grace):
-            try:
-                # With ``exchange`` the round two rounds on deletes it, in the same round trip.
-                if not isinstance(self._store, SupportsExchange):
-                    await self._store.delete(keys.done(self.rank))
-                if self.rank == 0:
-                    await self._store.delete(keys.start)
-            except M2NError as exc:
-                log.debug("round key cleanup failed on rank %d: %r", self.rank, exc)
 
     # -- close -----------------------------------------------------------------------------
 
@@ -809,16 +488,10 @@ class _Engine:
             return
         with anyio.CancelScope(shield=True):
             healthy = self._state is EngineState.READY
-            if healthy and self._role == "trainer" and self.rank == 0:
-                k = self._round + 1
-                closing = RoundStart(PROTO_VERSION, self._generation, k, self._version,
-                                     self.config.round_timeout, True)
-                with anyio.move_on_after(self.config.abort_grace):
-                    try:
-                        await self._store.set(_RoundKeys(self._namespace, k).start,
-                                              encode(closing))
-                    except M2NError:
-                        pass
+            if (healthy and self._role == "trainer" and self.rank == 0
+                    and self._rounds is not None):
+                await self._rounds.close_job(self._round + 1, self._version,
+                                             self.config.round_timeout)
             reason = None if healthy else f"engine closed in state {self._state.value}"
             if self._state is EngineState.UPDATING:
                 reason = "engine closed during a round"
@@ -974,33 +647,40 @@ class TrainerEngine(_Engine):
         sources = _Sources(weights, plan, rank, device, self._expect, self._names)
         await sources.precheck()
         k = self._round + 1
-        keys = _RoundKeys(self._namespace, k)
-        try:
-            if self.rank == 0:
-                v = self._version + 1 if version is None else version
-                if v <= self._version:
-                    raise LocalProtocolError(f"sync_weights: version {v} does not advance the "
-                                             f"committed version {self._version}")
-                rt = self.config.round_timeout if timeout is None else float(timeout)
-                start = RoundStart(PROTO_VERSION, self._generation, k, v, rt, False)
-                # A caller cancelled already: nothing published, nothing happened.
-                await anyio.lowlevel.checkpoint_if_cancelled()
+        rounds = self._rounds
+        assert rounds is not None
+        if self.rank == 0:
+            v = self._version + 1 if version is None else version
+            if v <= self._version:
+                raise LocalProtocolError(f"sync_weights: version {v} does not advance the "
+                                         f"committed version {self._version}")
+            rt = self.config.round_timeout if timeout is None else float(timeout)
+            start = RoundStart(PROTO_VERSION, self._generation, k, v, rt, False)
+            # A caller cancelled already: nothing published, nothing happened.
+            await anyio.lowlevel.checkpoint_if_cancelled()
+            try:
                 # Shielded: a request cut off mid-flight may still have been applied, and a
                 # round that started must be aborted, not forgotten. A cancel that lands here
                 # is delivered in _run_round, which aborts the round everywhere.
-                with anyio.CancelScope(shield=True), anyio.fail_after(rt):
-                    await self._store.set(keys.start, encode(start))
-            else:
-                with anyio.fail_after(self.config.round_timeout):
-                    start = await self._wait_start(k)
-                if start.closing:
-                    raise PeerLostError(f"generation {self._generation}: trainer rank 0 closed "
-                                        f"the job; no more rounds", ranks=(0,))
-        except LocalProtocolError:
-            raise
-        except (M2NError, TimeoutError) as exc:
-            self._poison_with(exc)
-            raise
+                with anyio.CancelScope(shield=True):
+                    await rounds.publish_start(start)
+            except TransferError as exc:
+                self._poison_with(exc)
+                raise
+        else:
+            try:
+                # Bounded: the round cannot happen without this rank, so a rank 0 that does
+                # not start it fails the round for everyone (recorded, naming rank 0).
+                start = await rounds.wait_start(k, limit=self.config.round_timeout,
+                                                missed_is_failure=True)
+            except TransferError as exc:
+                self._poison_with(exc)
+                raise
+            except JobEnded as ended:
+                err = PeerLostError(f"generation {self._generation}: {ended.why}; no more "
+                                    f"rounds", ranks=(0,))
+                self._poison_with(err)
+                raise err from None
         async def work() -> PipelineStats:
             stats = await run_pipeline(transport, self._buckets,
                                        max_inflight=self.config.max_inflight, sources=sources,
@@ -1121,23 +801,24 @@ class WorkerEngine(_Engine):
     async def _receive(self, timeout: float | None,  # noqa: ASYNC109 - the API's argument
                        progress: Progress | None) -> SyncResult:
         if self._job_closed:
-            raise PeerLostError(f"generation {self._generation}: trainer rank 0 closed the job; "
-                                f"no more rounds", ranks=(0,))
+            raise PeerLostError(f"generation {self._generation}: {self._job_end}; no more "
+                                f"rounds", ranks=(0,))
         k = self._round + 1
         t0 = time.perf_counter()
+        assert self._rounds is not None
         try:
-            with anyio.fail_after(timeout) if timeout is not None else _no_deadline():
-                start = await self._wait_start(k)
+            start = await self._rounds.wait_start(k, limit=timeout, missed_is_failure=False)
         except TimeoutError:
             raise TimeoutError(f"receive on rank {self.rank}: no round {k} started within "
                                f"{timeout:g} s (generation {self._generation})") from None
-        except M2NError as exc:
+        except TransferError as exc:
             self._poison_with(exc)
             raise
-        if start.closing:
+        except JobEnded as ended:
             self._job_closed = True
-            raise PeerLostError(f"generation {self._generation}: trainer rank 0 closed the job; "
-                                f"no more rounds", ranks=(0,))
+            self._job_end = ended.why
+            raise PeerLostError(f"generation {self._generation}: {ended.why}; no more "
+                                f"rounds", ranks=(0,)) from None
         assert self._plan is not None and self._transport is not None
         plan, transport, rank = self._plan, self._transport, self.rank
 

@@ -88,15 +88,30 @@ class PeerLostError(M2NError):
 
 
 class TransferError(M2NError):
-    """A round failed; raised identically on every rank, naming the first failing rank."""
+    """A round failed; raised identically on every rank (``docs/concepts.md``, "When a round
+    fails").
 
-    def __init__(self, message: str, *, rank: int | None = None, round: int | None = None):
+    ``rank`` is the rank that caused the failure — the one whose step failed, that was
+    cancelled, died, left, or did not report by the round deadline (frozen or hung) — and
+    ``None`` when no rank did (``cause == "store"``: the control-plane store was lost).
+    ``cause`` says which (one of ``"error"``, ``"cancelled"``, ``"lost"``, ``"left"``,
+    ``"deadline"``, ``"store"``, ``"superseded"``, ``"protocol"``); ``round`` and
+    ``generation`` say where. The data planes raise it too, locally, with ``cause`` None; the
+    engine translates those before they reach a caller.
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, round: int | None = None,
+                 cause: str | None = None, generation: int | None = None):
         self.rank = rank
         self.round = round
+        self.cause = cause
+        self.generation = generation
         super().__init__(message)
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.args[0],), {"rank": self.rank, "round": self.round})
+        return (type(self), (self.args[0],), {"rank": self.rank, "round": self.round,
+                                              "cause": self.cause,
+                                              "generation": self.generation})
 
 
 class EnginePoisonedError(M2NError):

@@ -17,7 +17,9 @@ import msgspec
 from m2n_async._proto.errors import RemoteProtocolError
 from m2n_async._proto.params import ParamSpec, ParamTransfer
 
-PROTO_VERSION: Final[int] = 2
+PROTO_VERSION: Final[int] = 3
+"""Bumped when any envelope changes (3: RoundDone.status/suspects/reporter, Abort.cause and
+Abort.reporter)."""
 
 # --- plan records (core, issue 2) ---
 
@@ -178,7 +180,12 @@ class RoundStart(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=Tr
 
 
 class RoundDone(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
-    """Every rank's outcome of a round; gathered by every rank before the version commits."""
+    """One rank's outcome of a round; gathered by every rank before the version commits.
+
+    Written once per rank and round, by compare-and-set (``_proto.round``): by the rank itself,
+    or — ``status == "late"`` — by a peer (``reporter``) once the round deadline passed without
+    it, so that a rank resuming after a freeze cannot turn a failed round into a committed one.
+    """
 
     proto_version: int
     generation: int
@@ -188,16 +195,25 @@ class RoundDone(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=Tru
     error: str | None  # why this rank failed (None when ok)
     nbytes: int  # bytes this rank sent or received
     seconds: float
+    status: str  # _proto.round.Status value: ok | failed | aborted | deadline | late
+    suspects: tuple[int, ...]  # the peers it was still waiting on (deadline, aborted)
+    reporter: int  # the rank that wrote this record (``rank`` unless status is "late")
 
 
 class Abort(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
-    """The first failure of a round: watchdogs on every rank abort their data plane on it."""
+    """The first failure of a round: watchdogs on every rank abort their data plane on it.
+
+    ``rank`` is the rank that caused it (the failing, cancelled, lost, departed or late one),
+    ``cause`` why (a ``_proto.round.Cause`` value), ``reporter`` the rank that wrote it.
+    """
 
     proto_version: int
     generation: int
     round: int
-    rank: int  # the rank that failed first (or that saw a peer die / a deadline pass)
+    rank: int
+    cause: str
     reason: str
+    reporter: int
 
 
 # --- the union, encoder, decoder ---

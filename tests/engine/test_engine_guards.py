@@ -253,8 +253,8 @@ async def test_rank_that_cannot_connect_its_data_plane_fails_every_rank_alike() 
 
 
 class _SlowOutcome:
-    """A store whose exchange of this rank's round outcome (RoundDone) says so and then takes
-    a while: a cancel can land while the outcome is being gathered."""
+    """A store whose write of this rank's round outcome (RoundDone, by compare-and-set) says
+    so and then takes a while: a cancel can land while the outcome is being gathered."""
 
     def __init__(self, inner: Store) -> None:
         self._inner = inner
@@ -263,11 +263,11 @@ class _SlowOutcome:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-    async def exchange(self, key: str, *args: Any, **kw: Any) -> dict[str, bytes]:
+    async def compare_set(self, key: str, *args: Any, **kw: Any) -> tuple[bool, bytes | None]:
         if "/round/" in key and "/done/" in key:
             self.reporting.set()
             await anyio.sleep(0.2)
-        return await self._inner.exchange(key, *args, **kw)  # type: ignore[attr-defined,no-any-return]
+        return await self._inner.compare_set(key, *args, **kw)  # type: ignore[no-any-return]
 
 
 async def test_cancel_while_the_outcome_is_gathered_ends_the_round_like_every_rank() -> None:

@@ -18,7 +18,6 @@ from m2n_async import (
     EnginePoisonedError,
     LoadTarget,
     LocalProtocolError,
-    PeerLostError,
     TrainerEngine,
     TransferError,
     WorkerEngine,
@@ -503,8 +502,8 @@ async def test_many_small_params_split_into_overlapping_buckets(
 
 @pytest.mark.asyncio
 async def test_worker_waiting_for_a_round_names_the_lost_rank() -> None:
-    # The store's own error names only a key; the engine must say which rank (and role) died
-    # and where this rank stood.
+    # The store's own error names only a key; the engine says which rank (and role) died, in
+    # the round's TransferError, as the ranks in the round would.
     plan = make_plan(DEFS[:1], (1, 2), (1, 2))
     store = MemoryStore()
     trainers, workers = await _connect_all(store, plan)
@@ -513,7 +512,7 @@ async def test_worker_waiting_for_a_round_names_the_lost_rank() -> None:
     async def wait(e: WorkerEngine) -> None:
         try:
             await e.receive(timeout=20)
-        except PeerLostError as exc:
+        except TransferError as exc:
             errors[e.rank] = exc
 
     try:
@@ -524,10 +523,16 @@ async def test_worker_waiting_for_a_round_names_the_lost_rank() -> None:
                 await anyio.sleep(0.05)
                 await trainers[0]._store.aclose()  # the trainer's process "died"
         assert sorted(errors) == [e.rank for e in workers]
-        for r, exc in errors.items():
-            assert isinstance(exc, PeerLostError) and exc.ranks == (0,), exc
-            assert (f"rank {r} (worker), waiting for round 1 of generation "
-                    f"{workers[0].generation} to start: rank 0 (trainer) was lost") in str(exc)
+        assert len({str(e) for e in errors.values()}) == 1
+        for exc in errors.values():
+            assert isinstance(exc, TransferError) and exc.rank == 0, exc
+            assert exc.cause == "lost" and exc.round == 1, exc
+            assert "rank 0 (trainer) was lost" in str(exc)
+        # The other trainer, entering the round, fails alike at once.
+        with anyio.fail_after(5):
+            with pytest.raises(TransferError) as info:
+                await trainers[1].sync_weights(source_shards(plan, 1, 1))
+        assert str(info.value) == str(errors[2]) and info.value.rank == 0
     finally:
         await _close(*trainers, *workers)
 
@@ -573,7 +578,8 @@ async def test_worker_arenas_sized_for_what_is_staged() -> None:
 async def test_round_deadline_names_the_rank_waited_on() -> None:
     # The worker never calls receive(): the trainer's 32 MiB send cannot complete (far more
     # than loopback socket buffers hold), the round deadline fires, and the error names the
-    # worker it was still waiting on — a deadline is nearly always someone else's hang.
+    # worker that did not report (and that the trainer was still waiting on), not the rank
+    # whose deadline fired.
     defs: list[ParamDef] = [("big", (4096, 2048), torch.float32, None, None)]
     plan = make_plan(defs, (1, 1), (1, 1))
     cfg = EngineConfig(transport="gloo", bucket_bytes=64 << 20, phase_timeout=20,
@@ -584,8 +590,9 @@ async def test_round_deadline_names_the_rank_waited_on() -> None:
             with pytest.raises(TransferError) as info:
                 await trainers[0].sync_weights(source_shards(plan, 0, 1))
         msg = str(info.value)
-        assert "did not finish within the round deadline of 2 s" in msg, msg
-        assert "still waiting on rank(s) 1 (worker)" in msg, msg
+        assert info.value.rank == 1 and info.value.cause == "deadline", msg
+        assert "did not report its part of round 1" in msg, msg
+        assert "round deadline of 2 s" in msg and "rank(s) [0] were waiting on it" in msg, msg
         assert workers[0]._transport is not None and workers[0]._transport.waiting_on() == []
     finally:
         await _close(*trainers, *workers)
@@ -596,7 +603,7 @@ async def test_a_rank_that_reported_then_died_does_not_fail_the_round() -> None:
     # Worker 1 reports the round done and then its process dies (its store session ends)
     # while worker 2 is still unpacking. The others must keep gathering outcomes rather than
     # report worker 1 "lost before reporting": it did report, and the round succeeded.
-    from m2n_async._engine._engine import _RoundKeys
+    from m2n_async._proto.round import RoundKeys as _RoundKeys
 
     plan = make_plan(DEFS[:1], (1, 1), (1, 2))
     slow_rank = 2

@@ -1,0 +1,518 @@
+"""The round driver: runs one rank's side of a round over the store (DESIGN §6).
+
+Theory of operation: the I/O loop around the sans-IO ``_proto.round.Round``, the way
+``_preflight`` drives the handshake. The core decides; this module waits, reads and writes.
+
+``wait_start``: a gather of one key under the round's prefix returns as soon as either
+trainer rank 0's ``start`` or an ``abort`` record exists (watching every peer's liveness), so a
+rank waiting for a round hears of a failure that happened while it waited — a peer lost, a
+trainer that gave up on rank 0 — and raises the same ``TransferError`` as the ranks that were
+in the round.
+
+``run``, in two parts, next to one watchdog task:
+
+1. *The rank's part* (the bucket pipeline), under the round deadline and the caller's cancel
+   scope. The watchdog waits for the round's ``abort`` record, a peer's loss (its liveness
+   key's tombstone, past the departure rule) or, polled every second, a peer that left
+   cleanly without reporting; when one comes it aborts the transport at once, so that this
+   rank, blocked in the data plane, returns. A rank whose own step fails writes the ``abort``
+   record *before* it aborts its transport: a peer that sees the connection close then finds
+   the cause already there.
+2. *The outcome* (shielded, bounded by the deadline plus ``REPORT_WINDOW_S``): the rank
+   writes its ``RoundDone`` by compare-and-set and gathers everybody's. Every ok → commit.
+   Otherwise the failure is the ``abort`` record; if none came by the deadline, the core's
+   deadline verdict names the rank without a report (or the one waited on), this rank writes
+   that rank's ``done`` as ``late`` and the ``abort`` record (both compare-and-set), and reads
+   back whichever record won.
+
+Failure translation at this boundary: everything a caller sees from a round is the core's
+``TransferError`` (its ``rank`` the cause, its ``cause`` which); a ``StoreError`` from any
+request means the store was lost (``cause="store"``, ``rank=None``), a
+``StaleGenerationError`` that trainer rank 0 opened a newer generation (``"superseded"``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import anyio
+
+from m2n_async._data._transport import Transport
+from m2n_async._engine._pipeline import PipelineStats, unwrap_group
+from m2n_async._proto.errors import M2NError, PeerLostError, TransferError
+from m2n_async._proto.messages import RoundStart, decode_as, encode
+from m2n_async._proto.round import (
+    REPORT_WINDOW_S,
+    Cause,
+    Failure,
+    Judgement,
+    Round,
+    Status,
+)
+from m2n_async._store import ControlGroup, StaleGenerationError, Store
+from m2n_async._store._group import drop_departed
+
+__all__ = ["JobEnded", "RoundDriver", "RoundOutcome"]
+
+log = logging.getLogger("m2n_async")
+
+#: How often the watchdog looks for peers that left the job cleanly (a clean leave wakes no
+#: waiter, so it is polled: two store reads per rank per interval).
+_LEFT_POLL_S = 1.0
+
+
+class JobEnded(Exception):
+    """Raised by ``wait_start``: no more rounds in this generation (trainer rank 0 closed
+    the job, or opened a newer generation). Not a failure; the engine translates it."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+        super().__init__(why)
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """A committed round: the pipeline's stats and how long the outcome took."""
+
+    stats: PipelineStats
+    pipeline_seconds: float
+    commit_seconds: float
+
+
+class _Watchdog:
+    """Waits for the round's first failure signal; aborts the transport and cancels
+    whatever part of the round is waiting (``target``)."""
+
+    def __init__(self, driver: RoundDriver, core: Round, transport: Transport) -> None:
+        self.driver = driver
+        self.core = core
+        self.transport = transport
+        self.failure: Failure | None = None
+        self.target: anyio.CancelScope | None = None
+        self._scope = anyio.CancelScope(shield=True)  # outlives a caller's cancel: stop()
+
+    def stop(self) -> None:
+        self._scope.cancel()
+
+    async def run(self) -> None:
+        with self._scope:
+            failure = await self._watch()
+            self.failure = failure
+            self.transport.abort(f"{self.core.where} failed: rank {failure.rank}: "
+                                 f"{failure.reason}")
+            if self.target is not None:
+                self.target.cancel()
+
+    async def _watch(self) -> Failure:
+        d, core = self.driver, self.core
+        watch = list(d.watch)
+        try:
+            while True:
+                raw: bytes | None = None
+                with anyio.move_on_after(_LEFT_POLL_S):  # then look for leavers
+                    while True:
+                        try:
+                            raw = await d.store.get(core.keys.abort, wait=True, watch=watch)
+                            break
+                        except PeerLostError as exc:
+                            # Departure rule: a rank that reported and then died is not
+                            # this round's problem (its part moved; the next round names it).
+                            if not await drop_departed(d.store, exc, watch, d.done_keys(core)):
+                                raise
+                if raw is not None:
+                    return core.failure_of(raw)
+                left = await d.left_ranks(core)
+                if left:
+                    return await d.post(core, core.left(left[0]))
+        except PeerLostError as exc:
+            lost = d.group.lost_rank(exc)
+            if lost is None:
+                return core.store_lost()
+            return await d.post(core, core.lost(lost))
+        except StaleGenerationError as exc:
+            return core.superseded(exc.current)
+        except M2NError:
+            return core.store_lost()
+
+
+class RoundDriver:
+    """One engine's round I/O; a fresh ``Round`` core per round."""
+
+    def __init__(self, *, store: Store, group: ControlGroup, namespace: str, generation: int,
+                 rank: int, world_size: int, trainer_ranks: int, abort_grace: float) -> None:
+        self.store = store
+        self.group = group
+        self.namespace = namespace
+        self.generation = generation
+        self.rank = rank
+        self.world_size = world_size
+        self.trainer_ranks = trainer_ranks
+        self.abort_grace = abort_grace
+        self.watch: tuple[str, ...] = tuple(group.alive_key(r) for r in range(world_size)
+                                            if r != rank)
+
+    def core(self, round_: int) -> Round:
+        return Round(namespace=self.namespace, generation=self.generation, round=round_,
+                     rank=self.rank, world_size=self.world_size,
+                     trainer_ranks=self.trainer_ranks)
+
+    @property
+    def window(self) -> float:
+        return min(REPORT_WINDOW_S, self.abort_grace)
+
+    # -- the start -------------------------------------------------------------------------
+
+    async def publish_start(self, start: RoundStart) -> None:
+        """Trainer rank 0 opens the round. Raises the round's ``TransferError`` if the store
+        fails. Cancellation: the caller shields it (a round that may have started must be
+        aborted, not forgotten)."""
+        core = self.core(start.round)
+        try:
+            await self.store.set(core.keys.start, encode(start))
+        except StaleGenerationError as exc:
+            raise core.error(core.superseded(exc.current)) from exc
+        except M2NError as exc:
+            raise core.error(core.store_lost()) from exc
+
+    async def wait_start(self, round_: int, *, limit: float | None,
+                         missed_is_failure: bool) -> RoundStart:
+        """The round's ``RoundStart``, once trainer rank 0 wrote it.
+
+        Raises ``JobEnded`` when rank 0 closed the job or opened a newer generation; the
+        round's ``TransferError`` when an ``abort`` record for it appeared, a peer was lost
+        while waiting (this rank writes the record: the round cannot happen), the store was
+        lost, or rank 0's start was malformed; ``TimeoutError`` after ``limit`` seconds, or
+        — ``missed_is_failure`` (a trainer: the round cannot happen without it) — the
+        round's ``TransferError`` naming rank 0, recorded for every rank.
+
+        Cancellation: nothing was written; the engine stays as it was.
+        """
+        core = self.core(round_)
+        keys = core.keys
+        watch = list(self.watch)
+        try:
+            with anyio.fail_after(limit) if limit is not None else _no_deadline():
+                got: dict[str, bytes] = {}
+                while keys.start not in got and keys.abort not in got:
+                    got = await self.store.gather(keys.prefix, len(got) + 1, watch=watch)
+        except TimeoutError:
+            if not missed_is_failure:
+                raise
+            assert limit is not None
+            with anyio.CancelScope(shield=True):
+                failure = await self.post(core, core.start_missed(limit))
+            raise core.error(failure) from None
+        except PeerLostError as exc:
+            lost = self.group.lost_rank(exc)
+            with anyio.CancelScope(shield=True):
+                failure = await self.post(core, core.lost(lost) if lost is not None
+                                          else core.store_lost())
+            raise core.error(failure) from None
+        except StaleGenerationError as exc:
+            raise JobEnded(f"trainer rank 0 opened generation {exc.current} of the job; "
+                           f"generation {self.generation} has no more rounds") from None
+        except M2NError as exc:
+            raise core.error(core.store_lost()) from exc
+        if keys.abort in got:
+            raise core.error(core.failure_of(got[keys.abort]))
+        bad: Failure | None
+        try:
+            start = decode_as(got[keys.start], RoundStart)
+            bad = core.check_start(start)
+        except M2NError as exc:
+            bad = core.protocol(0, f"its round start is invalid: {exc}")
+        if bad is not None:
+            with anyio.CancelScope(shield=True):  # so that rank 0 does not wait it out
+                bad = await self.post(core, bad)
+            raise core.error(bad)
+        if start.closing:
+            raise JobEnded(f"trainer rank 0 closed the job after round {round_ - 1} of "
+                           f"generation {self.generation}")
+        return start
+
+    # -- the round -----------------------------------------------------------------------
+
+    async def run(self, start: RoundStart, transport: Transport,
+                  work: Callable[[], Awaitable[PipelineStats]],
+                  on_commit: Callable[[RoundStart], None],
+                  on_poison: Callable[[BaseException], None]) -> RoundOutcome:
+        """This rank's part of the round and its outcome (module docstring).
+
+        Once every rank reported ok, calls ``on_commit(start)`` (shielded) and returns.
+        Otherwise calls ``on_poison`` with the round's ``TransferError`` — the same on every
+        rank — and raises it.
+
+        Cancellation: during this rank's part, the round's abort record names this rank
+        (cause ``cancelled``), the transport is aborted, ``on_poison`` gets the round's error,
+        and the cancellation propagates. Once this rank's part is done, the outcome is
+        gathered and committed (or poisoned) shielded, bounded, so the round ends here as on
+        every other rank; the cancel takes effect after.
+        """
+        core = self.core(start.round)
+        timeout = start.round_timeout
+        deadline = anyio.current_time() + timeout
+        transport.begin_round(start.round, time.monotonic() + timeout)
+        dog = _Watchdog(self, core, transport)
+        t0 = time.perf_counter()
+        decided = False
+        verdict: Failure | None = None
+        err: TransferError | None = None
+        local: BaseException | None = None
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(dog.run)
+                try:
+                    status, stats, failure, suspects, local = await self._part(
+                        core, dog, transport, work, deadline)
+                    pipeline_s = time.perf_counter() - t0
+                    t_commit = time.perf_counter()
+                    with anyio.CancelScope(shield=True):
+                        verdict = await self._outcome(core, dog, status, stats, failure,
+                                                      suspects, local, pipeline_s, deadline,
+                                                      timeout)
+                        decided = True
+                        transport.end_round()
+                        if verdict is None:
+                            on_commit(start)
+                        else:
+                            err = core.error(verdict)
+                            on_poison(err)
+                finally:
+                    dog.stop()
+        except anyio.get_cancelled_exc_class():
+            if not decided:
+                with anyio.CancelScope(shield=True):
+                    failure = core.cancelled()
+                    await self.post(core, failure)
+                    transport.abort(failure.reason)
+                    on_poison(core.error(failure))
+            raise
+        if verdict is None:
+            assert stats is not None
+            return RoundOutcome(stats, pipeline_s, time.perf_counter() - t_commit)
+        assert err is not None
+        if local is not None:
+            raise err from local
+        raise err
+
+    async def _part(self, core: Round, dog: _Watchdog, transport: Transport,
+                    work: Callable[[], Awaitable[PipelineStats]], deadline: float
+                    ) -> tuple[Status, PipelineStats | None, Failure | None, Sequence[int],
+                               BaseException | None]:
+        """Step 1: the pipeline. (status, stats, known failure, suspects, local exception)."""
+        local: BaseException | None = None
+        stats: PipelineStats | None = None
+        try:
+            with anyio.CancelScope() as scope:
+                dog.target = scope
+                with anyio.fail_after(max(deadline - anyio.current_time(), 0.0)):
+                    stats = await work()
+        except BaseExceptionGroup as group:
+            local = unwrap_group(group)
+        except anyio.get_cancelled_exc_class():
+            raise
+        except Exception as exc:
+            local = exc
+        finally:
+            dog.target = None
+        if isinstance(local, anyio.get_cancelled_exc_class()):
+            raise local
+        if dog.failure is not None:  # the watchdog fired: whatever failed here is a symptom
+            return Status.ABORTED, None, dog.failure, (), local
+        if local is None:
+            if scope.cancelled_caught:  # cancelled by the watchdog just as work ended
+                return Status.ABORTED, None, dog.failure, (), None
+            return Status.OK, stats, None, (), None
+        if isinstance(local, TimeoutError):
+            # Who this rank still waited on, when the transport can tell: the votes that
+            # name a hung peer when every rank reports.
+            return Status.DEADLINE, None, None, transport.waiting_on(), local
+        peer = getattr(local, "peer", None)
+        if isinstance(peer, int) or transport.aborted:
+            # The data plane saw a peer close its connection (it died or aborted): a symptom;
+            # the cause comes from the store (record, loss, leave) or the deadline verdict.
+            transport.abort(f"{core.where}: {local}")
+            return (Status.ABORTED, None, None,
+                    (peer,) if isinstance(peer, int) else transport.waiting_on(), local)
+        # This rank's own step failed: the record goes first, so that a peer that sees the
+        # connection close finds the cause in the store, then the data plane stops.
+        failure = core.own_error(local)
+        with anyio.CancelScope(shield=True):
+            failure = await self.post(core, failure)
+        transport.abort(f"{core.where} failed: rank {failure.rank}: {failure.reason}")
+        return Status.FAILED, None, failure, (), local
+
+    async def _outcome(self, core: Round, dog: _Watchdog, status: Status,
+                       stats: PipelineStats | None, failure: Failure | None,
+                       suspects: Sequence[int], local: BaseException | None, seconds: float,
+                       deadline: float, round_timeout: float) -> Failure | None:
+        """Step 2 (shielded by the caller): report, gather, judge. None: commit."""
+        error = None if local is None else f"{type(local).__name__}: {local}"
+        report = core.report(status, nbytes=stats.nbytes if stats is not None else 0,
+                             seconds=seconds, error=error, suspects=suspects)
+        if status is Status.DEADLINE:
+            # Peers blocked on this rank return now; they report the symptom.
+            dog.transport.abort(f"{core.where}: rank {self.rank} reached the round deadline")
+        try:
+            with anyio.fail_after(self.abort_grace):
+                swapped, _ = await self.store.compare_set(core.keys.done(self.rank),
+                                                                None, encode(report))
+            if not swapped:  # a peer wrote this rank late: the record says why
+                return failure or await self._record(core, deadline + self.window)
+            if failure is not None:
+                return failure
+            if status is not Status.OK and anyio.current_time() < deadline:
+                # A symptom: the cause arrives as a record (the watchdog) or at the deadline.
+                failure = await self._until(dog, deadline)
+                if failure is not None:
+                    return failure
+            return await self._gather_and_judge(core, dog, deadline, round_timeout)
+        except StaleGenerationError as exc:
+            return core.superseded(exc.current)
+        except (TimeoutError, M2NError):
+            return core.store_lost()
+
+    async def _until(self, dog: _Watchdog, deadline: float) -> Failure | None:
+        """The watchdog's failure, waiting for it until ``deadline``."""
+        with anyio.CancelScope(deadline=deadline) as scope:
+            dog.target = scope
+            try:
+                if dog.failure is None:
+                    await anyio.sleep_forever()
+            finally:
+                dog.target = None
+        return dog.failure
+
+    async def _gather_and_judge(self, core: Round, dog: _Watchdog,
+                                deadline: float, round_timeout: float) -> Failure | None:
+        """Every report by the deadline → judge; else the deadline verdict."""
+        keys = core.keys
+        raw: dict[str, bytes] | None = None
+        with anyio.CancelScope(deadline=deadline) as scope:
+            dog.target = scope
+            try:
+                if dog.failure is None:
+                    raw = await self.store.gather(keys.done_prefix, self.world_size)
+            finally:
+                dog.target = None
+        if raw is None and dog.failure is None:
+            # The deadline passed: the peers' reports arrive within the window (their
+            # deadlines fall within milliseconds of this one), a frozen rank's never.
+            with anyio.move_on_after(self.window):
+                raw = await self.store.gather(keys.done_prefix, self.world_size)
+        if raw is None:
+            raw = await self.store.gather(keys.done_prefix, 0)
+        for _ in range(self.world_size + 1):  # each pass settles one more rank's report
+            reports = core.decode_reports(raw)
+            if isinstance(reports, Failure):
+                return await self.post(core, reports)
+            judged = core.judge(reports)
+            if judged is Judgement.COMMIT:
+                return None  # every rank reported ok: no record can undo it
+            if dog.failure is not None:
+                return dog.failure
+            ab = await self.store.get(keys.abort)
+            if ab is not None:
+                return core.failure_of(ab)
+            verdict = core.deadline_verdict(reports, round_timeout)
+            culprit = verdict.rank
+            if verdict.cause is Cause.DEADLINE and culprit is not None and (
+                    culprit not in reports):
+                # Fence the late rank: its done key now says late, so a report it writes
+                # after resuming cannot complete a set of ok reports.
+                swapped, _ = await self.store.compare_set(
+                    keys.done(culprit), None, encode(core.late_report(culprit, verdict)))
+                if not swapped:  # it reported just now: judge again with its report
+                    raw = await self.store.gather(keys.done_prefix, 0)
+                    continue
+            return await self.post(core, verdict)
+        return await self.post(core, core.store_lost())  # reports that keep changing
+
+    async def _record(self, core: Round, until: float) -> Failure:
+        """The round's abort record, waiting for it until ``until`` (its writer writes this
+        rank's late report first, then the record)."""
+        with anyio.move_on_after(max(until - anyio.current_time(), 0.0)):
+            raw = await self.store.get(core.keys.abort, wait=True)
+            assert raw is not None
+            return core.failure_of(raw)
+        return Failure(Cause.DEADLINE, self.rank,
+                       f"rank {core.named([self.rank])} did not report by the round deadline")
+
+    # -- records ---------------------------------------------------------------------------
+
+    async def post(self, core: Round, failure: Failure) -> Failure:
+        """Write ``failure`` as the round's abort record unless one exists; return the one
+        that won (first writer wins: every rank reads the same). Bounded by ``abort_grace``;
+        a store that fails makes it a store loss."""
+        if failure.rank is None:
+            return failure
+        try:
+            with anyio.fail_after(self.abort_grace):
+                swapped, current = await self.store.compare_set(
+                    core.keys.abort, None, encode(core.abort_record(failure)))
+        except StaleGenerationError as exc:
+            return core.superseded(exc.current)
+        except (TimeoutError, M2NError) as exc:
+            log.warning("rank %d could not post the abort of %s: %r", self.rank, core.where,
+                        exc)
+            return core.store_lost()
+        if swapped or current is None:
+            return failure
+        return core.failure_of(current)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def done_keys(self, core: Round) -> dict[str, str]:
+        """Each rank's liveness key -> its RoundDone key of this round (departure rule)."""
+        return {self.group.alive_key(r): core.keys.done(r) for r in range(self.world_size)}
+
+    async def left_ranks(self, core: Round) -> list[int]:
+        """Peers that left cleanly without reporting this round. Two reads."""
+        alive_raw = await self.store.gather(self.group.alive_prefix, 0)
+        alive = {r for r in range(self.world_size) if self.group.alive_key(r) in alive_raw}
+        if len(alive) == self.world_size:
+            return []
+        reported = await self.store.gather(core.keys.done_prefix, 0)
+        done = {r for r in (core.keys.rank_of_done(k) for k in reported) if r is not None}
+        return core.left_ranks(alive | {self.rank}, done)
+
+    async def cleanup(self, committed: int) -> None:
+        """Trainer rank 0, after round ``committed`` committed: round ``committed - 2``'s keys
+        go, in one request. Every rank reported ``committed``, so every rank had finished
+        ``committed - 1``'s outcome and so left ``committed - 2`` behind; not
+        ``committed - 1``'s: a rank may still be reading its reports past a departed peer.
+        Best effort, bounded."""
+        if self.rank != 0 or committed < 3:
+            return
+        with anyio.move_on_after(self.abort_grace):
+            try:
+                await self.store.delete_prefix(self.core(committed - 2).keys.prefix)
+            except M2NError as exc:
+                log.debug("round key cleanup failed on rank %d: %r", self.rank, exc)
+
+    async def close_job(self, round_: int, version: int,
+                        round_timeout: float) -> None:
+        """Trainer rank 0 tells the ranks waiting for ``round_`` that it will not come.
+        Best effort, bounded."""
+        from m2n_async._proto.messages import PROTO_VERSION
+
+        closing = RoundStart(PROTO_VERSION, self.generation, round_, version, round_timeout,
+                             True)
+        with anyio.move_on_after(self.abort_grace):
+            try:
+                await self.store.compare_set(self.core(round_).keys.start, None,
+                                             encode(closing))
+            except M2NError:
+                pass
+
+
+class _no_deadline:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
