@@ -58,8 +58,10 @@ session 5's runs, against 4 to 6 before); it ends at the round deadline.
 from __future__ import annotations
 
 import datetime
+import operator
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -141,7 +143,16 @@ class StoreAdapter(torch.distributed.Store):  # type: ignore[misc,name-defined]
         self._token = anyio.lowlevel.current_token()
         self._scopes: set[anyio.CancelScope] = set()
         self._cancelled: str | None = None
-        self._cancel_soon = threadsafe_notifier(self._cancel_scopes)
+        # Through a weak reference: a notifier holding the bound method would make a cycle
+        # (adapter -> notifier -> adapter) that, with the event loop it also holds, only the
+        # garbage collector frees.
+        ref = weakref.ref(self)
+
+        def cancel_scopes() -> None:
+            adapter = ref()
+            if adapter is not None:
+                adapter._cancel_scopes()
+        self._cancel_soon = threadsafe_notifier(cancel_scopes)
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -168,6 +179,12 @@ class StoreAdapter(torch.distributed.Store):  # type: ignore[misc,name-defined]
         """Cancel pending and future calls (thread-safe)."""
         self._cancelled = reason
         self._cancel_soon()
+
+    def close(self) -> None:
+        """Refuse further calls and drop what this adapter holds (the loop's notifier)."""
+        self._cancelled = self._cancelled or "closed"
+        self._scopes.clear()
+        self._cancel_soon = _nothing
 
     def _key(self, key: str) -> str:
         return self._prefix + key
@@ -226,6 +243,10 @@ class StoreAdapter(torch.distributed.Store):  # type: ignore[misc,name-defined]
 
     def num_keys(self) -> int:  # not used by Gloo; our store cannot count cheaply
         raise RuntimeError("StoreAdapter.num_keys is not supported")
+
+
+def _nothing() -> None:
+    return None
 
 
 class _Arenas:
@@ -341,6 +362,24 @@ class _Copies(NamedTuple):
 
 _WHOLE, _SPAN, _STRIDED, _CAST_SPAN, _CAST_STRIDED, _CAST_TEMP = range(6)
 
+_DTYPE = operator.attrgetter("dtype")
+
+
+class _Cats(NamedTuple):
+    """A packed message made only of whole shards, as ``torch.cat(out=...)`` calls: per
+    round one ``itemgetter`` fetches its sources and one C-level pass compares their
+    dtypes with the wire's; no Python per segment. ``cat`` copies a contiguous input with
+    one memcpy, ``_foreach_copy_`` builds a TensorIterator per pair: 190 vs 680 ns per 64 B
+    shard on the CPU bench's box."""
+
+    ptr: int                                   # data_ptr of the message's buffer
+    get: Callable[[Mapping[str, torch.Tensor]], Any]   # itemgetter of the segments' names
+    wire: tuple[torch.dtype, ...]              # per segment, the wire dtype
+    #: (destination, first, stop): segments [first, stop) of the message share their wire
+    #: dtype and local shape but for dim 0, so they concatenate along dim 0 into the
+    #: destination, the arena region viewed typed as (sum of dim 0, *rest)
+    groups: tuple[tuple[torch.Tensor, int, int], ...]
+
 
 @dataclass(eq=False)
 class GlooStaging(Staging):
@@ -409,6 +448,8 @@ class GlooTransport(Transport):
         # Per message (by id: messages live as long as the cached packings): the arena views
         # of packed messages, reused while the message's buffer address stays the same.
         self._copy_cache: dict[int, _Copies] = {}
+        #: message id -> its ``_Cats`` (None: not made only of aligned whole shards)
+        self._cat_cache: dict[int, _Cats | None] = {}
         self._parts: dict[int, tuple[int, list[torch.Tensor]]] = {}
         self._shapes: dict[int, tuple[int, ...]] = {}
         self._send_need: dict[int, int] = {}  # bucket -> staging bytes (trainer)
@@ -539,11 +580,13 @@ class GlooTransport(Transport):
             raise TimeoutError(f"gloo: the process group was not created within "
                                f"{rendezvous.timeout:g} s at {self.ctx.where()} (a peer did "
                                "not connect)") from None
+        # Popped, not read: this frame may outlive the call inside an exception's traceback
+        # (a cancelled task's), and the group must have no holder but the transport.
         if "pg" in outcome:
-            return outcome["pg"]
-        if "lost" in outcome:
-            raise outcome["lost"]
-        raise outcome["error"]
+            return outcome.pop("pg")
+        failure = outcome.pop("lost", None) or outcome.pop("error")
+        outcome.clear()
+        raise failure
 
     # -- per bucket ----------------------------------------------------------------------
 
@@ -686,6 +729,68 @@ class GlooTransport(Transport):
             self._copy_cache[id(msg)] = got
         return got
 
+    def _cats(self, msg: Message, buf: torch.Tensor, cache: bool) -> _Cats | None:
+        """The ``_Cats`` of a packed message for its buffer ``buf``, or None when a segment is
+        not a whole, non-empty shard of at least one dim at a wire-aligned offset (those go
+        through ``_copies``). Cached like ``_copies``; a pure function of the plan and the
+        buffer's address."""
+        ptr = buf.data_ptr()
+        key = id(msg)
+        if key in self._cat_cache:
+            got = self._cat_cache[key]
+            if got is None or got.ptr == ptr:
+                return got
+        shapes: list[tuple[int, ...]] = []
+        for seg in msg.segments:
+            dtype = self._dtypes[seg.param]
+            shape = self._local_shape(seg.param)
+            if (not seg.whole or not shape or not seg.nbytes
+                    or (ptr + seg.offset - msg.offset) % dtype.itemsize):
+                if cache:  # the same for this buffer every round
+                    self._cat_cache[key] = None
+                return None
+            shapes.append(shape)
+        groups: list[tuple[torch.Tensor, int, int]] = []
+        segs = msg.segments
+        a = 0
+        while a < len(segs):
+            dtype, rest = self._dtypes[segs[a].param], shapes[a][1:]
+            b = a + 1
+            while (b < len(segs) and b - a < _FOREACH_CHUNK and shapes[b][1:] == rest
+                   and self._dtypes[segs[b].param] is dtype):
+                b += 1
+            lo = segs[a].offset - msg.offset
+            hi = segs[b - 1].offset + segs[b - 1].nbytes - msg.offset
+            rows = sum(shapes[j][0] for j in range(a, b))
+            groups.append((buf[lo:hi].view(dtype).view(rows, *rest), a, b))
+            a = b
+        got = _Cats(ptr, operator.itemgetter(*(self._names[s.param] for s in segs)),
+                    tuple(self._dtypes[s.param] for s in segs), tuple(groups))
+        if cache:
+            self._cat_cache[key] = got
+        return got
+
+    @staticmethod
+    def _cat_from(cats: _Cats, sources: Mapping[str, torch.Tensor]) -> bool:
+        """Pack the message with ``cats`` when every source is there in its wire dtype;
+        False (nothing copied) otherwise: the per-segment path then casts, or raises the
+        error naming a missing parameter. The engine checked the shapes, device and
+        contiguity of the sources."""
+        try:
+            ts = cats.get(sources)
+        except KeyError:
+            return False
+        if type(ts) is not tuple:  # an itemgetter of one name returns the value itself
+            ts = (ts,)
+        try:
+            if not all(map(operator.is_, map(_DTYPE, ts), cats.wire)):
+                return False
+        except AttributeError:  # not a tensor: the per-segment path reports it
+            return False
+        for out, a, b in cats.groups:
+            torch.cat(ts[a:b], out=out)
+        return True
+
     def _copy_from(self, copies: _Copies, sources: Mapping[str, torch.Tensor],
                    get: Callable[[int], torch.Tensor],
                    get_flat: Callable[[int], torch.Tensor],
@@ -765,6 +870,10 @@ class GlooTransport(Transport):
                 assert arena is not None
                 buf = arena[off:off + msg.nbytes]
                 off += msg.nbytes
+                cats = self._cats(msg, buf, cacheable)
+                if cats is not None and self._cat_from(cats, sources):
+                    staged.messages.append((peer.peer, msg, buf, False))
+                    continue
                 staged.cast_bytes += self._copy_from(
                     self._copies(msg, buf, cacheable, cast), sources, get, get_flat, batch)
                 staged.messages.append((peer.peer, msg, buf, False))
@@ -831,17 +940,21 @@ class GlooTransport(Transport):
         op = self._pg.send if self.ctx.role == "trainer" else self._pg.recv
         tag = staged.bucket.index % (1 << 31)  # Gloo tags are 32-bit; FIFO per pair anyway
         issued: list[tuple[Any, int]] = []
-        with self._lock:
-            self.check_usable()  # under the lock: abort() cannot miss an op issued now
-            try:
-                for j, (peer, buf) in enumerate(self._issue_order(staged), 1):
-                    issued.append((op([buf], peer, tag), peer))
-                    if j % _HANDOFF_EVERY == 0:
-                        time.sleep(_HANDOFF_SECONDS)
-            except Exception as exc:
-                raise self._translate(exc, staged, None) from exc
-            finally:
-                self._pending.extend(issued)
+        try:
+            with self._lock:
+                self.check_usable()  # under the lock: abort() cannot miss an op issued now
+                try:
+                    for j, (peer, buf) in enumerate(self._issue_order(staged), 1):
+                        issued.append((op([buf], peer, tag), peer))
+                        if j % _HANDOFF_EVERY == 0:
+                            time.sleep(_HANDOFF_SECONDS)
+                except Exception as exc:
+                    raise self._translate(exc, staged, None) from exc
+                finally:
+                    self._pending.extend(issued)
+        finally:
+            # A traceback that keeps this frame must not keep the group (the bound method).
+            del op
         return issued
 
     @staticmethod
@@ -905,6 +1018,11 @@ class GlooTransport(Transport):
             with self._lock:
                 done = {id(w) for w, _ in issued}
                 self._pending = [(w, p) for w, p in self._pending if id(w) not in done]
+            # The ops hold the Gloo context: a failure's traceback keeps this frame (and the
+            # issue call's result, this same list), so empty what it would keep.
+            issued.clear()
+            ordered.clear()
+            work = None
         staged.seconds["transfer"] += time.perf_counter()
 
     def _translate(self, exc: BaseException, staged: GlooStaging,
@@ -1130,8 +1248,17 @@ class GlooTransport(Transport):
             await anyio.to_thread.run_sync(t.close, 5.0, abandon_on_cancel=True)
         if self._arenas is not None:
             self._arenas.clear()
+        # Nothing but this transport may hold the group, so that dropping it below destroys
+        # it now (its threads joined, its sockets closed), not when the collector runs: the
+        # ops of a failed round hold the Gloo context, the adapter the loop's notifier.
+        with self._lock:
+            self._pending.clear()
+            self._failed_peers.clear()
+        if self._adapter is not None:
+            self._adapter.close()
         # the cached views hold the arenas and the targets
         self._copy_cache.clear()
+        self._cat_cache.clear()
         self._parts.clear()
         self._recv_cache.clear()
         self._unpack_cache.clear()

@@ -13,10 +13,22 @@ Where the checks run: a plain dict is checked on the event loop in chunks of
 and a thread running a Python loop holds the GIL); any other source may compute on lookup and
 is resolved on a worker thread. Sources whose dtypes can be read without computing a shard
 are dtype-checked before the round (``precheck``).
+
+The per-round cost for a plain dict: every shard's dtype, shape, device and contiguity are
+read every round (``Tensor.data`` can be reassigned and in-place ops change shapes, so a
+shard seen last round proves nothing), but by C-level ``map`` calls over chunks of
+``_INLINE_PARAMS`` tensors fetched with one ``operator.itemgetter`` (``_Expectations.chunks``:
+the getters and expected values are a pure function of the plan, built once per engine),
+not by a Python loop per parameter. ``precheck`` reads only the dtypes that way, before the
+round; each bucket's shapes, devices and contiguity are read when the pipeline asks for the
+bucket, so that this work overlaps the transfer of the bucket before. A chunk that fails the
+fast pass goes through the per-parameter check, which raises the error naming the parameter
+(dtype problems before the round, the others when their bucket is staged: as before).
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -38,7 +50,8 @@ if TYPE_CHECKING:
 
     from m2n_async._proto.plan import Bucket
 
-__all__ = ["Weights", "_INLINE_PARAMS", "_Expect", "_Sources", "_source_expectations"]
+__all__ = ["Weights", "_INLINE_PARAMS", "_Expect", "_Expectations", "_Sources",
+           "_source_expectations"]
 
 #: What ``sync_weights`` accepts: name -> local shard (any Mapping, e.g. ``module_shards``),
 #: a ``torch.nn.Module``, a callable ``f(names) -> Mapping`` called once per bucket, or an
@@ -89,6 +102,16 @@ class _Sources:
             self._on_device = lambda t: bool(t.is_cuda) and t.get_device() == want
         else:
             self._on_device = lambda t: t.device.type == device
+        # The same predicate over many tensors, at C speed where the device allows it.
+        self._all_on_device: Callable[[tuple[torch.Tensor, ...]], bool]
+        if device == "cpu":
+            self._all_on_device = lambda ts: all(map(_IS_CPU, ts))
+        elif kind == "cuda" and not index:
+            self._all_on_device = lambda ts: all(map(_IS_CUDA, ts))
+        else:
+            self._all_on_device = lambda ts: all(map(self._on_device, ts))
+        #: ``precheck`` found every dtype of this round's plain dict accepted
+        self._dtypes_ok = False
         self._limiter = anyio.CapacityLimiter(1)
         self._iter: Iterator[tuple[str, torch.Tensor]] | None = None
         self._pending: dict[str, torch.Tensor] = {}
@@ -132,6 +155,9 @@ class _Sources:
         shard (a dict of tensors, a module or ``module_shards``): ``PlanError`` naming the
         parameter, the rank and both dtypes. Chunked like the per-bucket check of a dict,
         so that 10^5 parameters never hold the loop for long."""
+        if self.inline and await self._fast_ok(0, len(self._names), dtypes=True):
+            self._dtypes_ok = True  # the per-bucket checks need not read dtypes again
+            return
         dtype_of = self._dtype_of
         if dtype_of is None:
             return
@@ -146,7 +172,42 @@ class _Sources:
                     i = a + names[a:a + _INLINE_PARAMS].index(n)
                     check_source_dtype(self._plan.params[i].spec, d, self._rank)
 
+    async def _fast_ok(self, start: int, stop: int, *, dtypes: bool) -> bool:
+        """True when the shards of params ``[start, stop)`` in the plain dict are tensors
+        with an accepted dtype (``dtypes``) or with their shape, on this device and
+        contiguous (not ``dtypes``): the fast pass of the module docstring. False as soon as
+        a chunk fails it (the per-parameter checks then explain). Chunked with checkpoints
+        between chunks, like those checks."""
+        import torch
+
+        m = self._map
+        assert m is not None
+        expect = self._expect
+        if not isinstance(expect, _Expectations):  # a caller-built list: no tables
+            return False
+        is_contiguous = torch.Tensor.is_contiguous  # the C method: no Python frame per tensor
+        on_device = self._all_on_device
+        for a, (get, oks, shapes) in enumerate(expect.chunks(self._names, start, stop)):
+            if a:
+                await anyio.lowlevel.checkpoint()
+            try:
+                ts = get(m)
+                if type(ts) is not tuple:  # an itemgetter of one name returns the value
+                    ts = (ts,)
+                if dtypes:
+                    if not all(map(operator.contains, oks, map(_DTYPE, ts))):
+                        return False
+                elif not (all(map(operator.eq, map(_SHAPE, ts), shapes))
+                          and on_device(ts) and all(map(is_contiguous, ts))):
+                    return False
+            except (KeyError, AttributeError, TypeError):  # missing, or not a tensor
+                return False
+        return True
+
     async def __call__(self, bucket: Bucket) -> Mapping[str, torch.Tensor]:
+        if self._dtypes_ok and await self._fast_ok(bucket.start, bucket.stop, dtypes=False):
+            assert self._map is not None
+            return self._map  # every shard of the bucket checked (dtypes by ``precheck``)
         names = self._names[bucket.start:bucket.stop]
         if self.inline:
             # The user's dict itself is the bucket's mapping (no copy per bucket). Checked in
@@ -223,12 +284,45 @@ class _Sources:
 _Expect = tuple[Any, "torch.Size", frozenset[Any]]
 
 
-def _source_expectations(plan: TransferPlan, rank: int) -> list[_Expect]:
+_DTYPE = operator.attrgetter("dtype")
+_SHAPE = operator.attrgetter("shape")
+_IS_CPU = operator.attrgetter("is_cpu")
+_IS_CUDA = operator.attrgetter("is_cuda")
+
+
+#: One chunk of the fast check: an itemgetter of its names, the accepted dtypes and the
+#: local shapes of its parameters.
+_Chunk = tuple[Callable[[Mapping[str, Any]], Any], list[frozenset[Any]], list["torch.Size"]]
+
+
+class _Expectations(list[_Expect]):
+    """``_source_expectations``' list, plus the fast pass's chunk tables per range of params
+    (the whole plan for ``precheck``, each bucket), built on first use for one names
+    sequence and kept with the engine that keeps this list."""
+
+    _names: Sequence[str] | None = None
+    _chunks: dict[tuple[int, int], list[_Chunk]]
+
+    def chunks(self, names: Sequence[str], start: int, stop: int) -> list[_Chunk]:
+        if self._names is not names:
+            self._names, self._chunks = names, {}
+        got = self._chunks.get((start, stop))
+        if got is None:
+            got = self._chunks[start, stop] = []
+            for a in range(start, stop, _INLINE_PARAMS):
+                b = min(a + _INLINE_PARAMS, stop)
+                part = self[a:b]
+                got.append((operator.itemgetter(*names[a:b]), [ok for _, _, ok in part],
+                            [shape for _, shape, _ in part]))
+        return got
+
+
+def _source_expectations(plan: TransferPlan, rank: int) -> _Expectations:
     """Per param, the dtype, local shape and accepted source dtypes of this rank's shard."""
     import torch
 
     floats = frozenset(getattr(torch, n) for n in CAST_DTYPES)
-    out: list[_Expect] = []
+    out = _Expectations()
     for p in plan.params:
         wire = getattr(torch, p.spec.dtype)
         out.append((wire, torch.Size(p.spec.layout.local_shape(p.spec.shape, rank)),
