@@ -1,0 +1,63 @@
+"""Rank-process side of ``test_release``: connect / rounds / close cycles with the garbage
+collector off, reporting this process's thread and fd counts after each close."""
+
+from __future__ import annotations
+
+import gc
+import os
+from typing import Any
+
+import torch
+
+from ._world import TOKEN
+
+
+def _counts() -> tuple[int, int]:
+    return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
+
+
+async def cycles(*, address: str, job: str, rank: int, cycles: int, fail: bool,
+                 **_: Any) -> list[tuple[int, int]]:
+    """1 trainer + 1 worker, Gloo: ``cycles`` times connect -> a round -> close (the round
+    fails on every rank when ``fail``: the trainer's shard has a wrong shape). Returns the
+    (threads, fds) after each close, gc disabled throughout."""
+    from m2n_async import EngineConfig, Layout, Mesh, ParamSpec, TrainerEngine, WorkerEngine
+    from m2n_async._proto.errors import M2NError
+
+    mesh = Mesh((1, 1), 0)
+    specs = [ParamSpec(f"p{i}", "float32", (8,), Layout(mesh, None)) for i in range(4)]
+    config = EngineConfig(transport="gloo", round_timeout=30, phase_timeout=30, job=job,
+                          abort_grace=2.0)
+    out: list[tuple[int, int]] = []
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(cycles):
+            if rank == 0:
+                engine: Any = await TrainerEngine.connect(
+                    address, token=TOKEN, rank=0, trainer_ranks=1, world_size=2,
+                    params=specs, config=config, timeout=60)
+            else:
+                engine = await WorkerEngine.connect(
+                    address, token=TOKEN, rank=1, trainer_ranks=1, world_size=2,
+                    mesh_dims=(1, 1), config=config, timeout=60,
+                    targets={s.name: (torch.zeros(8), None) for s in specs})
+            try:
+                if rank == 0:
+                    shards = {s.name: torch.ones(8) for s in specs}
+                    if fail:
+                        shards["p1"] = torch.ones(9)
+                    await engine.sync_weights(shards)
+                else:
+                    await engine.receive(timeout=30)
+            except M2NError:
+                if not fail:
+                    raise
+            finally:
+                await engine.close()
+            out.append(_counts())
+    finally:
+        if enabled:
+            gc.enable()
+    return out
