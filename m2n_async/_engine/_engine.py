@@ -89,9 +89,11 @@ from m2n_async._proto.plan import (
     validate_local_buffer,
 )
 from m2n_async._store import (
+    Claim,
     ControlGroup,
     Store,
     StoreClient,
+    claim_rank,
     generation_namespace,
 )
 
@@ -131,6 +133,7 @@ class _Engine:
         self._namespace = ""
         self._watch: tuple[str, ...] = ()
         self._rounds: RoundDriver | None = None
+        self._claim: Claim | None = None  # this rank of the job, held from connect to close
         self._round = 0
         self._version = 0
         self._job_closed = False
@@ -282,8 +285,13 @@ class _Engine:
         c = self.config
         try:
             with anyio.fail_after(limit) if limit is not None else _no_deadline():
+                # The job's rank first (fencing): nothing of the job is touched, no generation
+                # opened or joined, while another live process holds this rank of it.
+                self._claim = await claim_rank(self._store, c.job, self.rank,
+                                               wait_s=c.phase_timeout)
                 self._generation = await join_generation(self._store, c.job, self.rank,
                                                          wait_s=c.phase_timeout)
+                await self._claim.joined(self._generation)
                 ns = generation_namespace(c.job, self._generation)
                 self._namespace = ns
                 group = ControlGroup(self._store, self.rank, self.world_size, ns)
@@ -470,6 +478,13 @@ class _Engine:
                     await self._group.aclose(lost=abort_reason is not None)
                 except M2NError:
                     pass
+        if self._claim is not None:
+            with anyio.move_on_after(grace):
+                try:
+                    await self._claim.release()
+                except M2NError:
+                    pass  # the store is gone: the claim went with this session
+            self._claim = None
         if self._owns_store:
             with anyio.move_on_after(grace):
                 await self._store.aclose()

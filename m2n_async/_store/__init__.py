@@ -2,10 +2,12 @@
 
 See DESIGN.md §4. ``_core`` holds the sans-IO semantics; ``_server``/``_client`` and
 ``m2n_async.testing.MemoryStore`` are drivers over it; ``_group`` builds collectives on the
-``Store`` protocol (``_api``); ``_namespace`` scopes keys per job generation.
+``Store`` protocol (``_api``); ``_namespace`` scopes keys per job generation; ``_claims``
+fences a job name to one live holder per rank.
 """
 
 from m2n_async._store._api import Store, SupportsExchange
+from m2n_async._store._claims import Claim, JobClaim, JobClaimedError, claim_rank
 from m2n_async._store._client import StoreClient
 from m2n_async._store._core import StaleGenerationError, generation_key
 from m2n_async._store._group import ControlGroup
@@ -17,12 +19,16 @@ from m2n_async._store._namespace import (
 from m2n_async._store._server import StoreServer
 
 __all__ = [
+    "Claim",
     "ControlGroup",
+    "JobClaim",
+    "JobClaimedError",
     "StaleGenerationError",
     "Store",
     "StoreClient",
     "StoreServer",
     "SupportsExchange",
+    "claim_rank",
     "current_generation",
     "generation_key",
     "generation_namespace",
