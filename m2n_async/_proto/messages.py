@@ -17,9 +17,7 @@ import msgspec
 from m2n_async._proto.errors import RemoteProtocolError
 from m2n_async._proto.params import ParamSpec, ParamTransfer
 
-PROTO_VERSION: Final[int] = 3
-"""Bumped when any envelope changes (3: RoundDone.status/suspects/reporter, Abort.cause and
-Abort.reporter)."""
+PROTO_VERSION: Final[int] = 2
 
 # --- plan records (core, issue 2) ---
 
@@ -162,6 +160,9 @@ class CommunicatorId(msgspec.Struct, frozen=True, forbid_unknown_fields=True, ta
 # Written under ``{job}/{generation}/round/{round}/``: ``start`` (trainer rank 0),
 # ``done/{rank}`` (every rank) and ``abort`` (the first failing rank wins a compare-and-set, so
 # every rank reads the same first failure and raises the same error).
+# RoundDone and Abort gained fields (status, suspects, reporter; cause, reporter) without a
+# PROTO_VERSION bump, which would change every plan digest: a peer of the older layout fails
+# to decode them (required fields), and the round names it as a protocol failure.
 
 
 class RoundStart(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
