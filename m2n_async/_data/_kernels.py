@@ -29,7 +29,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["available", "copy_many", "pointer_table"]
+__all__ = ["MIN_PIECES", "available", "copy_many", "pointer_table", "uniform_pieces"]
 
 #: Fewer pieces than this: ``_foreach_copy_`` costs about the same, skip the launch.
 MIN_PIECES = 8
@@ -93,6 +93,17 @@ def _geometry(t: Any) -> tuple[int, int, int] | None:
     return None
 
 
+def uniform_pieces(tensors: Sequence[Any]) -> bool:
+    """Do all ``tensors`` share the first one's dtype, CUDA device, shape and strides, in a
+    geometry the kernel addresses? (What ``copy_many(..., uniform=True)`` assumes; a caller
+    that copies the same pieces every round checks it once.)"""
+    t0 = tensors[0]
+    if not getattr(t0, "is_cuda", False) or _geometry(t0) is None:
+        return False
+    key = (t0.dtype, t0.device, t0.shape, t0.stride())
+    return all((t.dtype, t.device, t.shape, t.stride()) == key for t in tensors)
+
+
 def pointer_table(tensors: Sequence[Any], device: Any) -> Any:
     """The pieces' base addresses as a device int64 tensor (for ``copy_many``)."""
     import torch
@@ -133,11 +144,14 @@ def _exact(src_dtype: Any, dst_dtype: Any, device: Any) -> bool:
 
 
 def copy_many(dsts: Sequence[Any], srcs: Sequence[Any], *, src_table: Any = None,
-              dst_table: Any = None) -> bool:
+              dst_table: Any = None, uniform: bool = False) -> bool:
     """``dsts[i].copy_(srcs[i])`` for every i in one launch on the current stream, cast to
     the destinations' dtype; False (nothing done) when the pieces do not qualify — then
     the caller copies them some other way. ``*_table``: ``pointer_table`` of that side, if
-    the caller keeps one."""
+    the caller keeps one. ``uniform``: the caller guarantees that every piece of a side has
+    the first one's dtype, device, shape and strides (a stack's views, a group keyed by
+    them), so only the first pair is checked: checking 1024 pairs costs ~2.8 ms of host
+    time, 20x the launch."""
     n = len(dsts)
     if n < MIN_PIECES or n != len(srcs) or _kernel() is None:
         return False
@@ -146,7 +160,8 @@ def copy_many(dsts: Sequence[Any], srcs: Sequence[Any], *, src_table: Any = None
         return False
     if d0.dtype != s0.dtype and not _exact(s0.dtype, d0.dtype, d0.device):
         return False
-    return _launch(dsts, srcs, d0.device, src_table=src_table, dst_table=dst_table)
+    return _launch(dsts, srcs, d0.device, check=not uniform, src_table=src_table,
+                   dst_table=dst_table)
 
 
 def _launch(dsts: Sequence[Any], srcs: Sequence[Any], device: Any, *, check: bool = True,

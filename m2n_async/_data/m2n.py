@@ -63,8 +63,8 @@ from m2n_async._data._cuda import (
     m2n_module,
     torch_dtype,
 )
+from m2n_async._data._kernels import MIN_PIECES, copy_many, pointer_table, uniform_pieces
 from m2n_async._data._kernels import available as kernels_available
-from m2n_async._data._kernels import copy_many, pointer_table
 from m2n_async._data._transport import Completion, Sink, Staging, TransportSettings
 from m2n_async._proto.errors import LocalProtocolError, PlanError, TransferError
 from m2n_async._proto.plan import M2N_MAX_CALL_BYTES
@@ -173,6 +173,7 @@ class _Scatter:
     srcs: list[Any]
     cache: bool                # the same pieces every round: tables worth keeping
     tables: tuple[Any, Any] | None = None
+    kernel: bool | None = None  # the Triton copy can take the group (decided on first use)
 
 
 class _StackViews(NamedTuple):
@@ -580,6 +581,8 @@ class M2NTransport(GpuTransportBase):
                 srcs = []
                 casts = 0
                 wire = p.dtype
+                dense = True  # every member contiguous on our device: the kernel may take them
+                device = self.device
                 for m in call.members:
                     t = sources.get(m.name)
                     if t is None:
@@ -589,6 +592,7 @@ class M2NTransport(GpuTransportBase):
                                         f"{tuple(t.shape)} but the plan says {m.src_shape} "
                                         f"at {where}")
                     casts += t.dtype is not wire
+                    dense = dense and t.is_contiguous() and t.device == device
                     srcs.append(t)
                 st.sources.extend(srcs)
                 buf, parts = stacks[k]
@@ -596,7 +600,9 @@ class M2NTransport(GpuTransportBase):
                 # one multi-tensor copy packs (and casts) every member: per-tensor copy_
                 # launches cost ~9 us each, which is the whole budget of a small expert;
                 # one Triton launch where it can (``_kernels``: 7x faster than foreach)
-                if not copy_many(parts, srcs, dst_table=self._table(st, k, parts)):
+                uniform = dense and casts in (0, len(srcs))  # one dtype pair, one geometry
+                if not (uniform and copy_many(parts, srcs, dst_table=self._table(st, k, parts),
+                                              uniform=True)):
                     torch._foreach_copy_(parts, srcs, non_blocking=True)
                 st.stacked_params += len(srcs)
                 st.persistent.append(st.arena_slot is not None)
@@ -753,12 +759,15 @@ class M2NTransport(GpuTransportBase):
         if groups:
             with streams.on(streams.unpack):
                 for g in groups:
-                    if g.tables is None and g.cache and kernels_available() \
-                            and len(g.dsts) >= 8 and g.dsts[0].is_cuda:
-                        g.tables = (pointer_table(g.srcs, self.device),
-                                    pointer_table(g.dsts, self.device))
+                    if g.kernel is None:  # decided once per group (it is cached with it)
+                        g.kernel = (len(g.dsts) >= MIN_PIECES and kernels_available()
+                                    and uniform_pieces(g.dsts) and uniform_pieces(g.srcs))
+                        if g.kernel and g.cache:
+                            g.tables = (pointer_table(g.srcs, self.device),
+                                        pointer_table(g.dsts, self.device))
                     src_t, dst_t = g.tables if g.tables is not None else (None, None)
-                    if not copy_many(g.dsts, g.srcs, src_table=src_t, dst_table=dst_t):
+                    if not (g.kernel and copy_many(g.dsts, g.srcs, src_table=src_t,
+                                                   dst_table=dst_t, uniform=True)):
                         torch._foreach_copy_(g.dsts, g.srcs, non_blocking=True)
         await self.finish_unpack(st, bool(groups), callbacks)
 

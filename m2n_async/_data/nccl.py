@@ -87,7 +87,8 @@ def _copy(dsts: list[Any], srcs: list[Any]) -> None:
     rest_d: list[Any] = []
     rest_s: list[Any] = []
     for gd, gs in groups.values():
-        if not copy_many(gd, gs):
+        # a group shares shape, strides and dtypes by its key; devices are the lane's own
+        if not copy_many(gd, gs, uniform=True):
             rest_d += gd
             rest_s += gs
     if rest_d:

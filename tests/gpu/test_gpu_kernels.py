@@ -45,7 +45,8 @@ def test_copy_many_matches_copy(src_dtype, dst_dtype, strided):
     out = torch.empty(16, *srcs[0].shape, dtype=dst_dtype, device="cuda")
     parts = list(out.unbind(0))
     want = torch.stack([s.to(dst_dtype) for s in srcs])
-    did = k.copy_many(parts, srcs)
+    assert k.uniform_pieces(parts) and k.uniform_pieces(srcs)
+    did = k.copy_many(parts, srcs, uniform=strided)  # the caller's promise, or checked here
     if not did:  # a dtype pair failing the exactness self-test is refused, not run
         assert src_dtype != dst_dtype, "equal dtypes are bit copies: always taken"
         return
@@ -66,3 +67,4 @@ def test_scatter_into_separate_targets_and_refusals():
     three = [torch.empty(2, 4, 4, device="cuda") for _ in range(12)]
     assert not k.copy_many(three, [t.clone() for t in three])
     assert not k.copy_many(targets[:4], list(stack.unbind(0))[:4])  # too few to pay
+    assert not k.uniform_pieces(mixed) and not k.uniform_pieces(three)
