@@ -5,8 +5,9 @@ expert weights dominate, as in DeepSeek-V3) over ``--trainers`` + ``--workers`` 
 64 + 64) with a mix of FSDP-, TP- and fully replicated source layouts and TP/DP destination
 layouts, then times, on one core, each stage the handshake and engine run: spec construction,
 plan validation, both digests, geometry (pieces of every param, per-rank bytes, fan-in/out,
-limits) and buckets. Last it encodes and decodes the plan record with msgspec side by side with
-pickle and json in the same run (pickle is only a yardstick here: it never goes on the wire).
+limits), buckets and the cost model's prediction per lane. Last it encodes and decodes the
+plan record with msgspec side by side with pickle and json in the same run (pickle is only a
+yardstick here: it never goes on the wire).
 
 Run: ``.venv/bin/python bench/plan_bench.py`` (``--params 10000`` for a quick look).
 """
@@ -24,6 +25,7 @@ from typing import TypeVar
 import msgspec
 
 from m2n_async._proto import messages
+from m2n_async._proto.cost import DEFAULT_LANES, cost_inputs, predict
 from m2n_async._proto.layout import REPLICATE, Layout, Mesh
 from m2n_async._proto.params import ParamSpec, ParamTransfer
 from m2n_async._proto.plan import (
@@ -32,6 +34,7 @@ from m2n_async._proto.plan import (
     complete_plan_digest,
     source_plan_digest,
 )
+from m2n_async._proto.stacking import COALESCE_BELOW_BYTES
 
 T = TypeVar("T")
 
@@ -89,11 +92,16 @@ def one_run(args: argparse.Namespace, rows: dict[str, list[float]]) -> TransferP
     timed("per-rank bytes + lower bound", lambda: plan.lower_bound_seconds(50e9), rows)
     timed("pieces() of every param", lambda: [plan.pieces(i) for i in range(len(plan))], rows)
     timed(f"buckets({args.bucket_mib} MiB)", lambda: plan.buckets(args.bucket_mib << 20), rows)
+    # The handshake's cost-model prediction (``auto`` picks a lane by it): every lane's
+    # calls (the m2n lane's stacked calls per bucket) and bytes.
+    costs = cost_inputs(DEFAULT_LANES, dict.fromkeys(DEFAULT_LANES, args.bucket_mib << 20),
+                        COALESCE_BELOW_BYTES)
+    timed("cost.predict (every lane)", lambda: predict(plan, costs), rows)
     rows.setdefault(TOTAL, []).append(time.perf_counter() - t_all)
     return plan
 
 
-TOTAL = "**total (build + validate + digests + geometry + buckets)**"
+TOTAL = "**total (build + validate + digests + geometry + buckets + cost prediction)**"
 
 
 def main() -> None:

@@ -43,6 +43,17 @@ def _sample() -> tuple[int, int, float]:
     return threads, fds, rss
 
 
+def _thread_names() -> str:
+    """This process's threads by name (``/proc/self/task/*/comm``), e.g. ``gloo_tcp_loop x1``:
+    what a residue is made of."""
+    names: dict[str, int] = {}
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/comm") as f:
+            name = f.read().strip()
+        names[name] = names.get(name, 0) + 1
+    return ", ".join(f"{k} x{v}" for k, v in sorted(names.items()))
+
+
 async def _rank(ns: dict[str, Any], rank: int, out: Any) -> None:
     import torch
 
@@ -97,8 +108,9 @@ async def _rank(ns: dict[str, Any], rank: int, out: Any) -> None:
         finally:
             await engine.close()
         out.put((rank, "after the rounds' close", _sample()))
-    freed = gc.collect()
-    out.put((rank, f"after gc.collect() (freed {freed} objects)", _sample()))
+    out.put((rank, "threads", _thread_names()))
+    out.put((rank, "freed", str(gc.collect())))
+    out.put((rank, "after gc.collect()", _sample()))
 
 
 def _child(ns: dict[str, Any], rank: int, out: Any) -> None:
@@ -136,6 +148,9 @@ async def _run(ns: argparse.Namespace) -> int:
                 continue
             if label == "error":
                 print(f"rank {rank} FAILED: {value}", file=sys.stderr)
+                continue
+            if label in ("threads", "freed"):
+                print(f"         {('trainer', 'worker')[rank]}: {label}: {value}", flush=True)
                 continue
             row = rows.setdefault(label, {})
             row[rank] = value
