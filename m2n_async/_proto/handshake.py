@@ -192,6 +192,32 @@ class PreflightPlan:
     predicted_seconds: float | None = None
 
 
+#: Parameters per chunk digest (``chunk_digests``): a rank whose plan differs is told the
+#: first run of this many parameters that differs, and their names on a reference rank.
+#: 4 bytes per 16 parameters: 25 KB per trainer for 10^5 parameters.
+DIFF_CHUNK: Final[int] = 16
+
+
+def chunk_digests(items: Sequence[object]) -> bytes:
+    """4 bytes of SHA-256 per run of ``DIFF_CHUNK`` items (msgpack-encoded), concatenated."""
+    out = bytearray()
+    for a in range(0, len(items), DIFF_CHUNK):
+        body = _ENCODER.encode(tuple(items[a:a + DIFF_CHUNK]))
+        out += hashlib.sha256(b"m2n-chunk\0" + body).digest()[:4]
+    return bytes(out)
+
+
+def first_difference(mine: bytes | None, ref: bytes | None) -> int | None:
+    """Index of the first item of the first chunk that differs (or that one side lacks),
+    None when the chunk digests are equal or unknown."""
+    if mine is None or ref is None or mine == ref:
+        return None
+    for k in range(0, min(len(mine), len(ref)), 4):
+        if mine[k:k + 4] != ref[k:k + 4]:
+            return (k // 4) * DIFF_CHUNK
+    return (min(len(mine), len(ref)) // 4) * DIFF_CHUNK
+
+
 def placements_digest(mesh_dims: tuple[int, int],
                       placements: Sequence[tuple[int, int] | None]) -> str:
     """Hex SHA-256 of a worker mesh and its per-parameter placements (in source-plan order)."""
@@ -384,14 +410,15 @@ class Handshake:
         """
         self._expect(Phase.SOURCE)
         if self.role != "trainer":
-            return SourcePlan(self.proto_version, self.generation, self.rank, None, None)
+            return SourcePlan(self.proto_version, self.generation, self.rank, None, None,
+                              None, None)
         if params is None:
             raise PlanError(f"trainer rank {self.rank} was given no source params")
         specs = tuple(params)
         validate_source_specs(specs, self.trainer_ranks)
         digest = source_plan_digest(specs, self.trainer_ranks)
         return SourcePlan(self.proto_version, self.generation, self.rank, digest,
-                          specs if self.rank == 0 else None)
+                          specs if self.rank == 0 else None, chunk_digests(specs), len(specs))
 
     def destination(self, capabilities: Sequence[str], mesh_dims: tuple[int, int] | None,
                     dst_placements: Mapping[str, tuple[int, int] | None] | None,
@@ -408,7 +435,7 @@ class Handshake:
             raise TypeError(f"capabilities must be transport names, got {caps!r}")
         if self.role != "worker":
             return DestinationPlan(self.proto_version, self.generation, self.rank, caps,
-                                   None, None, None, costs)
+                                   None, None, None, None, costs)
         specs = self._agreed_specs()
         if mesh_dims is None or dst_placements is None:
             raise PlanError(f"worker rank {self.rank} was given no mesh_dims or "
@@ -431,7 +458,8 @@ class Handshake:
         digest = placements_digest(dims, placements)
         first_worker = self.rank == self.trainer_ranks
         return DestinationPlan(self.proto_version, self.generation, self.rank, caps, dims,
-                               digest, placements if first_worker else None, costs)
+                               digest, placements if first_worker else None,
+                               chunk_digests(placements), costs)
 
     def data_plane(self, identity: DataPlaneIdentity) -> DataPlaneReport:
         """This rank's ``data_plane`` envelope for the agreed transport and plan."""
@@ -599,10 +627,12 @@ class Handshake:
                 _add(failures, r, "trainer rank 0 did not ship the source specs")
         digests = {r: p.digest for r, p in plans.items()
                    if r < t and p.digest and r not in failures}
-        _, odd = _outliers(digests, _show_digest)
+        ref_digest, odd = _outliers(digests, _show_digest)
         for r, note in odd.items():
+            where = (self._where_specs_differ(plans, digests, ref_digest, r)
+                     or "different param names, dtypes, shapes, layouts or order")
             _add(failures, r, f"source-plan digest {_dig(digests[r])} differs: {note} "
-                              f"(different param names, dtypes, shapes, layouts or order)")
+                              f"({where})")
         root = plans.get(0)
         if root is None or root.params is None or 0 in failures:
             return
@@ -650,7 +680,9 @@ class Handshake:
                    if r >= t and r not in failures}
         ref, odd = _outliers(workers, _show_destination)
         for r, note in odd.items():
-            _add(failures, r, f"destination {_show_destination(workers[r])} differs: {note}")
+            where = self._where_placements_differ(dests, workers, ref, r)
+            _add(failures, r, f"destination {_show_destination(workers[r])} differs: {note}"
+                              + (f" ({where})" if where else ""))
         first = dests.get(t)
         if failures or first is None or ref is None:
             return
@@ -736,6 +768,54 @@ class Handshake:
         if self.phase is not phase:
             raise LocalProtocolError(f"handshake is in phase {self.phase.value!r}, not "
                                      f"{phase.value!r}")
+
+    def _where_specs_differ(self, plans: Mapping[int, SourcePlan], digests: Mapping[int, str],
+                            ref: str | None, r: int) -> str | None:
+        """Where trainer ``r``'s specs first differ from a reference rank's (the majority's,
+        or rank 0's on a tie), naming the parameters there when rank 0 shipped them."""
+        holders = [q for q, d in sorted(digests.items()) if q != r and (ref is None or d == ref)]
+        if not holders:
+            return None
+        q = holders[0]
+        mine, theirs = plans[r], plans[q]
+        at = first_difference(mine.chunks, theirs.chunks)
+        if at is None:
+            return None
+        parts = []
+        if mine.n_params != theirs.n_params:
+            parts.append(f"rank {r} has {mine.n_params} parameters, rank {q} {theirs.n_params}")
+        root = plans.get(0)
+        names = ([p.name for p in root.params[at:at + DIFF_CHUNK]]
+                 if root is not None and root.params is not None and q == 0 else [])
+        span = f"parameters #{at}..#{at + DIFF_CHUNK - 1}"
+        if names:
+            span += f" (rank 0 has {_names(names)} there)"
+        parts.append(f"the first difference from rank {q} is within {span}")
+        return "; ".join(parts)
+
+    def _where_placements_differ(self, dests: Mapping[int, DestinationPlan],
+                                 workers: Mapping[int, object], ref: object, r: int
+                                 ) -> str | None:
+        """Where worker ``r``'s placements first differ from a reference worker's, naming
+        the parameters (from the agreed source specs) and the first worker's placements."""
+        holders = [q for q, v in sorted(workers.items()) if q != r and (ref is None or v == ref)]
+        if not holders:
+            return None
+        q = holders[0]
+        at = first_difference(dests[r].placement_chunks, dests[q].placement_chunks)
+        if at is None:
+            return None
+        specs = self._specs or ()
+        names = [s.name for s in specs[at:at + DIFF_CHUNK]]
+        span = f"parameters #{at}..#{at + DIFF_CHUNK - 1}"
+        if names:
+            span += f" {_names(names)}"
+        first = dests.get(self.trainer_ranks)
+        if first is not None and first.placements is not None and q == self.trainer_ranks:
+            shown = ", ".join(f"{n}: {p}" for n, p in zip(
+                names, first.placements[at:at + DIFF_CHUNK], strict=False))
+            span += f"; rank {q} asks for {{{shown}}}" if shown else ""
+        return f"the first difference from rank {q} is within {span}"
 
     def _agreed_specs(self) -> tuple[ParamSpec, ...]:
         if self._specs is None:

@@ -70,6 +70,10 @@ class SourcePlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=Tr
     rank: int
     digest: str | None  # trainers: source_plan_digest; workers: None
     params: tuple[ParamSpec, ...] | None  # trainer rank 0 only
+    #: trainers: 4 bytes of digest per run of ``DIFF_CHUNK`` specs and the spec count, so
+    #: that a rank whose plan differs is told where (``handshake.first_difference``)
+    chunks: bytes | None
+    n_params: int | None
 
 
 class LaneCost(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -105,6 +109,7 @@ class DestinationPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True, t
     mesh_dims: tuple[int, int] | None  # workers only
     placements_digest: str | None  # workers only
     placements: tuple[tuple[int, int] | None, ...] | None  # the first worker only
+    placement_chunks: bytes | None  # workers: as ``SourcePlan.chunks``, of the placements
     costs: CostInputs | None  # what auto's choice is predicted from (None: preference)
 
 

@@ -131,7 +131,7 @@ class World:
 
 
 def as_dict(env: msgspec.Struct) -> dict[str, Any]:
-    d = msgspec.to_builtins(env)
+    d = msgspec.to_builtins(env, builtin_types=(bytes,))  # chunk digests stay bytes
     assert isinstance(d, dict)
     return d
 
@@ -253,7 +253,8 @@ def test_strict_decoding_names_the_sender(case: tuple[str, Callable[[], Tamper],
 def test_wrong_envelope_kind_for_the_phase(phase: Phase) -> None:
     bogus = Hello(PROTO_VERSION, GEN, 2, "trainer", 5, 2, "auto")
     if phase is Phase.HELLO:
-        bogus_bytes = Handshake.encode(SourcePlan(PROTO_VERSION, GEN, 2, "x", None))
+        bogus_bytes = Handshake.encode(SourcePlan(PROTO_VERSION, GEN, 2, "x", None,
+                                                   None, None))
         expected = "sent SourcePlan during phase 'hello'"
     else:
         bogus_bytes = Handshake.encode(bogus)
@@ -620,3 +621,63 @@ def test_auto_chooses_by_predicted_cost_and_names_a_rank_whose_costs_differ() ->
     world.run_to(Phase.DATA_PLANE)
     agreed = world.machines[0].plan
     assert agreed is not None and agreed.transport == "m2n" and agreed.predicted_seconds is None
+
+
+def test_a_plan_disagreement_names_where_the_plans_differ() -> None:
+    # 40 params; trainer 2 of 3 has parameter #21 with another shape: the message names the
+    # run of parameters holding it, with rank 0's names there, not just two digests
+    def specs(t: int, odd: bool) -> list[ParamSpec]:
+        mesh = Mesh((t, 1))
+        return [ParamSpec(f"p{i}", "float32", (12, 6 if not (odd and i == 21) else 12),
+                          Layout(mesh, (0, REPLICATE))) for i in range(40)]
+
+    world = World(3, 2)
+    world.specs = specs(3, False)
+    base_local = world.local
+
+    def local(r: int) -> msgspec.Struct:
+        m = world.machines[r]
+        if m.phase is Phase.SOURCE and r == 2:
+            return m.source(specs(3, True))
+        return base_local(r)
+
+    world.local = local  # type: ignore[method-assign]
+    err = world.fail_at(Phase.SOURCE, {})
+    assert sorted(err.failures) == [2]
+    msg = err.failures[2]
+    assert "the first difference from rank 0 is within parameters #16..#31" in msg, msg
+    assert "'p16'" in msg and "rank 0 has" in msg
+    # a missing parameter: the count is named too
+    world = World(2, 1)
+    world.specs = specs(2, False)
+
+    def short(r: int) -> msgspec.Struct:
+        m = world.machines[r]
+        if m.phase is Phase.SOURCE and r == 1:
+            return m.source(specs(2, False)[:39])
+        return World.local(world, r)
+
+    world.local = short  # type: ignore[method-assign]
+    err = world.fail_at(Phase.SOURCE, {})
+    # two trainers disagreeing: no majority, both named, each told where
+    assert sorted(err.failures) == [0, 1]
+    assert "rank 1 has 39 parameters, rank 0 40" in err.failures[1]
+    assert "within parameters #32..#47" in err.failures[1]
+
+
+def test_a_placement_disagreement_names_the_parameters_and_the_reference() -> None:
+    world = World(1, 3)
+    base_local = world.local
+
+    def local(r: int) -> msgspec.Struct:
+        m = world.machines[r]
+        if m.phase is Phase.DESTINATION and r == 3:
+            return m.destination(("gloo",), (1, 3), {"w": (REPLICATE, 0), "b": None})
+        return base_local(r)
+
+    world.local = local  # type: ignore[method-assign]
+    err = world.fail_at(Phase.DESTINATION, {})
+    assert sorted(err.failures) == [3]
+    msg = err.failures[3]
+    assert "the first difference from rank 1 is within parameters #0..#15 ['w', 'b']" in msg
+    assert "rank 1 asks for {w: (-1, 1), b: None}" in msg, msg
