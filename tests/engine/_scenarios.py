@@ -110,11 +110,59 @@ async def _all_connected(address: str, job: str, generation: int, rank: int,
         await store.aclose()
 
 
+class _FreezeBeforeReport:
+    """A store that blocks this process (then frozen by the test) just before it writes its
+    round outcome: its part of the round is done, its report never comes."""
+
+    def __init__(self, inner: Any, rank: int, events: Any) -> None:
+        self._inner = inner
+        self._rank = rank
+        self._events = events
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def compare_set(self, key: str, *args: Any, **kw: Any) -> Any:
+        if key.endswith(f"/done/{self._rank}"):
+            self._events.put(("ready_to_freeze", self._rank, time.time()))
+            time.sleep(600)  # noqa: ASYNC251 - the whole process stops, as a frozen one does
+        return await self._inner.compare_set(key, *args, **kw)
+
+
+async def _store_up(address: str, limit: float = 30.0) -> None:
+    """Wait until a store process (started beside the ranks) accepts connections."""
+    with anyio.fail_after(limit):
+        while True:
+            try:
+                client = await StoreClient.connect(address, token=TOKEN)
+            except OSError:
+                await anyio.sleep(0.05)
+                continue
+            except Exception as exc:  # a refused connection surfaces as StoreError
+                if "refused" not in str(exc).lower() and "connect" not in str(exc).lower():
+                    raise
+                await anyio.sleep(0.05)
+                continue
+            await client.aclose()
+            return
+
+
+async def store_process(*, port: int, _events: Any = None, **_: Any) -> None:
+    """A ``StoreServer`` as its own process (the test kills it): serves until killed."""
+    from m2n_async._store import StoreServer
+
+    async with StoreServer("127.0.0.1", port, token=TOKEN):
+        _events.put(("store_ready", -1, time.time()))
+        await anyio.sleep(600)
+
+
 async def engine_rank(*, address: str, job: str, rank: int, defs: Sequence[ParamDef],
                       src_dims: tuple[int, int], dst_dims: tuple[int, int],
                       config: dict[str, Any], versions: Sequence[int],
                       load: Sequence[str] = (), victim: int | None = None,
-                      leaver: int | None = None, _events: Any = None,
+                      leaver: int | None = None, freeze: int | None = None,
+                      freeze_at: str = "mid", signal_in_round: bool = False,
+                      wait_store: bool = False, _events: Any = None,
                       **_: Any) -> dict[str, Any]:
     """One rank of a TrainerEngine/WorkerEngine job over the TCP store.
 
@@ -123,36 +171,60 @@ async def engine_rank(*, address: str, job: str, rank: int, defs: Sequence[Param
     raised and when (``time.time()``, comparable across processes on one host).
     ``leaver``: that rank closes its engine cleanly after the first version, as a rank whose
     program ends would, while the others go on to the next.
+    ``freeze``: that rank blocks (and the test stops it with SIGSTOP) ``freeze_at``: "mid"
+    (inside the first round, as ``victim``), "before_report" (its part of the first round
+    done, before its outcome report) or "between" (after the first version, before the
+    next round). ``signal_in_round``: trainer rank 0 tells the test once the first round is
+    under way (and sleeps a second inside it), e.g. to kill the store then.
+    ``wait_store``: the store is another process that may still be starting.
     """
     from m2n_async import EngineConfig, LoadTarget, TrainerEngine, WorkerEngine
 
     plan = make_plan(defs, src_dims, dst_dims)
     t, world = plan.trainer_ranks, plan.world_size
     cfg = EngineConfig(**config)
-    out: dict[str, Any] = {"versions": [], "bad": [], "error": None, "loaded": []}
+    out: dict[str, Any] = {"versions": [], "bad": [], "error": None, "loaded": [],
+                           "cause": None}
+    if freeze is not None:
+        victim = None
+    stuck = victim if victim is not None else (freeze if freeze_at == "mid" else None)
 
     def block_here() -> None:
-        _events.put(("ready_to_die", rank, time.time()))
+        event = "ready_to_die" if victim is not None else "ready_to_freeze"
+        _events.put((event, rank, time.time()))
         time.sleep(600)
+
+    if wait_store:
+        await _store_up(address)
+    store: Any = None
+    if freeze == rank and freeze_at == "before_report":
+        store = _FreezeBeforeReport(await StoreClient.connect(address, token=TOKEN), rank,
+                                    _events)
+    where: dict[str, Any] = ({"store": store} if store is not None
+                             else {"address": address, "token": TOKEN})
 
     engine: Any = None
     try:
         if rank < t:
-            engine = await TrainerEngine.connect(address, token=TOKEN, rank=rank,
-                                                 trainer_ranks=t, world_size=world,
+            engine = await TrainerEngine.connect(rank=rank, trainer_ranks=t, world_size=world,
                                                  params=[p.spec for p in plan.params],
-                                                 config=cfg, timeout=60)
+                                                 config=cfg, timeout=60, **where)
             out["generation"] = engine.generation
-            if victim is not None:
+            if victim is not None or freeze is not None:
                 await _all_connected(address, job, engine.generation, rank, world)
             for v in versions:
                 if leaver == rank and out["versions"]:
                     break
+                if freeze == rank and freeze_at == "between" and out["versions"]:
+                    block_here()
                 shards = source_shards(plan, rank, v)
 
                 def lazy(names: list[str], shards: Any = shards) -> dict[str, torch.Tensor]:
-                    if victim == rank:
+                    if stuck == rank:
                         block_here()
+                    if signal_in_round and rank == 0 and not out["versions"]:
+                        _events.put(("in_round", rank, time.time()))
+                        time.sleep(1.0)
                     return {n: shards[n] for n in names}
                 res = await engine.sync_weights(lazy, version=v if rank == 0 else None)
                 out["versions"].append(res.version)
@@ -164,7 +236,7 @@ async def engine_rank(*, address: str, job: str, rank: int, defs: Sequence[Param
                 name = p.spec.name
                 if name in load:
                     def fn(n: str, x: torch.Tensor) -> None:
-                        if victim == rank:
+                        if stuck == rank:
                             block_here()
                         sinks[n].copy_(x)
                         out["loaded"].append(n)
@@ -172,16 +244,17 @@ async def engine_rank(*, address: str, job: str, rank: int, defs: Sequence[Param
                                                p.dst.placements, fn)
                 else:
                     targets[name] = (sinks[name], p.dst.placements)
-            engine = await WorkerEngine.connect(address, token=TOKEN, rank=rank,
-                                                trainer_ranks=t, world_size=world,
+            engine = await WorkerEngine.connect(rank=rank, trainer_ranks=t, world_size=world,
                                                 targets=targets, mesh_dims=dst_dims,
-                                                config=cfg, timeout=60)
+                                                config=cfg, timeout=60, **where)
             out["generation"] = engine.generation
-            if victim is not None:
+            if victim is not None or freeze is not None:
                 await _all_connected(address, job, engine.generation, rank, world)
             for v in versions:
                 if leaver == rank and out["versions"]:
                     break
+                if freeze == rank and freeze_at == "between" and out["versions"]:
+                    block_here()
                 res = await engine.receive()
                 out["versions"].append(res.version)
                 out["bad"] += [f"v{v}:{n}" for n in _mismatches(plan, rank, sinks, v)]
@@ -189,9 +262,12 @@ async def engine_rank(*, address: str, job: str, rank: int, defs: Sequence[Param
     except Exception as exc:
         out["error"] = (type(exc).__name__, str(exc), getattr(exc, "rank", None),
                         time.time())
+        out["cause"] = getattr(exc, "cause", None)
     finally:
         if engine is not None:
             out["version"] = engine.version
             await engine.close()
             out["state"] = engine.state.value
+        if store is not None:
+            await store.aclose()
     return out
