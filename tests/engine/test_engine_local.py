@@ -277,6 +277,7 @@ async def test_cancelled_receive_before_and_during_a_round() -> None:
         assert trainers[0].state.value == "poisoned"
         assert isinstance(worker_error[0], TransferError)
         assert "cancelled by its caller on rank 0" in str(worker_error[0])
+        assert (worker_error[0].rank, worker_error[0].cause) == (0, "cancelled")
         assert workers[0].version == 0
     finally:
         await _close(*trainers, *workers)
@@ -324,6 +325,8 @@ async def test_round_deadline_aborts_everywhere() -> None:
         assert len({str(e) for e in errors.values()}) == 1
         assert all(isinstance(e, TransferError) for e in errors.values())
         assert "deadline" in str(errors[0])
+        # The hung trainer is named (the workers were waiting on it), by every rank.
+        assert all((e.rank, e.cause) == (0, "deadline") for e in errors.values()), errors
         assert elapsed < 1.0 + 2 * cfg.abort_grace + 2
         assert all(e.version == 0 and e.state.value == "poisoned" for e in [*trainers, *workers])
     finally:
@@ -570,6 +573,29 @@ async def test_worker_arenas_sized_for_what_is_staged() -> None:
             assert transport is not None and transport._arenas is not None
             assert transport._arenas.size == cb_bytes, transport._arenas.size
             assert res[e.rank].peak_extra_bytes == cb_bytes
+    finally:
+        await _close(*trainers, *workers)
+
+
+@pytest.mark.asyncio
+async def test_a_worker_lost_between_rounds_fails_the_next_round_alike_everywhere() -> None:
+    # One class on every rank: the worker waiting for round 2 and the trainer that starts it
+    # raise the same TransferError naming the lost worker (the waiting one used to get
+    # PeerLostError at once and the trainer a TransferError seconds later).
+    plan = make_plan(DEFS[:2], (1, 1), (1, 2))
+    store = MemoryStore()
+    trainers, workers = await _connect_all(store, plan)
+    try:
+        await _round(trainers, workers, lambda e: e.sync_weights(source_shards(plan, 0, 1)))
+        await workers[1]._store.aclose()  # worker 2's process "died" between rounds
+        errors, elapsed = await _everyone(trainers, workers[:1],
+                                          lambda e: e.sync_weights(source_shards(plan, 0, 2)),
+                                          limit=10)
+        assert sorted(errors) == [0, 1] and elapsed < 5
+        assert str(errors[0]) == str(errors[1])
+        for e in errors.values():
+            assert isinstance(e, TransferError) and (e.rank, e.cause, e.round) == (2, "lost", 2)
+        assert trainers[0].version == workers[0].version == 1
     finally:
         await _close(*trainers, *workers)
 
