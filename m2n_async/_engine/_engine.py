@@ -1,23 +1,19 @@
 """``TrainerEngine`` and ``WorkerEngine``: connect, rounds, lifecycle, watchdog, cancellation.
 
-Theory of operation (DESIGN §3, §6). ``connect`` = store client → join a generation (rank 0
-opens it) → ``ControlGroup`` → ``run_preflight`` (the handshake agrees on plan, transport and
-bucket size; the transport is built and prepared in its ``runtime_ready`` phase) → the
-transport creates its communicator → READY. Nothing of the data plane exists before every
-phase passed on every rank.
+Theory of operation (DESIGN §3, §6). ``connect`` = store client → claim this rank of the job
+(``_store._claims``: one live holder per rank, so a second job of the same name is refused) →
+join a generation (rank 0 opens it) → ``ControlGroup`` → ``run_preflight`` (the handshake
+agrees on plan, transport and bucket size; the transport is built and prepared in its
+``runtime_ready`` phase) → the transport creates its communicator → READY. Nothing of the
+data plane exists before every phase passed on every rank.
 
-A round, event-driven through the store under ``{job}/{generation}/round/{k}/``:
-
-1. Trainer rank 0 writes ``start`` (``RoundStart``: version, deadline). The other trainers and
-   the workers (inside ``receive()``) wait for it, watching every peer's liveness key.
-2. Every rank runs its side of the bucket pipeline under the round deadline, next to a
-   watchdog that waits for the round's ``abort`` key (or a peer's liveness key vanishing).
-   A rank that fails, times out or is cancelled writes ``abort`` (first writer wins) and aborts
-   its transport; every other rank's watchdog then aborts its own, so peers blocked in the
-   data plane return at once instead of sitting out the deadline.
-3. Every rank writes ``done/{rank}`` (``RoundDone``) and gathers all of them. The version
-   commits only if every rank reported ok; otherwise every rank raises the same
-   ``TransferError``, built from the first abort record (rank and reason), and is POISONED.
+A round, event-driven through the store under ``{job}/{generation}/round/{k}/``: trainer rank
+0 writes ``start``; every rank runs its side of the bucket pipeline and reports; the version
+commits only if every rank reported ok. What the round decides lives in ``_proto/round.py``
+(keys, reports, the departure rule, the deadline verdict, the error text) and the I/O that
+feeds it in ``_engine/_round.py`` (waiting for the start, the watchdog, reporting, gathering);
+this module keeps the lifecycle around them. Every round failure reaches the caller as one
+``TransferError`` whose ``rank`` is the rank that caused it and ``cause`` says how.
 
 States are enforced: a call in the wrong state raises ``LocalProtocolError``; after any failure
 (or cancellation mid-round) every call except ``close`` raises ``EnginePoisonedError`` chained
@@ -494,7 +490,8 @@ class _Engine:
 
         A READY trainer rank 0 first tells the workers that no more rounds will come (their
         ``updates()`` ends, ``receive()`` raises ``PeerLostError``). A round in progress on
-        this engine is aborted (peers fail fast).
+        this engine is aborted (peers fail fast). This rank's claim on the job is released:
+        another process may connect as this rank now.
 
         Cancellation: the teardown is shielded and bounded by ``abort_grace`` per step; it
         completes even if the caller is cancelled.
@@ -557,7 +554,11 @@ class TrainerEngine(_Engine):
         ``token`` reach a ``StoreServer``; or pass an open ``store`` (kept open on close).
         ``timeout`` bounds the whole connect (each handshake phase is bounded by
         ``config.phase_timeout`` regardless). Raises ``PreflightError`` (the same on every
-        rank), ``PeerLostError``, ``TimeoutError``, ``StoreError``.
+        rank), ``PeerLostError``, ``TimeoutError``, ``StoreError`` — among them
+        ``JobClaimedError`` when another live process holds this rank of ``config.job`` on
+        the store (another job with the same name, or a process of an earlier run still
+        connected) and did not release it within ``config.phase_timeout``; it names the
+        holder (host, pid, since when, generation), and nothing of that job was touched.
 
         Cancellation: everything created so far is released (shielded); peers of this
         generation then fail their handshake (they see this rank lost). Connect again for a
@@ -618,8 +619,13 @@ class TrainerEngine(_Engine):
         ``config.round_timeout``). ``progress(bytes_done, bytes_total)`` after each bucket.
 
         Returns the ``SyncResult`` once every rank reported success. Raises the same
-        ``TransferError`` on every rank when any rank failed (naming the first failing rank),
-        after which the engine is POISONED.
+        ``TransferError`` on every rank when the round failed, after which the engine is
+        POISONED: ``exc.rank`` is the rank that caused it, ``exc.cause`` how (see
+        ``TransferError``; docs/concepts.md, "When a round fails"). A trainer other than rank
+        0 waits for rank 0 to start the round at most the round deadline, then fails the round
+        for every rank naming rank 0 (``cause="deadline"``). ``PeerLostError`` (ranks
+        ``(0,)``) on a trainer other than rank 0 when rank 0 closed the job or opened a newer
+        generation.
 
         Raises ``LocalProtocolError`` (nothing happened, the engine stays READY) for a
         ``version`` that is not an int above the committed one, a ``timeout`` that is not a
@@ -632,7 +638,8 @@ class TrainerEngine(_Engine):
         deadline): a cancel that lands during it takes effect just after, once the round has
         started. Once the round started and until this rank's part of it is done, this rank
         posts the round's abort record (peers fail fast with a ``TransferError`` naming this
-        rank), aborts its transport (shielded, bounded), and the engine is POISONED; the
+        rank, ``cause="cancelled"``), aborts its transport (shielded, bounded), and the
+        engine is POISONED; the
         version does not advance anywhere. Connect again for a new generation. Once its part
         is done, the outcome is gathered and committed shielded (bounded by the round
         deadline), so the round ends here as on every other rank; the cancel takes effect
@@ -797,11 +804,14 @@ class WorkerEngine(_Engine):
         stays READY); the round itself is bounded by trainer rank 0's round deadline.
         ``progress(bytes_done, bytes_total)`` after each bucket. Returns the ``SyncResult``
         once every rank reported success; the version advances only then. Raises the same
-        ``TransferError`` as every other rank when the round failed (engine POISONED; targets
-        may hold a partial update), ``PeerLostError`` if a peer died while waiting (POISONED)
-        or if trainer rank 0 closed the job (no more rounds; the engine stays usable only for
-        ``close``). A second ``receive`` while one runs on this engine raises
-        ``LocalProtocolError`` (the running one is unaffected).
+        ``TransferError`` as every other rank when the round failed — also when it failed
+        while this rank waited for it to start (a peer died, a trainer gave up on rank 0):
+        engine POISONED, targets may hold a partial update; ``exc.rank`` is the rank that
+        caused it. Raises ``PeerLostError`` (ranks ``(0,)``, the engine stays usable only for
+        ``close``) when there will be no more rounds in this generation: trainer rank 0
+        closed the job, or already opened a newer generation (a reconnect). A second
+        ``receive`` while one runs on this engine raises ``LocalProtocolError`` (the running
+        one is unaffected).
 
         Cancellation: while waiting for the round to start, nothing happened: the engine
         stays READY. During the round, until its part is done, this rank posts the round's
@@ -848,8 +858,9 @@ class WorkerEngine(_Engine):
 
     async def updates(self) -> AsyncIterator[SyncResult]:
         """``async for result in worker.updates():`` — one ``SyncResult`` per round, until
-        trainer rank 0 closes the job (the iteration then ends). Errors as ``receive``; bound
-        the wait for a round with ``receive(timeout=...)`` instead.
+        trainer rank 0 closes the job or opens a newer generation (the iteration then ends;
+        close this engine and connect again to follow the new one). Errors as ``receive``;
+        bound the wait for a round with ``receive(timeout=...)`` instead.
 
         Cancellation: as ``receive``.
         """

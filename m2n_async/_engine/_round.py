@@ -166,15 +166,18 @@ class RoundDriver:
     # -- the start -------------------------------------------------------------------------
 
     async def publish_start(self, start: RoundStart) -> None:
-        """Trainer rank 0 opens the round. Raises the round's ``TransferError`` if the store
-        fails. Cancellation: the caller shields it (a round that may have started must be
-        aborted, not forgotten)."""
+        """Trainer rank 0 opens the round (bounded by its deadline). Raises the round's
+        ``TransferError`` if the store fails.
+
+        Cancellation: the caller shields it (a round that may have started must be aborted,
+        not forgotten)."""
         core = self.core(start.round)
         try:
-            await self.store.set(core.keys.start, encode(start))
+            with anyio.fail_after(start.round_timeout):
+                await self.store.set(core.keys.start, encode(start))
         except StaleGenerationError as exc:
             raise core.error(core.superseded(exc.current)) from exc
-        except M2NError as exc:
+        except (TimeoutError, M2NError) as exc:
             raise core.error(core.store_lost()) from exc
 
     async def wait_start(self, round_: int, *, limit: float | None,
