@@ -639,8 +639,8 @@ class TrainerEngine(_Engine):
         started. Once the round started and until this rank's part of it is done, this rank
         posts the round's abort record (peers fail fast with a ``TransferError`` naming this
         rank, ``cause="cancelled"``), aborts its transport (shielded, bounded), and the
-        engine is POISONED; the
-        version does not advance anywhere. Connect again for a new generation. Once its part
+        engine is POISONED; the version does not advance anywhere. Connect again for a new
+        generation. Once its part
         is done, the outcome is gathered and committed shielded (bounded by the round
         deadline), so the round ends here as on every other rank; the cancel takes effect
         after.
