@@ -62,6 +62,9 @@ log = logging.getLogger("m2n_async")
 #: How often the watchdog looks for peers that left the job cleanly (a clean leave wakes no
 #: waiter, so it is polled: two store reads per rank per interval).
 _LEFT_POLL_S = 1.0
+#: How long a rank whose data plane failed without naming a peer asks the store whether a
+#: peer died or recorded a failure first (a tombstone follows a killed peer within moments).
+_ATTRIBUTE_S = 1.0
 
 
 class JobEnded(Exception):
@@ -335,11 +338,24 @@ class RoundDriver:
             return Status.DEADLINE, None, None, transport.waiting_on(), local
         peer = getattr(local, "peer", None)
         if isinstance(peer, int) or transport.aborted:
-            # The data plane saw a peer close its connection (it died or aborted): a symptom;
-            # the cause comes from the store (record, loss, leave) or the deadline verdict.
+            # The data plane saw a peer close its connection (it died, left or aborted): a
+            # symptom. A peer that left is looked for before this rank aborts (its own abort
+            # makes its peers' ops fail too, and they must find the cause recorded).
+            with anyio.CancelScope(shield=True):
+                await self._find_cause(core, within=0.0)
             transport.abort(f"{core.where}: {local}")
             return (Status.ABORTED, None, None,
                     (peer,) if isinstance(peer, int) else transport.waiting_on(), local)
+        if isinstance(local, TransferError):
+            # A data-plane failure names no peer, yet a peer's death or abort is its usual
+            # reason: the store says so within moments (a tombstone, a record), and then this
+            # is a symptom, not this rank's failure.
+            with anyio.CancelScope(shield=True):
+                cause = await self._find_cause(core, within=min(_ATTRIBUTE_S,
+                                                                 self.abort_grace))
+            if cause is not None:
+                transport.abort(f"{core.where} failed: rank {cause.rank}: {cause.reason}")
+                return Status.ABORTED, None, cause, transport.waiting_on(), local
         # This rank's own step failed: the record goes first, so that a peer that sees the
         # connection close finds the cause in the store, then the data plane stops.
         failure = core.own_error(local)
@@ -347,6 +363,30 @@ class RoundDriver:
             failure = await self.post(core, failure)
         transport.abort(f"{core.where} failed: rank {failure.rank}: {failure.reason}")
         return Status.FAILED, None, failure, (), local
+
+    async def _find_cause(self, core: Round, *, within: float) -> Failure | None:
+        """A cause the store knows of now: a peer that left without reporting (recorded
+        here), the round's abort record, or — waiting up to ``within`` — a peer's loss
+        (recorded here) or a record. None if there is none (or the store failed)."""
+        try:
+            left = await self.left_ranks(core)
+            if left:
+                return await self.post(core, core.left(left[0]))
+            watch = list(self.watch)
+            with anyio.move_on_after(within):
+                while True:
+                    try:
+                        raw = await self.store.get(core.keys.abort, wait=within > 0,
+                                                   watch=watch)
+                    except PeerLostError as exc:
+                        if await drop_departed(self.store, exc, watch, self.done_keys(core)):
+                            continue
+                        lost = self.group.lost_rank(exc)
+                        return None if lost is None else await self.post(core, core.lost(lost))
+                    return None if raw is None else core.failure_of(raw)
+        except M2NError:
+            pass
+        return None
 
     async def _outcome(self, core: Round, dog: _Watchdog, status: Status,
                        stats: PipelineStats | None, failure: Failure | None,
