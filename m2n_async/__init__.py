@@ -70,6 +70,11 @@ from m2n_async._integrations.targets import (
 )
 
 # --- end ecosystem (issue 8) ---
+# --- blocking facade (synchronous callers) ---
+# isort: split
+from m2n_async.blocking import BlockingTrainer, BlockingWorker
+
+# --- end blocking facade ---
 
 __version__ = "0.1.0"
 
@@ -136,5 +141,9 @@ __all__ = [
     "summarize_plan",
     "targets_from_module",
     # end ecosystem (issue 8)
+    # blocking facade
+    "BlockingTrainer",
+    "BlockingWorker",
+    # end blocking facade
     "__version__",
 ]
