@@ -291,8 +291,8 @@ class RoundDriver:
         except anyio.get_cancelled_exc_class():
             if not decided:
                 with anyio.CancelScope(shield=True):
-                    failure = core.cancelled()
-                    await self.post(core, failure)
+                    # The record that won: this cancel, or a failure recorded just before.
+                    failure = await self.post(core, core.cancelled())
                     transport.abort(failure.reason)
                     on_poison(core.error(failure))
             raise
