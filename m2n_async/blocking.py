@@ -50,11 +50,65 @@ if TYPE_CHECKING:
     from m2n_async._proto.plan import TransferPlan
     from m2n_async._store import Store
 
-__all__ = ["BlockingTrainer", "BlockingWorker"]
+__all__ = ["BlockingTrainer", "BlockingWorker", "Pending"]
 
 T = TypeVar("T")
 E = TypeVar("E", bound="_Engine")
+B = TypeVar("B", bound="_Blocking[Any]")
 Progress = Callable[[int, int], None]
+
+
+class Pending(Generic[T]):
+    """A call started on a blocking engine's event loop and not waited for yet.
+
+    What ``start_connect``/``start_sync_weights``/``start_receive`` return, for callers that
+    must do something else while the call runs (a trainer that sends vLLM's update RPC while
+    its round is in flight). ``result()`` waits as the blocking method would; ``cancel()``
+    cancels the coroutine on the loop and returns once it has finished, its cancellation
+    semantics applied (those of the async method).
+    """
+
+    def __init__(self, future: concurrent.futures.Future[T], finished: threading.Event
+                 ) -> None:
+        self._future = future
+        self._finished = finished
+
+    @property
+    def future(self) -> concurrent.futures.Future[T]:
+        """The underlying future, e.g. for ``concurrent.futures.wait`` (do not cancel it
+        directly: ``cancel()`` also waits for the coroutine to finish)."""
+        return self._future
+
+    def done(self) -> bool:
+        """True once the coroutine has finished, whichever way."""
+        return self._finished.is_set()
+
+    def result(self, timeout: float | None = None) -> T:
+        """Wait for the call and return its result or raise its exception.
+
+        ``timeout``: seconds to wait here; on expiry ``TimeoutError`` is raised and the call
+        keeps running (wait again or ``cancel()``). An exception raised in this thread while
+        waiting (``KeyboardInterrupt``) cancels the call, waits until it finished, then
+        propagates.
+        """
+        try:
+            return self._future.result(timeout)
+        except concurrent.futures.CancelledError:
+            # Cancelled from inside the loop (the portal stopping): the engine's state says
+            # what happened; report it as an interruption, not as a silent None.
+            raise LocalProtocolError("the call was cancelled on the engine's event loop "
+                                     "(the blocking engine is being closed)") from None
+        except TimeoutError:
+            raise  # ours (the call goes on) or the coroutine's own (it has finished)
+        except BaseException:
+            self.cancel()
+            raise
+
+    def cancel(self) -> None:
+        """Cancel the call (as cancelling the coroutine) and wait until it has finished."""
+        if not self._future.done():
+            self._future.cancel()  # cancels the task's scope on the loop
+        self._finished.wait()  # its cancellation semantics applied before we return
 
 
 class _Loop:
@@ -63,15 +117,12 @@ class _Loop:
     def __init__(self, name: str) -> None:
         self._cm = start_blocking_portal("asyncio", name=name)
         self.portal: BlockingPortal = self._cm.__enter__()
-        self._closed = False
+        self.closed = False
 
-    def call(self, fn: Callable[..., Awaitable[T]], /, *args: Any, **kwargs: Any) -> T:
-        """Run ``fn(*args, **kwargs)`` on the loop; block until it finished.
-
-        An exception raised in this thread while waiting cancels the task, waits until it has
-        finished (its cancellation handling done), then propagates.
-        """
-        if self._closed:
+    def submit(self, fn: Callable[..., Awaitable[T]], /, *args: Any, **kwargs: Any
+               ) -> Pending[T]:
+        """Start ``fn(*args, **kwargs)`` on the loop."""
+        if self.closed:
             raise LocalProtocolError("this blocking engine is closed (its event loop thread "
                                      "has stopped); connect again")
         finished = threading.Event()
@@ -82,25 +133,51 @@ class _Loop:
             finally:
                 finished.set()  # the task is over, whichever way it ended
 
-        future = self.portal.start_task_soon(run)
-        try:
-            return future.result()
-        except concurrent.futures.CancelledError:
-            # Cancelled from inside the loop (the portal stopping): the engine's state says
-            # what happened; report it as an interruption, not as a silent None.
-            raise LocalProtocolError("the call was cancelled on the engine's event loop "
-                                     "(the blocking engine is being closed)") from None
-        except BaseException:
-            if not future.done():
-                future.cancel()  # cancels the task's scope on the loop
-                finished.wait()  # its cancellation semantics applied before we re-raise
-            raise
+        return Pending(self.portal.start_task_soon(run), finished)
+
+    def call(self, fn: Callable[..., Awaitable[T]], /, *args: Any, **kwargs: Any) -> T:
+        """Run ``fn(*args, **kwargs)`` on the loop; block until it finished."""
+        return self.submit(fn, *args, **kwargs).result()
 
     def close(self) -> None:
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
+        self.closed = True
         self._cm.__exit__(None, None, None)  # stops the portal and joins its thread
+
+
+class _PendingConnect(Pending[B]):
+    """A connect in progress: its result is the blocking engine; a failure stops the loop."""
+
+    def __init__(self, loop: _Loop, wrap: Callable[[_Loop, Any], B],
+                 inner: Pending[Any]) -> None:
+        super().__init__(inner.future, inner._finished)
+        self._loop = loop
+        self._wrap = wrap
+
+    def result(self, timeout: float | None = None) -> B:
+        try:
+            engine = super().result(timeout)
+        except TimeoutError:
+            if not self.done():
+                raise  # still connecting
+            self._loop.close()
+            raise
+        except BaseException:
+            self._loop.close()  # connect released what it created; the loop goes with it
+            raise
+        return self._wrap(self._loop, engine)
+
+    def cancel(self) -> None:
+        super().cancel()
+        if not self._future.done() or self._future.cancelled() or \
+                self._future.exception() is not None:
+            self._loop.close()
+        else:  # it connected before the cancel landed: close what it opened
+            engine: Any = self._future.result()  # the async engine, not yet wrapped
+            with contextlib.suppress(Exception):
+                self._loop.call(engine.close)
+            self._loop.close()
 
 
 class _Blocking(Generic[E]):
@@ -157,7 +234,7 @@ class _Blocking(Generic[E]):
         safe to call from any thread except the engine's own loop thread.
         """
         with self._closing:
-            if self._loop._closed:
+            if self._loop.closed:
                 return
             try:
                 self._loop.call(self._engine.close)
@@ -174,15 +251,15 @@ class _Blocking(Generic[E]):
         return f"<{type(self).__name__} {self._engine!r}>"
 
 
-def _connect(connect: Callable[..., Awaitable[E]], name: str, /, **kwargs: Any
-             ) -> tuple[_Loop, E]:
+def _start_connect(cls: type[B], connect: Callable[..., Awaitable[Any]], name: str, /,
+                   **kwargs: Any) -> _PendingConnect[B]:
     loop = _Loop(name)
     try:
-        engine = loop.call(functools.partial(connect, **kwargs))
+        inner = loop.submit(functools.partial(connect, **kwargs))
     except BaseException:
-        loop.close()  # connect released what it created; the loop goes with it
+        loop.close()
         raise
-    return loop, engine
+    return _PendingConnect(loop, cls, inner)
 
 
 class BlockingTrainer(_Blocking[TrainerEngine]):
@@ -202,11 +279,22 @@ class BlockingTrainer(_Blocking[TrainerEngine]):
         created (peers fail their handshake), the loop thread is stopped, and the interrupt
         propagates.
         """
-        loop, engine = _connect(TrainerEngine.connect, f"m2n-async-trainer{rank}", address=address,
-                                token=token, rank=rank, trainer_ranks=trainer_ranks,
-                                world_size=world_size, params=params, config=config,
-                                store=store, timeout=timeout)
-        return cls(loop, engine)
+        return cls.start_connect(address, token=token, rank=rank, trainer_ranks=trainer_ranks,
+                                 world_size=world_size, params=params, config=config,
+                                 store=store, timeout=timeout).result()
+
+    @classmethod
+    def start_connect(cls, address: str | tuple[str, int] | None = None, *,
+                      token: str | bytes | None = None, rank: int, trainer_ranks: int,
+                      world_size: int, params: Sequence[ParamSpec],
+                      config: EngineConfig | None = None, store: Store | None = None,
+                      timeout: float | None = None) -> Pending[BlockingTrainer]:
+        """``connect`` without waiting: ``.result()`` is the READY ``BlockingTrainer``;
+        ``.cancel()`` cancels the connect (as cancelling the coroutine) and stops the loop."""
+        return _start_connect(cls, TrainerEngine.connect, f"m2n-async-trainer{rank}",
+                              address=address, token=token, rank=rank,
+                              trainer_ranks=trainer_ranks, world_size=world_size,
+                              params=params, config=config, store=store, timeout=timeout)
 
     def sync_weights(self, weights: Weights, *, version: int | None = None,
                      timeout: float | None = None,
@@ -221,8 +309,17 @@ class BlockingTrainer(_Blocking[TrainerEngine]):
         the round nothing happened (READY); during the round this rank aborts it everywhere
         and is POISONED; the interrupt propagates once that is done.
         """
-        return self._loop.call(self._engine.sync_weights, weights, version=version,
-                               timeout=timeout, progress=progress)
+        return self.start_sync_weights(weights, version=version, timeout=timeout,
+                                       progress=progress).result()
+
+    def start_sync_weights(self, weights: Weights, *, version: int | None = None,
+                           timeout: float | None = None,
+                           progress: Progress | None = None) -> Pending[SyncResult]:
+        """``sync_weights`` without waiting (e.g. to send an RPC that makes the workers
+        receive while the round runs): ``.result()`` as ``sync_weights``; ``.cancel()`` as
+        cancelling the coroutine (during the round: aborted everywhere, POISONED)."""
+        return self._loop.submit(self._engine.sync_weights, weights, version=version,
+                                 timeout=timeout, progress=progress)
 
 
 class BlockingWorker(_Blocking[WorkerEngine]):
@@ -240,11 +337,23 @@ class BlockingWorker(_Blocking[WorkerEngine]):
         ``BlockingTrainer.connect``. Load callbacks (``LoadTarget.load``) run where the
         async engine runs them (the transport's unpack thread), never on the caller's thread.
         """
-        loop, engine = _connect(WorkerEngine.connect, f"m2n-async-worker{rank}", address=address,
-                                token=token, rank=rank, trainer_ranks=trainer_ranks,
-                                world_size=world_size, targets=targets, mesh_dims=mesh_dims,
-                                config=config, store=store, timeout=timeout)
-        return cls(loop, engine)
+        return cls.start_connect(address, token=token, rank=rank, trainer_ranks=trainer_ranks,
+                                 world_size=world_size, targets=targets, mesh_dims=mesh_dims,
+                                 config=config, store=store, timeout=timeout).result()
+
+    @classmethod
+    def start_connect(cls, address: str | tuple[str, int] | None = None, *,
+                      token: str | bytes | None = None, rank: int, trainer_ranks: int,
+                      world_size: int, targets: Mapping[str, Any],
+                      mesh_dims: tuple[int, int] | None = None,
+                      config: EngineConfig | None = None, store: Store | None = None,
+                      timeout: float | None = None) -> Pending[BlockingWorker]:
+        """``connect`` without waiting, as ``BlockingTrainer.start_connect``."""
+        return _start_connect(cls, WorkerEngine.connect, f"m2n-async-worker{rank}",
+                              address=address, token=token, rank=rank,
+                              trainer_ranks=trainer_ranks, world_size=world_size,
+                              targets=targets, mesh_dims=mesh_dims, config=config,
+                              store=store, timeout=timeout)
 
     def receive(self, *, timeout: float | None = None,
                 progress: Progress | None = None) -> SyncResult:
@@ -257,7 +366,13 @@ class BlockingWorker(_Blocking[WorkerEngine]):
         everywhere and is POISONED (targets may be partly written); the interrupt propagates
         once that is done.
         """
-        return self._loop.call(self._engine.receive, timeout=timeout, progress=progress)
+        return self.start_receive(timeout=timeout, progress=progress).result()
+
+    def start_receive(self, *, timeout: float | None = None,
+                      progress: Progress | None = None) -> Pending[SyncResult]:
+        """``receive`` without waiting (e.g. to consume load callbacks on this thread while
+        the round runs): ``.result()`` as ``receive``; ``.cancel()`` as cancelling it."""
+        return self._loop.submit(self._engine.receive, timeout=timeout, progress=progress)
 
     def updates(self) -> Iterator[SyncResult]:
         """``for result in worker.updates():`` — one ``SyncResult`` per round, until trainer
@@ -272,6 +387,6 @@ class BlockingWorker(_Blocking[WorkerEngine]):
                 except StopAsyncIteration:
                     return
         finally:
-            if not self._loop._closed:
+            if not self._loop.closed:
                 with contextlib.suppress(Exception):
                     self._loop.call(agen.aclose)  # type: ignore[attr-defined]

@@ -1,0 +1,1045 @@
+"""vLLM weight-transfer backend ``m2n_async``: the worker engine, the trainer engine, ``register``.
+
+Theory of operation. vLLM (0.33) has a pluggable weight-transfer subsystem: its GPU worker
+builds one engine per worker process with ``WeightTransferEngineFactory.create_engine(config,
+vllm_config, device, model)`` and drives it synchronously from ``collective_rpc``; trainers
+build theirs with ``WeightTransferTrainerFactory.trainer_init(init_info, client=, source=)``.
+``register()`` (entry point group ``vllm.general_plugins``, run by vLLM in every process
+before the engine is built) adds ``m2n_async`` to both registries, idempotently. Neither class
+subclasses vLLM's ABCs (the factories check nothing), so this module imports no vLLM at
+import time; what it needs from vLLM it imports inside the functions that use it.
+
+Worker side (``VLLMWorkerBackend``), as the GPU worker calls it:
+
+- ``init_transfer_engine(parse_init_info(d))``: the trainer's sender sends ``d`` (built by
+  ``VLLMTrainerEngine``): the store address, ``trainer_ranks``, ``world_size`` and the
+  parameter list (name, wire dtype, global shape). The worker's rank is vLLM's convention,
+  ``rank_offset + data_parallel_index * world_size_per_replica + rank``; its mesh is
+  ``(replicas, tp)``. Destinations come from the live model, by vLLM's own rule
+  (``m2n_layout.resolve_parameter_destinations``): a name that maps 1:1 onto an unquantized
+  parameter whose loader is a known-safe copy / column / row loader (PP = 1) is written **in
+  place**, only this rank's shard crossing the wire; everything else — fused ``qkv_proj`` and
+  ``gate_up_proj``, MoE ``w13``/``w2``, vocab-parallel embeddings, quantized layers — is a
+  ``LoadTarget`` receiving the full tensor, handed to the model's ``load_weights``. A module
+  holding any such parameter loads all its parameters that way (layerwise reload finalizes a
+  module as a unit and would copy stale storage over an in-place write). Then
+  ``BlockingWorker.connect`` joins the job (the engine runs on its own loop thread).
+- ``start_weight_update()``: opens a session; with load targets, vLLM's
+  ``initialize_layerwise_reload(model)``.
+- ``update_weights(d)``: one m2n_async round, received inside this call (vLLM guarantees no
+  forward pass between pause and resume, so the receive must not run free). In-place
+  targets are written by the engine; load targets arrive on the engine's unpack thread and
+  are cloned onto a small bounded queue that **this** thread drains through one
+  ``model.load_weights(iterator)`` call (one invocation, as vLLM's own backends do: some
+  loaders keep invocation-local state; and on vLLM's thread, where its context variables and
+  CUDA stream are). Returns once every rank reported the round complete and the device is
+  synchronized.
+- ``finish_weight_update()``: ``finalize_layerwise_reload(model, model_config)``. The version
+  vLLM publishes (``finish_weight_update(weight_version)``) is vLLM's; the backend publishes
+  none (the engine's own round counter is internal).
+- ``shutdown()``: closes the engine from any state; idempotent; ``init`` works again after.
+
+Failure. The engine writes in place, so a round that fails (a peer died, a deadline, the
+trainer aborted, ``load_weights`` raised) leaves the model **poisoned**: some parameters may
+hold the new round, others the previous one. The backend then finalizes any layerwise
+reload it opened (so no layer is left on the meta device), records the cause, and refuses
+``start_weight_update`` with a ``RuntimeError`` naming it until ``shutdown()`` and a new
+``init``; the next successful round is a full resync, after which the model is consistent.
+Calls out of order (update before start, a second update in one session, a second init)
+raise ``RuntimeError`` before anything is received or changed.
+
+Trainer side (``VLLMTrainerEngine``): ``trainer_init`` on every trainer rank maps the
+``WeightSource``'s ``ParamMeta`` (``owners``, ``mesh_shape``, ``placements``; vLLM's
+``ModuleSource`` over an FSDP2/DTensor module fills them) onto ``ParamSpec``s; rank 0 serves
+the job's store (unless given one), sends the workers' init RPC while every rank connects,
+and ``send_weights()`` is one round: rank 0 calls ``start_weight_update``, sends
+``update_weights`` on a thread while every rank's ``sync_weights(source.iter_local())`` runs,
+then ``finish_weight_update``. If the update RPC fails while the round runs, the round is
+cancelled (aborted everywhere) instead of waiting for its deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from m2n_async._engine._config import EngineConfig, EngineState, SyncResult
+from m2n_async._integrations.targets import LoadTarget
+from m2n_async._proto.errors import PlanError
+from m2n_async._proto.layout import REPLICATE, Layout, Mesh
+from m2n_async._proto.params import ParamSpec, dtype_name
+from m2n_async.blocking import BlockingTrainer, BlockingWorker
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "BACKEND",
+    "TOKEN_ENV",
+    "TrainerInitInfo",
+    "UpdateInfo",
+    "VLLMTrainerEngine",
+    "VLLMWorkerBackend",
+    "WorkerInitInfo",
+    "register",
+    "specs_from_source",
+]
+
+log = logging.getLogger("m2n_async.vllm")
+
+BACKEND = "m2n_async"
+"""The name both vLLM factories know this backend by (``{"backend": "m2n_async"}``)."""
+
+TOKEN_ENV = "M2N_ASYNC_TOKEN"
+"""Default environment variable holding the store's shared secret on every rank (the token
+never travels in ``init_info``: vLLM's HTTP dev endpoints are unauthenticated)."""
+
+# Loaders vLLM's m2n_layout accepts for in-place writes: (module, qualified name) -> kind.
+# Compared by identity with the live functions (imported from vLLM), as vLLM does.
+_COPY, _COLUMN, _ROW = "copy", "column", "row"
+_SAFE_LOADERS: tuple[tuple[str, str, str], ...] = (
+    ("vllm.model_executor.model_loader.weight_utils", "default_weight_loader", _COPY),
+    ("vllm.model_executor.layers.linear", "ReplicatedLinear.weight_loader", _COPY),
+    ("vllm.model_executor.layers.linear", "ColumnParallelLinear.weight_loader", _COLUMN),
+    ("vllm.model_executor.layers.linear", "ColumnParallelLinear.weight_loader_v2", _COLUMN),
+    ("vllm.model_executor.layers.linear", "RowParallelLinear.weight_loader", _ROW),
+    ("vllm.model_executor.layers.linear", "RowParallelLinear.weight_loader_v2", _ROW),
+)
+# Parameter attributes that mean packing, a transform or pre-sharded storage (m2n_layout).
+_METADATA_ATTRS = ("packed_dim", "packed_factor", "marlin_tile_size")
+_FLAG_ATTRS = ("needs_scalar_to_array", "is_sharded_weight", "is_transposed")
+# Model types whose load_weights preprocesses checkpoint tensors (m2n_layout's blocklist).
+_DIRECT_BLOCKLIST = frozenset({"vllm.model_executor.models.gpt2.GPT2Model"})
+
+
+# -- init and update info --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WireParam:
+    """One parameter as the trainer declares it to the workers: plan name, wire dtype name,
+    global shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerInitInfo:
+    """The worker's ``init_info`` (JSON), as ``VLLMTrainerEngine`` builds it.
+
+    Required: ``store_address`` (``"host:port"`` of the job's store), ``trainer_ranks``
+    (``T``), ``world_size`` (``T + N``: every trainer and every worker rank of the job),
+    ``params`` (a list of ``{"name", "dtype", "shape"}``, in plan order). Optional:
+    ``rank_offset`` (first worker rank of this deployment; default ``T``), ``job``,
+    ``transport``, ``token_env`` (the environment variable holding the store token),
+    ``bucket_bytes``, ``phase_timeout``, ``round_timeout``, ``connect_timeout``,
+    ``receive_timeout`` (how long ``update_weights`` waits for the trainer to start the round),
+    ``host`` (the address the CPU data plane binds).
+    """
+
+    store_address: str
+    trainer_ranks: int
+    world_size: int
+    params: tuple[WireParam, ...]
+    rank_offset: int | None = None
+    job: str = "m2n"
+    transport: str = "auto"
+    token_env: str = TOKEN_ENV
+    bucket_bytes: int | None = None
+    phase_timeout: float = 60.0
+    round_timeout: float = 300.0
+    connect_timeout: float | None = None
+    receive_timeout: float | None = 300.0
+    host: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpdateInfo:
+    """The worker's ``update_info`` (JSON; all optional): ``timeout``, seconds to wait for
+    the trainer to start this round (default: ``init_info``'s ``receive_timeout``)."""
+
+    timeout: float | None = None
+
+
+def _types_of(cls: type) -> dict[str, tuple[type, ...]]:
+    kinds: dict[str, tuple[type, ...]] = {
+        "str": (str,), "int": (int,), "float": (int, float), "str | None": (str, type(None)),
+        "int | None": (int, type(None)), "float | None": (int, float, type(None)),
+        "tuple[WireParam, ...]": (list, tuple)}
+    return {f.name: kinds[str(f.type)] for f in dataclasses.fields(cls)}
+
+
+def _parse(cls: type, what: str, d: object) -> dict[str, Any]:
+    """Check ``d``'s keys and value types against dataclass ``cls``: ``ValueError`` naming
+    every unknown key, every missing one and every value of the wrong type."""
+    if not isinstance(d, Mapping):
+        raise ValueError(f"m2n_async {what} must be a JSON object (dict), got "
+                         f"{type(d).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - set(fields))
+    missing = sorted(n for n, f in fields.items()
+                     if n not in d and f.default is dataclasses.MISSING
+                     and f.default_factory is dataclasses.MISSING)
+    types = _types_of(cls)
+    wrong = sorted(f"{k} ({type(v).__name__})" for k, v in d.items()
+                   if k in types and (not isinstance(v, types[k]) or isinstance(v, bool)))
+    problems = []
+    if unknown:
+        problems.append(f"unknown keys {unknown}")
+    if missing:
+        problems.append(f"missing keys {missing}")
+    if wrong:
+        problems.append(f"values of the wrong type {wrong}")
+    if problems:
+        raise ValueError(f"m2n_async {what}: {'; '.join(problems)} (known keys: "
+                         f"{sorted(fields)})")
+    return dict(d)
+
+
+def _parse_params(raw: Sequence[object]) -> tuple[WireParam, ...]:
+    out = []
+    for i, p in enumerate(raw):
+        if not isinstance(p, Mapping) or set(p) != {"name", "dtype", "shape"}:
+            raise ValueError(f"m2n_async init_info params[{i}] must be an object with exactly "
+                             f"the keys ['dtype', 'name', 'shape'], got {p!r}")
+        name, dtype, shape = p["name"], p["dtype"], p["shape"]
+        if (not isinstance(name, str) or not isinstance(dtype, str)
+                or not isinstance(shape, list | tuple)
+                or not all(isinstance(n, int) and not isinstance(n, bool) for n in shape)):
+            raise ValueError(f"m2n_async init_info params[{i}]: name and dtype must be "
+                             f"strings and shape a list of ints, got {p!r}")
+        try:
+            dtype = dtype_name(dtype)
+        except PlanError as exc:
+            raise ValueError(f"m2n_async init_info params[{i}] ({name!r}): {exc}") from None
+        out.append(WireParam(name, dtype, tuple(shape)))
+    names = [p.name for p in out]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"m2n_async init_info params: names declared twice: {dup}")
+    return tuple(out)
+
+
+def _worker_payload(info: TrainerInitInfo, address: str, specs: Sequence[ParamSpec]
+                    ) -> dict[str, Any]:
+    """The workers' ``init_info`` (JSON-safe) a trainer sends."""
+    payload: dict[str, Any] = {
+        "store_address": address, "trainer_ranks": info.trainer_ranks,
+        "world_size": info.world_size,
+        "params": [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in specs],
+        "job": info.job, "transport": info.transport, "token_env": info.token_env,
+        "phase_timeout": info.phase_timeout, "round_timeout": info.round_timeout,
+        "receive_timeout": info.update_timeout,
+    }
+    optional = {"rank_offset": info.worker_rank_offset, "bucket_bytes": info.bucket_bytes,
+                "connect_timeout": info.connect_timeout, "host": info.worker_host}
+    payload.update({k: v for k, v in optional.items() if v is not None})
+    return payload
+
+
+def _token(env: str, explicit: str | None = None) -> str:
+    token = explicit if explicit is not None else os.environ.get(env)
+    if not token:
+        raise ValueError(f"m2n_async: no store token: set the environment variable {env} to "
+                         f"the job's shared secret on every trainer and worker process (it "
+                         f"is never sent in init_info)")
+    return token
+
+
+# -- destinations from the live vLLM model ---------------------------------------------------
+
+
+def _safe_loaders() -> dict[Any, str]:
+    """vLLM's known-safe loader functions (identity -> kind); empty without vLLM."""
+    import importlib
+
+    out: dict[Any, str] = {}
+    for module, qualname, kind in _SAFE_LOADERS:
+        try:
+            obj: Any = importlib.import_module(module)
+            for part in qualname.split("."):
+                obj = getattr(obj, part)
+        except (ImportError, AttributeError):
+            continue  # fail closed: an unknown loader is never written in place
+        out[obj] = kind
+    return out
+
+
+def _declared_shard(param: Any, tp: int, safe: Mapping[Any, str]) -> int | None:
+    """A known-safe loader's declared shard dim (``REPLICATE`` for a plain copy), or None
+    (m2n_layout's ``_base_loader_shard_dim``): wrappers, partials, packing and transform
+    attributes and foreign loaders all fail closed."""
+    import functools
+    import inspect
+
+    loader = getattr(param, "weight_loader", None)
+    if loader is None or isinstance(loader, functools.partial):
+        return None
+    owner = loader.__self__ if inspect.ismethod(loader) else None
+    fn = loader.__func__ if inspect.ismethod(loader) else loader
+    if any(getattr(param, a, None) is not None for a in _METADATA_ATTRS):
+        return None
+    if any(bool(getattr(param, a, False)) for a in _FLAG_ATTRS):
+        return None
+    kind = safe.get(fn)
+    if kind is None:
+        return None
+    if kind == _COPY:
+        return REPLICATE
+    if owner is None or getattr(owner, "tp_size", None) != tp:
+        return None
+    dim = getattr(param, "output_dim" if kind == _COLUMN else "input_dim", None)
+    return dim if isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0 else None
+
+
+def _validated_shard(global_shape: Sequence[int], local_shape: Sequence[int], declared: int,
+                     tp: int) -> int | None:
+    if len(global_shape) != len(local_shape):
+        return None
+    if declared == REPLICATE:
+        return REPLICATE if tuple(global_shape) == tuple(local_shape) else None
+    if declared >= len(global_shape):
+        return None
+    ok = all(whole == (local * tp if d == declared else local)
+             for d, (whole, local) in enumerate(zip(global_shape, local_shape, strict=True)))
+    return declared if ok else None
+
+
+def resolve_destinations(model: torch.nn.Module, params: Sequence[WireParam], *, tp: int,
+                         allow_direct: bool) -> dict[str, tuple[torch.Tensor, Any] | None]:
+    """Per plan name: ``(live tensor, placements)`` to write in place, or ``None`` for the
+    ``load_weights`` path — vLLM's ``resolve_parameter_destinations`` rule (module docstring).
+    """
+    import torch
+
+    live = dict(model.named_parameters()) if allow_direct else {}
+    blocked = {id(p) for m in model.modules()
+               if f"{type(m).__module__}.{type(m).__name__}" in _DIRECT_BLOCKLIST
+               for p in m.parameters()}
+    safe = _safe_loaders() if live else {}
+    out: dict[str, tuple[torch.Tensor, Any] | None] = {}
+    for p in params:
+        param = live.get(p.name)
+        dim = None
+        if (param is not None and id(param) not in blocked
+                and param.dtype == getattr(torch, p.dtype) and param.data.is_contiguous()):
+            declared = _declared_shard(param, tp, safe)
+            if declared is not None:
+                dim = _validated_shard(p.shape, tuple(param.shape), declared, tp)
+        if dim is None:
+            out[p.name] = None
+        else:
+            assert param is not None
+            out[p.name] = (param.data, None if dim == REPLICATE else (REPLICATE, dim))
+    # A module with any loaded parameter loads all of them (layerwise reload finalizes a
+    # module as a unit: an in-place write beside a loaded sibling would be overwritten).
+    loaded_modules = {n.rpartition(".")[0] for n, d in out.items() if d is None and n in live}
+    for n, d in out.items():
+        if d is not None and n.rpartition(".")[0] in loaded_modules:
+            out[n] = None
+    return out
+
+
+class _LoadFeed:
+    """Load-target tensors from the engine's unpack thread to ``load_weights`` on vLLM's.
+
+    ``put`` (unpack thread) clones the staged tensor (it is valid only during the callback,
+    and layerwise reload keeps loaded tensors until a layer completes) onto a queue of a few
+    items, waiting while it is full, so memory stays bounded by a few full tensors. ``items``
+    (vLLM's thread) yields them until the round has finished and the queue is empty.
+    ``stop`` makes a waiting ``put`` fail at once (the consumer gave up), which fails the
+    round on this rank.
+    """
+
+    DEPTH = 2
+
+    def __init__(self) -> None:
+        self._q: queue.Queue[tuple[str, torch.Tensor]] = queue.Queue(self.DEPTH)
+        self._stopped = threading.Event()
+        self.yielded = 0
+        self.put_count = 0
+
+    def put(self, name: str, tensor: torch.Tensor) -> None:
+        item = (name, tensor.clone())
+        while not self._stopped.is_set():
+            try:
+                self._q.put(item, timeout=0.05)
+                self.put_count += 1
+                return
+            except queue.Full:
+                continue
+        raise RuntimeError(f"m2n_async: load_weights stopped before {name!r} was delivered")
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def items(self, finished: Callable[[], bool]) -> Iterator[tuple[str, torch.Tensor]]:
+        while True:
+            try:
+                item = self._q.get(timeout=0.02)
+            except queue.Empty:
+                if finished() and self._q.empty():
+                    return
+                continue
+            self.yielded += 1
+            yield item
+
+
+def _reload_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    try:
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+    except ImportError:
+        return None
+    return initialize_layerwise_reload, finalize_layerwise_reload
+
+
+def _mtp_unchecked() -> contextlib.AbstractContextManager[Any]:
+    # vLLM wraps a partial load_weights call this way (its completeness check would refuse).
+    try:
+        from vllm.model_executor.model_loader.mtp_validation import (
+            disable_mtp_completeness_check,
+        )
+    except ImportError:
+        return contextlib.nullcontext()
+    return disable_mtp_completeness_check()  # type: ignore[no-any-return]
+
+
+class VLLMWorkerBackend:
+    """vLLM worker-side weight-transfer engine ``m2n_async`` (duck-typed; module docstring).
+
+    Built by vLLM's ``WeightTransferEngineFactory.create_engine(config, vllm_config, device,
+    model)`` in each worker process; every method is called synchronously by the GPU worker.
+    States: uninitialized → (init) ready → (start) session → (update) received → (finish)
+    ready; any failure inside a session → poisoned; ``shutdown`` → uninitialized.
+    """
+
+    init_info_cls = WorkerInitInfo
+    update_info_cls = UpdateInfo
+    # The plan's destinations are fixed at init on the target model; a draft model is
+    # another set of parameters and would need its own job.
+    supports_draft_weight_update = False
+    defers_processing = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: Any, model: torch.nn.Module
+                 ) -> None:
+        self.config = config
+        self.vllm_config = vllm_config
+        self.parallel_config = vllm_config.parallel_config
+        self.model_config = getattr(vllm_config, "model_config", None)
+        self.device = device
+        self.model = model
+        self._default_model = model
+        self._default_model_config = self.model_config
+        self._worker: BlockingWorker | None = None
+        self._info: WorkerInitInfo | None = None
+        self._loaded: tuple[str, ...] = ()
+        self._feed: _LoadFeed | None = None
+        self._session = False
+        self._received = False
+        self._reloading = False
+        self._poison: BaseException | None = None
+        self._lock = threading.Lock()
+
+    # -- what vLLM reads -------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank in the job: ``rank_offset + dp_index * world_size + rank``."""
+        info = self._require_init("rank")
+        pc = self.parallel_config
+        offset = info.rank_offset if info.rank_offset is not None else info.trainer_ranks
+        return int(offset + pc.data_parallel_index * pc.world_size + pc.rank)
+
+    @property
+    def loaded_names(self) -> tuple[str, ...]:
+        """Plan names delivered through ``load_weights`` (the rest are written in place)."""
+        return self._loaded
+
+    @property
+    def engine(self) -> BlockingWorker | None:
+        """The blocking worker engine underneath (None before init / after shutdown)."""
+        return self._worker
+
+    def set_weight_update_target(self, model: torch.nn.Module, model_config: Any) -> None:
+        self.model = model
+        self.model_config = model_config
+
+    def reset_weight_update_target(self) -> None:
+        self.model = self._default_model
+        self.model_config = self._default_model_config
+
+    def drain_pending(self) -> None:
+        """Nothing is deferred: ``update_weights`` returns with the weights on the device."""
+
+    def parse_init_info(self, init_dict: dict[str, Any]) -> WorkerInitInfo:
+        """``WorkerInitInfo`` from the JSON dict; ``ValueError`` naming unknown or missing
+        keys and values of the wrong type (vLLM's convention)."""
+        d = _parse(WorkerInitInfo, "init_info", init_dict)
+        d["params"] = _parse_params(d["params"])
+        if not 0 < d["trainer_ranks"] < d["world_size"]:
+            raise ValueError(f"m2n_async init_info: need 0 < trainer_ranks < world_size, got "
+                             f"trainer_ranks={d['trainer_ranks']}, world_size="
+                             f"{d['world_size']}")
+        return WorkerInitInfo(**d)
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> UpdateInfo:
+        """``UpdateInfo`` from the JSON dict (``ValueError`` as ``parse_init_info``)."""
+        return UpdateInfo(**_parse(UpdateInfo, "update_info", update_dict))
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def init_transfer_engine(self, init_info: WorkerInitInfo) -> None:
+        """Resolve destinations on the live model and join the job (blocks until every rank
+        agreed on the plan). A second init without ``shutdown()`` raises ``RuntimeError``
+        and leaves the running engine untouched."""
+        with self._lock:
+            if self._worker is not None or self._info is not None:
+                raise RuntimeError("m2n_async: the weight-transfer engine is already "
+                                   "initialized; call shutdown_weight_transfer_engine() "
+                                   "before initializing again")
+            if not isinstance(init_info, WorkerInitInfo):
+                init_info = self.parse_init_info(dict(init_info))
+            token = _token(init_info.token_env)
+            self._info = init_info
+            try:
+                self._worker = self._connect(init_info, token)
+            except BaseException:
+                self._info = None
+                self._loaded = ()
+                raise
+            self._poison = None
+
+    def _connect(self, info: WorkerInitInfo, token: str) -> BlockingWorker:
+        import torch
+
+        pc = self.parallel_config
+        tp, pp = int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size)
+        workers = info.world_size - info.trainer_ranks
+        quantized = getattr(self.model_config, "quantization", None) is not None
+        # PP splits the layers (no shard of a checkpoint tensor is a stage's slab) and
+        # quantized loaders transform: both take every parameter through load_weights.
+        allow_direct = not quantized and pp == 1
+        if allow_direct and workers % tp:
+            raise ValueError(f"m2n_async: {workers} worker ranks are not a multiple of the "
+                             f"tensor-parallel size {tp}")
+        mesh_dims = (workers // tp, tp) if allow_direct else (workers, 1)
+        direct = resolve_destinations(self.model, info.params, tp=tp, allow_direct=allow_direct)
+        device = torch.device(self.device) if self.device is not None else torch.device("cpu")
+        self._feed = feed = _LoadFeed()
+        targets: dict[str, Any] = {}
+        for p in info.params:
+            d = direct[p.name]
+            targets[p.name] = d if d is not None else LoadTarget(
+                p.shape, p.dtype, None, feed.put, device)
+        self._loaded = tuple(p.name for p in info.params if direct[p.name] is None)
+        log.info("m2n_async destinations: %d of %d parameters written in place, %d through "
+                 "load_weights", len(info.params) - len(self._loaded), len(info.params),
+                 len(self._loaded))
+        cfg = EngineConfig(transport=info.transport, bucket_bytes=info.bucket_bytes,
+                           phase_timeout=info.phase_timeout, round_timeout=info.round_timeout,
+                           device=None if device.type == "cpu" else str(device),
+                           host=info.host, job=info.job)
+        return BlockingWorker.connect(info.store_address, token=token, rank=self.rank,
+                                      trainer_ranks=info.trainer_ranks,
+                                      world_size=info.world_size, targets=targets,
+                                      mesh_dims=mesh_dims, config=cfg,
+                                      timeout=info.connect_timeout)
+
+    def start_weight_update(self) -> None:
+        """Open a session (one round); initializes layerwise reload when some parameter goes
+        through ``load_weights``. ``RuntimeError`` before init, while a session is open, or
+        after a failed round (poisoned: shut down and init again)."""
+        self._require_ready("start_weight_update")
+        if self._session:
+            raise RuntimeError("m2n_async: start_weight_update called while a weight update "
+                               "is active; call finish_weight_update first")
+        if self.model is not self._default_model:
+            raise RuntimeError("m2n_async: the update target is not the model the plan was "
+                               "built on (draft updates are not supported)")
+        if self._loaded:
+            hooks = _reload_hooks()
+            if hooks is not None:
+                hooks[0](self.model)
+                self._reloading = True
+        self._session = True
+        self._received = False
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Receive one round into the model; returns once every rank reported it complete
+        and the device is synchronized. ``RuntimeError`` (nothing received) outside a
+        session or for a second round in one session; a failed round raises its
+        ``TransferError`` (or ``load_weights``' error) and poisons the backend."""
+        info = self.parse_update_info(update_info)
+        self._require_ready("update_weights")
+        if not self._session:
+            raise RuntimeError("m2n_async: start_weight_update must be called before "
+                               "update_weights")
+        if self._received:
+            raise RuntimeError("m2n_async: one round per weight update: call "
+                               "finish_weight_update before the next update_weights")
+        assert self._worker is not None and self._info is not None
+        timeout = info.timeout if info.timeout is not None else self._info.receive_timeout
+        try:
+            self._receive(self._worker, timeout)
+        except TimeoutError as exc:
+            if self._worker.state is not EngineState.READY:
+                self._fail(exc)
+                raise
+            # No round started: nothing was received and the model holds its previous
+            # weights. vLLM ends its session on any error, so this one ends too (its reload
+            # finalized, which puts the untouched layers back); the backend stays usable.
+            self._session = self._received = False
+            self._finalize_reload()
+            raise TimeoutError(f"m2n_async: {exc}; the model keeps its previous weights")\
+                from exc
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        self._received = True
+
+    def _receive(self, worker: BlockingWorker, timeout: float | None) -> SyncResult:
+        import torch
+
+        if not self._loaded:
+            result = worker.receive(timeout=timeout)
+        else:
+            feed = self._feed
+            assert feed is not None
+            pending = worker.start_receive(timeout=timeout)
+            try:
+                with _mtp_unchecked():
+                    items = feed.items(pending.done)
+                    self.model.load_weights(items)  # type: ignore[operator]
+                    for _ in items:  # what load_weights left unread would be lost
+                        raise RuntimeError("m2n_async: model.load_weights returned before "
+                                           "consuming every received tensor")
+            except BaseException:
+                feed.stop()  # a callback waiting for room fails: the round fails here
+                pending.cancel()
+                raise
+            result = pending.result()
+            if feed.yielded != len(self._loaded) or feed.put_count != len(self._loaded):
+                raise RuntimeError(f"m2n_async: load_weights got {feed.yielded} of "
+                                   f"{len(self._loaded)} tensors")
+            feed.yielded = feed.put_count = 0
+        if torch.device(self.device or "cpu").type == "cuda":
+            torch.cuda.synchronize(self.device)  # the next forward reads what landed
+        return result
+
+    def finish_weight_update(self) -> None:
+        """Close the session: ``finalize_layerwise_reload(model, model_config)`` if the
+        session opened one. ``RuntimeError`` without a session."""
+        self._require_ready("finish_weight_update")
+        if not self._session:
+            raise RuntimeError("m2n_async: finish_weight_update called without a matching "
+                               "start_weight_update")
+        try:
+            self._finalize_reload()
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        self._session = False
+        self._received = False
+
+    def shutdown(self) -> None:
+        """Release the engine (from any state; idempotent). A layerwise reload still open is
+        finalized first, so no layer stays on the meta device. ``init`` works again after."""
+        with self._lock:
+            with contextlib.suppress(Exception):
+                self._finalize_reload()
+            worker, self._worker = self._worker, None
+            self._info = None
+            self._session = self._received = False
+            self._feed = None
+            self._loaded = ()
+            self._poison = None
+            if worker is not None:
+                worker.close()
+
+    # -- guards ----------------------------------------------------------------------------
+
+    def _finalize_reload(self) -> None:
+        if self._reloading:
+            self._reloading = False
+            hooks = _reload_hooks()
+            if hooks is not None:
+                hooks[1](self.model, self.model_config)
+
+    def _fail(self, exc: BaseException) -> None:
+        """A round failed: the model may mix two versions. Close the reload, poison."""
+        self._poison = exc
+        self._session = self._received = False
+        try:
+            self._finalize_reload()
+        except Exception:
+            log.exception("m2n_async: finalizing the layerwise reload after a failed round")
+        log.error("m2n_async: weight update failed; the model's weights may mix the previous "
+                  "and the new version until a round succeeds after shutdown and init: %r", exc)
+
+    def _require_init(self, what: str) -> WorkerInitInfo:
+        if self._info is None:
+            raise RuntimeError(f"m2n_async: {what} before init_weight_transfer_engine()")
+        return self._info
+
+    def _require_ready(self, what: str) -> None:
+        self._require_init(what)
+        if self._poison is not None:
+            raise RuntimeError(
+                f"m2n_async: {what} refused: an earlier weight update failed ({self._poison!r})"
+                f" and the model is poisoned (its weights may mix two versions); call "
+                f"shutdown_weight_transfer_engine() and init_weight_transfer_engine() again, "
+                f"then run a full update") from self._poison
+
+
+# -- the trainer side ------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class TrainerInitInfo:
+    """Trainer-side init info for ``WeightTransferTrainerFactory.trainer_init`` (the factory
+    dispatches on the class-level ``backend``).
+
+    ``rank`` (this trainer's rank, ``0 <= rank < trainer_ranks``; rank 0 is the sender),
+    ``trainer_ranks`` (``T``), ``world_size`` (``T + N``, every worker rank of every
+    deployment the client drives). The store: ``store_address`` of a running ``m2n-async
+    store``, or ``None`` for rank 0 to serve one at ``store_host:store_port`` (with
+    ``T > 1`` and port 0, the address reaches the other trainers through the default
+    ``torch.distributed`` group). ``token``: the store secret (default: the environment
+    variable ``token_env`` — which the workers read too; never sent). ``dtype``: the wire
+    dtype for floating-point parameters (the serving dtype, e.g. ``"bfloat16"``, when the
+    trainer keeps fp32 masters; in-place destinations need it to equal vLLM's). The rest
+    configure the engine (``EngineConfig``) and bound the RPCs (``update_timeout``).
+    """
+
+    backend: ClassVar[str] = BACKEND
+
+    rank: int
+    world_size: int
+    trainer_ranks: int = 1
+    store_address: str | None = None
+    store_host: str = "127.0.0.1"
+    store_port: int = 0
+    token: str | None = field(default=None, repr=False)
+    token_env: str = TOKEN_ENV
+    job: str = "m2n"
+    transport: str = "auto"
+    dtype: str | None = None
+    bucket_bytes: int | None = None
+    phase_timeout: float = 60.0
+    round_timeout: float = 300.0
+    connect_timeout: float | None = None
+    update_timeout: float = 300.0
+    device: str | None = None
+    host: str | None = None
+    worker_host: str | None = None
+    worker_rank_offset: int | None = None
+
+    @property
+    def is_sender(self) -> bool:
+        return self.rank == 0
+
+
+def _placement(meta_name: str, p: Any, ndim: int) -> int:
+    if type(p).__name__ == "Replicate":
+        return REPLICATE
+    dim = getattr(p, "dim", None)
+    if type(p).__name__ != "Shard" or not isinstance(dim, int):
+        raise PlanError(f"parameter {meta_name!r}: placement {p!r} is neither Replicate nor "
+                        f"Shard")
+    return dim + ndim if dim < 0 else dim
+
+
+def specs_from_source(source: Any, trainer_ranks: int, dtype: Any = None) -> list[ParamSpec]:
+    """``ParamSpec``s of a vLLM ``WeightSource``'s ``metadata``, in its order.
+
+    ``owners`` (``None``: every trainer rank) must be a contiguous rank interval in mesh
+    order; ``mesh_shape`` 1-D ``(n,)`` is ``Mesh((n, 1))``, 2-D keeps its shape;
+    ``placements`` ``None`` is replicated, ``Shard(d)`` is ``d``, ``Replicate()`` is
+    ``REPLICATE`` — normalized as ``specs_from_module`` does (a shard over an axis of size 1
+    is a replica; two axes sharding one dim nest row-major). ``dtype``: the wire dtype for
+    floating-point parameters. ``PlanError`` names the parameter for what the core cannot
+    express (non-contiguous owners, two axes sharding different dims, 3-D meshes).
+    """
+    import torch
+
+    specs = []
+    for m in source.metadata:
+        name, shape = m.name, tuple(int(n) for n in m.shape)
+        owners = tuple(range(trainer_ranks)) if m.owners is None else tuple(m.owners)
+        start = owners[0]
+        if owners != tuple(range(start, start + len(owners))):
+            raise PlanError(f"parameter {name!r}: owners {owners} are not a contiguous rank "
+                            f"interval in mesh order")
+        dims = tuple(m.mesh_shape) if m.mesh_shape is not None else (len(owners),)
+        if len(dims) > 2:
+            raise PlanError(f"parameter {name!r}: a {len(dims)}-D mesh {dims}; m2n_async "
+                            f"meshes have 1 or 2 axes")
+        mesh = Mesh((dims[0], 1) if len(dims) == 1 else (dims[0], dims[1]), start)
+        layout = Layout(mesh, None)
+        if m.placements is not None:
+            pl = [_placement(name, p, len(shape)) for p in m.placements]
+            pl += [REPLICATE] * (2 - len(pl))
+            pl = [REPLICATE if d != REPLICATE and mesh.dims[a] == 1 else d
+                  for a, d in enumerate(pl)]
+            if pl[0] != REPLICATE and pl[1] != REPLICATE:
+                if pl[0] != pl[1]:
+                    raise PlanError(f"parameter {name!r}: mesh axes shard different dims "
+                                    f"({m.placements}); m2n_async layouts shard along one "
+                                    f"axis")
+                mesh, pl = Mesh((mesh.size, 1), start), [pl[0], REPLICATE]
+            if pl != [REPLICATE, REPLICATE]:
+                layout = Layout(mesh, (pl[0], pl[1]))
+        wire = dtype if dtype is not None and m.dtype.is_floating_point else m.dtype
+        specs.append(ParamSpec(name, wire if wire is not None else torch.float32, shape,
+                               layout))
+    return specs
+
+
+class VLLMTrainerEngine:
+    """vLLM trainer-side weight-transfer engine ``m2n_async`` (module docstring).
+
+    Built on every trainer rank by ``WeightTransferTrainerFactory.trainer_init(init_info,
+    client=client, source=source)``; ``send_weights()`` (every rank) is one round;
+    ``shutdown()`` (idempotent) closes the engine and rank 0's store, and asks the workers to
+    shut theirs down when the client can (``shutdown_weight_transfer_engine``).
+    """
+
+    init_info_cls = TrainerInitInfo
+
+    def __init__(self, *, info: TrainerInitInfo, client: Any, source: Any,
+                 trainer: BlockingTrainer, store: Any, executor: ThreadPoolExecutor | None
+                 ) -> None:
+        self.init_info = info
+        self.client = client
+        self.source = source
+        self.rank = info.rank
+        self.is_sender = info.is_sender
+        self._trainer: BlockingTrainer | None = trainer
+        self._store = store
+        self._executor = executor
+
+    @property
+    def engine(self) -> BlockingTrainer | None:
+        """The blocking trainer engine underneath (None after shutdown)."""
+        return self._trainer
+
+    @classmethod
+    def trainer_init(cls, init_info: TrainerInitInfo, *, client: Any, source: Any = None
+                     ) -> VLLMTrainerEngine:
+        """Connect this trainer rank; rank 0 also serves the store (unless given one) and
+        sends the workers' init RPC while the handshake runs. Raises ``ValueError`` for a
+        missing source or token, ``PlanError`` for metadata the core cannot express, the
+        handshake's errors, or the RPC's error (which cancels this rank's connect)."""
+        info = init_info
+        if source is None:
+            raise ValueError("m2n_async trainer_init needs a WeightSource (e.g. vLLM's "
+                             "ModuleSource(model)); it sends this rank's local shards")
+        if not 0 <= info.rank < info.trainer_ranks < info.world_size:
+            raise ValueError(f"m2n_async: need 0 <= rank < trainer_ranks < world_size, got "
+                             f"rank={info.rank}, trainer_ranks={info.trainer_ranks}, "
+                             f"world_size={info.world_size}")
+        token = _token(info.token_env, info.token)
+        specs = specs_from_source(source, info.trainer_ranks, info.dtype)
+        store, address = _open_store(info, token)
+        executor = ThreadPoolExecutor(1, thread_name_prefix="m2n-async-vllm-rpc") \
+            if info.is_sender else None
+        try:
+            cfg = EngineConfig(transport=info.transport, bucket_bytes=info.bucket_bytes,
+                               phase_timeout=info.phase_timeout,
+                               round_timeout=info.round_timeout, device=info.device,
+                               host=info.host, job=info.job)
+            pending = BlockingTrainer.start_connect(
+                address, token=token, rank=info.rank, trainer_ranks=info.trainer_ranks,
+                world_size=info.world_size, params=specs, config=cfg,
+                timeout=info.connect_timeout)
+            rpc: Future[None] | None = None
+            if executor is not None:
+                rpc = executor.submit(client.init_weight_transfer_engine,
+                                      _worker_payload(info, address, specs))
+            trainer = _wait_with_rpc(pending, rpc, "init_weight_transfer_engine")
+        except BaseException:
+            if executor is not None:
+                executor.shutdown(wait=False, cancel_futures=True)
+            if store is not None:
+                store.close()
+            raise
+        return cls(info=info, client=client, source=source, trainer=trainer, store=store,
+                   executor=executor)
+
+    def send_weights(self, weight_version: str | None = None) -> SyncResult:
+        """One round on every trainer rank: rank 0 calls ``start_weight_update``, sends
+        ``update_weights`` while the round runs, then ``finish_weight_update(weight_version)``
+        (the version vLLM publishes). Returns this rank's ``SyncResult``. A failed round
+        raises the engine's ``TransferError`` (the engine is then POISONED: ``shutdown()``
+        and ``trainer_init`` again); a failed RPC cancels the round and raises its error."""
+        trainer = self._trainer
+        if trainer is None:
+            raise RuntimeError("m2n_async: send_weights after shutdown(); call trainer_init "
+                               "again")
+        rpc: Future[None] | None = None
+        if self.is_sender:
+            assert self._executor is not None
+            self.client.start_weight_update()
+            rpc = self._executor.submit(self.client.update_weights, {})
+        shards = ((name, t.detach()) for name, t in self.source.iter_local())
+        pending = trainer.start_sync_weights(shards)
+        result: SyncResult = _wait_with_rpc(pending, rpc, "update_weights",
+                                            grace=self.init_info.update_timeout)
+        if self.is_sender:
+            self.client.finish_weight_update(weight_version)
+        return result
+
+    def shutdown(self) -> None:
+        """Close the engine and rank 0's store; rank 0 asks the workers to release theirs
+        (``client.shutdown_weight_transfer_engine()`` where the client has it). Idempotent."""
+        trainer, self._trainer = self._trainer, None
+        if trainer is None:
+            return
+        try:
+            trainer.close()
+        finally:
+            if self.is_sender:
+                release = getattr(self.client, "shutdown_weight_transfer_engine", None)
+                if callable(release):
+                    try:
+                        release()
+                    except Exception:
+                        log.exception("m2n_async: the workers' "
+                                      "shutdown_weight_transfer_engine failed")
+            if self._executor is not None:
+                self._executor.shutdown(wait=False, cancel_futures=True)
+            if self._store is not None:
+                self._store.close()
+
+
+class _ServedStore:
+    """A ``StoreServer`` on an event loop thread of its own (a blocking portal)."""
+
+    def __init__(self, host: str, port: int, token: str) -> None:
+        from anyio.from_thread import start_blocking_portal
+
+        from m2n_async._store import StoreServer
+
+        self._portal_cm = start_blocking_portal("asyncio", name="m2n-async-store")
+        portal = self._portal_cm.__enter__()
+        try:
+            self._server_cm = portal.wrap_async_context_manager(
+                StoreServer(host=host, port=port, token=token))
+            self.address: str = self._server_cm.__enter__().address
+        except BaseException:
+            self._portal_cm.__exit__(None, None, None)
+            raise
+        self._closed = False
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._server_cm.__exit__(None, None, None)
+        finally:
+            self._portal_cm.__exit__(None, None, None)
+
+
+def _open_store(info: TrainerInitInfo, token: str) -> tuple[_ServedStore | None, str]:
+    if info.store_address is not None:
+        return None, info.store_address
+    if info.trainer_ranks > 1 and info.store_port == 0:
+        return _share_store(info, token)
+    if info.rank == 0:
+        store = _ServedStore(info.store_host, info.store_port, token)
+        return store, store.address
+    _await_listener(info.store_host, info.store_port, info.phase_timeout)
+    return None, f"{info.store_host}:{info.store_port}"
+
+
+def _await_listener(host: str, port: int, limit: float) -> None:
+    """Wait (bounded) until rank 0's store accepts connections: the trainer ranks start
+    together, and rank 0 may not be listening yet."""
+    import socket
+    import time
+
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=1.0).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"m2n_async: trainer rank 0's store at {host}:{port} "
+                                   f"did not accept connections within {limit:g} s") from None
+            time.sleep(0.05)
+
+
+def _share_store(info: TrainerInitInfo, token: str) -> tuple[_ServedStore | None, str]:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("m2n_async: with trainer_ranks > 1 and no store_address, give a "
+                         "fixed store_port (or initialize torch.distributed so rank 0 can "
+                         "share the address it picked)")
+    store = _ServedStore(info.store_host, 0, token) if info.rank == 0 else None
+    box: list[object] = [store.address if store is not None else None]
+    dist.broadcast_object_list(box, src=0)
+    return store, str(box[0])
+
+
+def _wait_with_rpc(pending: Any, rpc: Future[None] | None, what: str, *,
+                   grace: float = 300.0) -> Any:
+    """Wait for an engine call and, on the sender, for the RPC that runs beside it; an RPC
+    that fails first cancels the engine call (its cancellation semantics apply)."""
+    if rpc is None:
+        return pending.result()
+    try:
+        done, _ = wait([pending.future, rpc], return_when=FIRST_EXCEPTION)
+    except BaseException:
+        pending.cancel()
+        raise
+    if rpc in done and rpc.exception() is not None and not pending.done():
+        pending.cancel()
+        raise RuntimeError(f"m2n_async: the workers' {what} failed: {rpc.exception()!r}"
+                           ) from rpc.exception()
+    try:
+        result = pending.result()
+    except BaseException:
+        # The workers fail with the same round; let their RPC end (bounded) before raising.
+        with contextlib.suppress(Exception):
+            rpc.result(timeout=min(grace, 30.0))
+        raise
+    rpc.result(timeout=grace)  # the workers' side of the call has returned (or raise)
+    return result
+
+
+# -- registration ----------------------------------------------------------------------------
+
+
+def register() -> None:
+    """``vllm.general_plugins`` entry point: register ``m2n_async`` with both vLLM factories.
+
+    vLLM runs general plugins in every process (API server, engine core, each worker), and
+    may run them more than once in one; a name already registered is left alone.
+    """
+    from vllm.distributed.weight_transfer import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
+
+    for factory, cls in ((WeightTransferEngineFactory, "VLLMWorkerBackend"),
+                         (WeightTransferTrainerFactory, "VLLMTrainerEngine")):
+        if BACKEND not in factory._registry:
+            with contextlib.suppress(ValueError):  # another thread registered it first
+                factory.register_engine(BACKEND, __name__, cls)
+

@@ -1,0 +1,229 @@
+"""The ``m2n_async`` vLLM backend driven as vLLM 0.33's GPU worker drives it (no vLLM needed).
+
+2 trainer ranks (FSDP2-like ``WeightSource``: fp32 masters, ``Shard(0)``) and 2 vLLM worker
+ranks (TP = 2, a Llama-shaped bf16 model with fused qkv/gate_up and a vocab-parallel
+embedding), every rank a thread of this process over CPU/Gloo: 3 rounds bit-exact, which
+parameters go in place and which through ``load_weights`` (with the layerwise reload hooks),
+and the misuse cases — bad ``init_info``, calls out of order, double init, shutdown and init
+again, a failed round (poisoned, reported, recovered by shutdown + init), a round that never
+started (previous weights kept).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from m2n_async import EnginePoisonedError, TransferError
+from m2n_async.integrations import vllm as backend
+
+from ._vllm_world import (
+    FanOutClient,
+    GPUWorker,
+    ShardedSource,
+    TinyLlama,
+    expected_locals,
+    stub_vllm,
+    vllm_config,
+)
+
+T, TP = 2, 2
+TOKEN = "vllm-backend-tests"
+IN_PLACE = {"model.layers.0.self_attn.o_proj.weight", "model.layers.0.mlp.down_proj.weight"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stub_and_token() -> Iterator[None]:
+    old = os.environ.get(backend.TOKEN_ENV)
+    os.environ[backend.TOKEN_ENV] = TOKEN  # every rank reads the store token from here
+    with stub_vllm():
+        yield
+    if old is None:
+        del os.environ[backend.TOKEN_ENV]
+    else:
+        os.environ[backend.TOKEN_ENV] = old
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Job:
+    models: list[TinyLlama]
+    backends: list[backend.VLLMWorkerBackend]
+    workers: list[GPUWorker]
+    client: FanOutClient
+    sources: list[ShardedSource]
+    port: int
+    trainers: list[backend.VLLMTrainerEngine] | None = None
+
+    def init_trainers(self, job: str, **kw: Any) -> None:
+        def one(r: int) -> backend.VLLMTrainerEngine:
+            info = backend.TrainerInitInfo(rank=r, trainer_ranks=T, world_size=T + TP,
+                                           store_port=self.port, job=job, dtype="bfloat16",
+                                           transport="gloo", phase_timeout=20,
+                                           round_timeout=20, **kw)
+            return backend.VLLMTrainerEngine.trainer_init(info, client=self.client,
+                                                          source=self.sources[r])
+        with ThreadPoolExecutor(T) as ex:
+            self.trainers = list(ex.map(one, range(T)))
+
+    def send(self, version: int, weight_version: str | None = None) -> list[Any]:
+        assert self.trainers is not None
+        for s in self.sources:
+            s.version = version
+        with ThreadPoolExecutor(T) as ex:
+            futs = [ex.submit(t.send_weights, weight_version) for t in self.trainers]
+            return [f.result(60) for f in futs]
+
+    def shutdown_trainers(self) -> None:
+        for t in self.trainers or ():
+            t.shutdown()
+
+    def check(self, version: int) -> None:
+        for r, m in enumerate(self.models):
+            got = dict(m.named_parameters())
+            for name, want in expected_locals(version, r, TP).items():
+                assert torch.equal(got[name], want), (r, name, version)
+
+
+def _job() -> Job:
+    models = [TinyLlama(r, TP) for r in range(TP)]
+    backends = [backend.VLLMWorkerBackend(object(), vllm_config(r, TP), torch.device("cpu"),
+                                          models[r]) for r in range(TP)]
+    workers = [GPUWorker(b, r, vllm_config(r, TP)) for r, b in enumerate(backends)]
+    return Job(models, backends, workers, FanOutClient(workers),
+               [ShardedSource(r, T) for r in range(T)], _free_port())
+
+
+def test_three_rounds_bit_exact_in_place_and_through_load_weights() -> None:
+    from vllm.model_executor.model_loader import reload
+
+    job = _job()
+    job.init_trainers("vllm-rounds")
+    try:
+        be = job.backends[0]
+        assert set(be.loaded_names) == {
+            n for n in job.sources[0].owned_names(0) if n not in IN_PLACE}
+        assert [w.weight_transfer_engine.rank for w in job.workers] == [2, 3]
+        ptrs = {n: p.data_ptr() for n, p in job.models[0].named_parameters()}
+        reload.CALLS.clear()
+        for v in (1, 2, 3):
+            results = job.send(v, weight_version=f"step-{v}")
+            assert [r.version for r in results] == [v, v]
+            job.check(v)
+        # In place means the live storage: the same tensors, written by the engine.
+        assert {n: p.data_ptr() for n, p in job.models[0].named_parameters()} == ptrs
+        assert job.client.calls == ["init_weight_transfer_engine"] + [
+            "start_weight_update", "update_weights", "finish_weight_update"] * 3
+        assert job.client.versions == ["step-1", "step-2", "step-3"]  # vLLM's, not ours
+        # One load_weights call per round per worker, between initialize and finalize.
+        assert [m.load_calls for m in job.models] == [3, 3]
+        ids = {id(m) for m in job.models}
+        assert sorted(k for k, i in reload.CALLS if i in ids) == ["finalize"] * 6 + [
+            "initialize"] * 6
+        assert not reload.OPEN
+    finally:
+        job.shutdown_trainers()
+        for w in job.workers:
+            w.shutdown()
+
+
+def test_init_info_keys_and_types_are_checked() -> None:
+    be = _job().backends[0]
+    good = {"store_address": "127.0.0.1:1", "trainer_ranks": 2, "world_size": 4,
+            "params": [{"name": "w", "dtype": "bfloat16", "shape": [4, 4]}]}
+    info = be.parse_init_info(good)
+    assert info.params[0].shape == (4, 4) and info.rank_offset is None
+    with pytest.raises(ValueError, match=r"unknown keys \['bogus'\]"):
+        be.parse_init_info({**good, "bogus": 1})
+    with pytest.raises(ValueError, match=r"missing keys \['params', 'world_size'\]"):
+        be.parse_init_info({"store_address": "x:1", "trainer_ranks": 2})
+    with pytest.raises(ValueError, match=r"wrong type \['trainer_ranks \(str\)'\]"):
+        be.parse_init_info({**good, "trainer_ranks": "2"})
+    with pytest.raises(ValueError, match="params\\[0\\]"):
+        be.parse_init_info({**good, "params": [{"name": "w", "shape": [4]}]})
+    with pytest.raises(ValueError, match="declared twice"):
+        be.parse_init_info({**good, "params": good["params"] * 2})
+    with pytest.raises(ValueError, match="unknown keys"):
+        be.parse_update_info({"names": ["w"]})
+    # Out of order before any init: a clear error, nothing started.
+    with pytest.raises(RuntimeError, match="before init_weight_transfer_engine"):
+        be.start_weight_update()
+    be.shutdown()  # idempotent, in any state
+    be.shutdown()
+
+
+def test_misuse_failure_and_recovery() -> None:
+    from vllm.model_executor.model_loader import reload
+
+    job = _job()
+    job.init_trainers("vllm-misuse")
+    try:
+        w0, b0 = job.workers[0], job.backends[0]
+        job.send(1)
+        job.check(1)
+        # Double init: refused, the running engine untouched.
+        with pytest.raises(RuntimeError, match="already initialized"):
+            b0.init_transfer_engine(b0._info)  # type: ignore[arg-type]
+        # Update before start (bypassing the vLLM worker's own flag): refused, nothing read.
+        with pytest.raises(RuntimeError, match="start_weight_update must be called"):
+            b0.update_weights({})
+        # A round that never starts: the model keeps its weights, the backend stays usable.
+        w0.start_weight_update()
+        with pytest.raises(TimeoutError, match="previous weights"):
+            w0.update_weights({"timeout": 0.3})
+        assert not w0._weight_update_active and not reload.OPEN
+        job.check(1)
+        job.send(2)
+        job.check(2)
+
+        # A failed round: worker 0's load_weights raises. Every rank fails the round; the
+        # workers are poisoned (told why), no layer is left mid-reload.
+        job.models[0].fail_load = True
+        with pytest.raises(TransferError):
+            job.send(3)
+        assert not reload.OPEN
+        for w in job.workers:
+            with pytest.raises(RuntimeError, match="poisoned"):
+                w.start_weight_update()
+        assert job.trainers is not None
+        with pytest.raises(EnginePoisonedError):
+            job.trainers[1].send_weights()
+        # Recovery: shut down (the trainer asks the workers to shut down too) and init again.
+        job.models[0].fail_load = False
+        job.shutdown_trainers()
+        assert job.client.calls[-1] == "shutdown_weight_transfer_engine"
+        job.shutdown_trainers()  # idempotent
+        job.init_trainers("vllm-misuse")
+        job.send(4)
+        job.check(4)
+    finally:
+        job.shutdown_trainers()
+        for w in job.workers:
+            w.shutdown()
+
+
+def test_trainer_init_rejects_what_it_cannot_send() -> None:
+    job = _job()
+    info = backend.TrainerInitInfo(rank=0, trainer_ranks=T, world_size=T + TP,
+                                   store_port=job.port)
+    with pytest.raises(ValueError, match="needs a WeightSource"):
+        backend.VLLMTrainerEngine.trainer_init(info, client=job.client)
+    with pytest.raises(ValueError, match="rank < trainer_ranks"):
+        backend.VLLMTrainerEngine.trainer_init(
+            backend.TrainerInitInfo(rank=2, trainer_ranks=T, world_size=T + TP),
+            client=job.client, source=job.sources[0])
+    specs = backend.specs_from_source(job.sources[0], T, "bfloat16")
+    assert specs[0].dtype == "bfloat16" and specs[0].layout.placements == (0, -1)
+    assert specs[0].layout.mesh.dims == (T, 1)
