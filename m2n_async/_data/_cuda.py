@@ -592,6 +592,14 @@ class GpuTransportBase(Transport):
             torch.cuda.set_device(dev)
             if not self._poll:
                 self._watcher = _Watcher(f"{self.name}-r{self.ctx.rank}")
+            # The Triton copy compiles on first launch: do it now, on a thread, not in the
+            # first round's pack (``_kernels.warm_up``; a no-op without Triton).
+            from m2n_async._data import _kernels
+
+            if _kernels.available():
+                wires = sorted({p.spec.dtype for p in self.ctx.plan.params})
+                await anyio.to_thread.run_sync(
+                    _kernels.warm_up, dev, [torch_dtype(w) for w in wires])
 
     async def connect(self, rendezvous: Rendezvous) -> None:
         """Create the communicator over all ``world_size`` ranks: rank 0 makes the unique id,

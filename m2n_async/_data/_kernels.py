@@ -29,7 +29,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["MIN_PIECES", "available", "copy_many", "pointer_table", "uniform_pieces"]
+__all__ = ["MIN_PIECES", "available", "copy_many", "pointer_table", "uniform_pieces",
+           "warm_up"]
 
 #: Fewer pieces than this: ``_foreach_copy_`` costs about the same, skip the launch.
 MIN_PIECES = 8
@@ -133,14 +134,51 @@ def _exact(src_dtype: Any, dst_dtype: Any, device: Any) -> bool:
     want = values.to(dst_dtype)
     out = torch.empty_like(want)
     ok = False
+    # On a stream of its own, synchronized alone: a device-wide sync here would wait for
+    # every kernel in flight, an M2N reshard towards a dead peer among them.
+    side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream(device))
     try:
-        if _launch([out], [values], device, check=False):
-            torch.cuda.synchronize(device)
+        with torch.cuda.stream(side):
+            launched = _launch([out], [values], device, check=False)
+        if launched:
+            side.synchronize()
             ok = bool(torch.equal(out.view(torch.uint8), want.view(torch.uint8)))
     except Exception:
         ok = False
     _pairs[key] = ok
     return ok
+
+
+def warm_up(device: Any, wire_dtypes: Sequence[Any]) -> None:
+    """Compile the kernel for ``wire_dtypes`` and self-test the usual casts into them (from
+    fp32 and bf16), off the event loop and before any round: Triton compiles on first
+    launch (then caches on disk), which would otherwise stall the first round's packing."""
+    import torch
+
+    if _kernel() is None:
+        return
+    try:
+        with torch.cuda.device(device):
+            _warm(device, wire_dtypes)
+    except Exception:  # a kernel that fails here is not used at all (the fallback is exact)
+        with _lock:
+            _state["kernel"] = None
+
+
+def _warm(device: Any, wire_dtypes: Sequence[Any]) -> None:
+    import torch
+
+    for wire in dict.fromkeys(wire_dtypes):
+        x = torch.zeros(MIN_PIECES, 1, 4, dtype=wire, device=device)
+        side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        with torch.cuda.stream(side):
+            _launch(list(x.unbind(0)), list(x.clone().unbind(0)), device)
+        side.synchronize()
+        if wire in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            for src in (torch.float32, torch.bfloat16):
+                if src != wire:
+                    _exact(src, wire, device)
 
 
 def copy_many(dsts: Sequence[Any], srcs: Sequence[Any], *, src_table: Any = None,
