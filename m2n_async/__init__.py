@@ -33,6 +33,7 @@ from m2n_async._proto.plan import (
 # --- store (issue 3) ---
 from m2n_async._store import (
     ControlGroup,
+    JobClaimedError,
     StaleGenerationError,
     Store,
     StoreClient,
@@ -108,6 +109,7 @@ __all__ = [
     "TransferError",
     # store (issue 3)
     "ControlGroup",
+    "JobClaimedError",
     "StaleGenerationError",
     "Store",
     "StoreClient",
