@@ -13,7 +13,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["fsdp2_to_tp.py", "async_rl.py"])
+@pytest.mark.parametrize("script", ["fsdp2_to_tp.py", "async_rl.py", "vllm_backend.py"])
 def test_example_runs_and_verifies(script: str) -> None:
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / script), "--timeout", "100"],
