@@ -582,14 +582,20 @@ class VLLMWorkerBackend:
         and the device is synchronized. ``RuntimeError`` (nothing received) outside a
         session or for a second round in one session; a failed round raises its
         ``TransferError`` (or ``load_weights``' error) and poisons the backend."""
-        info = self.parse_update_info(update_info)
         self._require_ready("update_weights")
         if not self._session:
             raise RuntimeError("m2n_async: start_weight_update must be called before "
                                "update_weights")
-        if self._received:
-            raise RuntimeError("m2n_async: one round per weight update: call "
-                               "finish_weight_update before the next update_weights")
+        try:
+            info = self.parse_update_info(update_info)
+            if self._received:
+                raise RuntimeError("m2n_async: one round per weight update: call "
+                                   "finish_weight_update before the next update_weights")
+        except BaseException:
+            # vLLM's worker ends its session on any error from update_weights; so does this
+            # one (nothing of this call was received).
+            self._end_session()
+            raise
         assert self._worker is not None and self._info is not None
         timeout = info.timeout if info.timeout is not None else self._info.receive_timeout
         try:
@@ -601,8 +607,7 @@ class VLLMWorkerBackend:
             # No round started: nothing was received and the model holds its previous
             # weights. vLLM ends its session on any error, so this one ends too (its reload
             # finalized, which puts the untouched layers back); the backend stays usable.
-            self._session = self._received = False
-            self._finalize_reload()
+            self._end_session()
             raise TimeoutError(f"m2n_async: {exc}; the model keeps its previous weights")\
                 from exc
         except BaseException as exc:
@@ -670,6 +675,10 @@ class VLLMWorkerBackend:
                 worker.close()
 
     # -- guards ----------------------------------------------------------------------------
+
+    def _end_session(self) -> None:
+        self._session = self._received = False
+        self._finalize_reload()
 
     def _finalize_reload(self) -> None:
         if self._reloading:

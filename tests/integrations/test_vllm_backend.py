@@ -185,6 +185,11 @@ def test_misuse_failure_and_recovery() -> None:
             w0.update_weights({"timeout": 0.3})
         assert not w0._weight_update_active and not reload.OPEN
         job.check(1)
+        # A bad update_info ends the session on both sides (vLLM's worker drops its own).
+        w0.start_weight_update()
+        with pytest.raises(ValueError, match="unknown keys"):
+            w0.update_weights({"names": ["x"]})
+        assert not w0._weight_update_active and not b0._session and not reload.OPEN
         job.send(2)
         job.check(2)
 
