@@ -582,7 +582,10 @@ class M2NTransport(GpuTransportBase):
                 casts = 0
                 wire = p.dtype
                 dense = True  # every member contiguous on our device: the kernel may take them
-                device = self.device
+                # ``t.device`` builds a torch.device per call (~0.6 us: 0.6 ms per 1024
+                # experts); ``is_cuda`` and ``get_device()`` read flags
+                cuda = self.device is not None and self.device.type == "cuda"
+                index = (self.device.index or 0) if cuda else -1
                 for m in call.members:
                     t = sources.get(m.name)
                     if t is None:
@@ -592,7 +595,8 @@ class M2NTransport(GpuTransportBase):
                                         f"{tuple(t.shape)} but the plan says {m.src_shape} "
                                         f"at {where}")
                     casts += t.dtype is not wire
-                    dense = dense and t.is_contiguous() and t.device == device
+                    dense = (dense and t.is_cuda == cuda and t.is_contiguous()
+                             and (not cuda or t.get_device() == index))
                     srcs.append(t)
                 st.sources.extend(srcs)
                 buf, parts = stacks[k]
