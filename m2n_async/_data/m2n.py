@@ -584,8 +584,9 @@ class M2NTransport(GpuTransportBase):
                 dense = True  # every member contiguous on our device: the kernel may take them
                 # ``t.device`` builds a torch.device per call (~0.6 us: 0.6 ms per 1024
                 # experts); ``is_cuda`` and ``get_device()`` read flags
-                cuda = self.device is not None and self.device.type == "cuda"
-                index = (self.device.index or 0) if cuda else -1
+                dev = self.device
+                cuda = dev is not None and dev.type == "cuda"
+                index = (dev.index or 0) if dev is not None and cuda else -1
                 for m in call.members:
                     t = sources.get(m.name)
                     if t is None:
