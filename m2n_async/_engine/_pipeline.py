@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from m2n_async._data._transport import Completion, Sink, Staging, Transport
+from m2n_async._engine import _faults
 
 if TYPE_CHECKING:
     import torch
@@ -118,6 +119,9 @@ async def run_pipeline(transport: Transport, buckets: Sequence[Bucket], *, max_i
             tg.start_soon(drain, name="m2n-pipeline-drain")
             async with to_wait_tx:
                 for bucket in buckets:
+                    if _faults.armed:  # tests only (m2n_async.testing)
+                        await _faults.hit("round.bucket", rank=transport.ctx.rank,
+                                          round=transport._round, bucket=bucket.index)
                     try:
                         slots.acquire_nowait()
                     except anyio.WouldBlock:

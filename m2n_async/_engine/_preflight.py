@@ -32,6 +32,7 @@ from typing import Literal, TypeVar
 import anyio
 import msgspec
 
+from m2n_async._engine import _faults
 from m2n_async._proto.errors import PeerLostError, PreflightError, StoreError
 from m2n_async._proto.handshake import Event, Handshake, Phase, PreflightPlan
 from m2n_async._proto.messages import (
@@ -258,6 +259,8 @@ async def _run_phase(group: ControlGroup, machine: Handshake, inputs: PreflightI
         if phase is Phase.HELLO:
             await group.join()  # liveness first: peers must see this rank die from now on
         try:
+            if _faults.armed:  # tests only (m2n_async.testing); one global read otherwise
+                await _faults.hit("handshake.phase", rank=group.rank, phase=phase.value)
             return machine.encode(await _local_envelope(machine, inputs, phase))
         except Exception as exc:  # the diagnosis goes to every rank instead of raising here
             return machine.encode(machine.failure(exc))

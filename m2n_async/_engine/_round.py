@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import anyio
 
 from m2n_async._data._transport import Transport
+from m2n_async._engine import _faults
 from m2n_async._engine._pipeline import PipelineStats, unwrap_group
 from m2n_async._proto.errors import M2NError, PeerLostError, TransferError
 from m2n_async._proto.messages import RoundStart, decode_as, encode
@@ -283,6 +284,9 @@ class RoundDriver:
                         transport.end_round()
                         if verdict is None:
                             on_commit(start)
+                            if _faults.armed:  # tests only: the world records commits
+                                _faults.hit_now("round.commit", rank=self.group.rank,
+                                                round=start.round, version=start.version)
                         else:
                             err = core.error(verdict)
                             on_poison(err)
@@ -315,6 +319,9 @@ class RoundDriver:
             with anyio.CancelScope() as scope:
                 dog.target = scope
                 with anyio.fail_after(max(deadline - anyio.current_time(), 0.0)):
+                    if _faults.armed:  # tests only (m2n_async.testing)
+                        await _faults.hit("round.start", rank=self.group.rank,
+                                          round=core.round)
                     stats = await work()
         except BaseExceptionGroup as group:
             local = unwrap_group(group)

@@ -1,5 +1,35 @@
-"""Public test helpers: an in-memory store and a local multi-process world."""
+"""Public test helpers: an in-memory store, a local multi-process world, fault points and
+assertions on the failure contract (docs/testing.md)."""
 
+from m2n_async._engine._faults import Fault, InjectedFault
+from m2n_async.testing._assertions import (
+    assert_committed,
+    assert_not_committed,
+    assert_same_failure,
+)
 from m2n_async.testing._memory import MemoryStore
+from m2n_async.testing._world import (
+    LocalWorld,
+    RankContext,
+    RankPool,
+    RankResult,
+    WorldHangError,
+    WorldResult,
+    store_thread,
+)
 
-__all__: list[str] = ["MemoryStore"]
+__all__: list[str] = [
+    "Fault",
+    "InjectedFault",
+    "LocalWorld",
+    "MemoryStore",
+    "RankContext",
+    "RankPool",
+    "RankResult",
+    "WorldHangError",
+    "WorldResult",
+    "assert_committed",
+    "assert_not_committed",
+    "assert_same_failure",
+    "store_thread",
+]

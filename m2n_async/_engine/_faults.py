@@ -1,0 +1,184 @@
+"""Named fault points in the engine's driver code, for tests of how a job fails.
+
+Theory of operation: the drivers (``_preflight``, ``_round``, ``_pipeline``) call a point at a
+few named places, always behind the module flag::
+
+    if _faults.armed:
+        await _faults.hit("round.bucket", rank=r, round=n, bucket=k)
+
+so an unarmed process pays one global read per point and nothing else. A test arms a list of
+``Fault`` s — through ``arm()`` (``m2n_async.testing.LocalWorld`` does this in every rank
+process) or the ``M2N_ASYNC_FAULTS`` environment variable (a JSON list of ``Fault`` fields,
+read once at import, for processes a test does not start itself). A fault fires when its
+``point`` is the one hit and every coordinate it names (``rank``, ``round``, ``bucket``,
+``phase``) equals the point's; it fires ``times`` times in a process (once by default), so a
+run is deterministic. ``observer`` (set by the testing world) is told of every point hit,
+fault or not — that is how the world learns which versions each rank committed.
+
+The points (each with its coordinates):
+
+- ``handshake.phase`` (``rank``, ``phase``): this rank's local step of a preflight phase, after
+  it joined the group. ``raise`` here is this rank's own step failing (every rank raises the
+  same ``PreflightError`` naming it); ``hang`` never posts (the others time out naming it);
+  ``die`` ends the process (the others raise ``PeerLostError`` naming it).
+- ``round.start`` (``rank``, ``round``): a rank enters round ``round``'s part, before its first
+  bucket — with ``freeze``, a rank frozen between rounds.
+- ``round.bucket`` (``rank``, ``round``, ``bucket``): before bucket ``bucket`` is staged.
+- ``round.commit`` (``rank``, ``round``, ``version``): every rank reported ok and this rank
+  committed ``version`` (observed by the world; a fault here acts after the commit).
+
+Actions: ``raise`` (``InjectedFault``), ``hang`` (an await that never returns but can be
+cancelled), ``freeze`` (the process stops itself with ``SIGSTOP``: its sockets stay open, as a
+frozen host's do), ``die`` (``SIGKILL`` to itself: no cleanup, as a crash), ``slow`` (sleeps
+``seconds`` on the loop), ``cancel`` (cancels the task running the point, as a caller that
+cancels ``sync_weights``/``receive`` would). ``round.commit`` is a synchronous point: only
+``raise``, ``freeze`` and ``die`` act there.
+
+Cancellation: ``hang`` and ``slow`` are cancellable awaits; nothing else awaits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal
+
+__all__ = ["ENV", "Fault", "InjectedFault", "arm", "armed", "disarm", "hit", "hit_now"]
+
+ENV = "M2N_ASYNC_FAULTS"
+
+Action = Literal["raise", "hang", "freeze", "die", "slow", "cancel"]
+POINTS = ("handshake.phase", "round.start", "round.bucket", "round.commit")
+ACTIONS = ("raise", "hang", "freeze", "die", "slow", "cancel")
+_WHERE = ("rank", "round", "bucket", "phase")
+
+
+class InjectedFault(RuntimeError):
+    """Raised by a ``raise`` fault; the message names the point and where it fired."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault: ``action`` at ``point`` when every coordinate given matches (None: any)."""
+
+    point: str
+    action: Action = "raise"
+    rank: int | None = None
+    round: int | None = None
+    bucket: int | None = None
+    phase: str | None = None
+    #: ``slow``: how long to sleep
+    seconds: float = 1.0
+    #: how many times it fires in one process
+    times: int = 1
+
+    def __post_init__(self) -> None:
+        if self.point not in POINTS:
+            raise ValueError(f"unknown fault point {self.point!r}; points: {', '.join(POINTS)}")
+        if self.action not in ACTIONS:
+            raise ValueError(f"unknown fault action {self.action!r}; actions: "
+                             f"{', '.join(ACTIONS)}")
+        if self.point == "round.commit" and self.action not in ("raise", "freeze", "die"):
+            raise ValueError(f"round.commit is synchronous: {self.action!r} cannot act there")
+        if self.times < 1:
+            raise ValueError(f"times must be >= 1, got {self.times}")
+
+    def matches(self, point: str, where: Mapping[str, Any]) -> bool:
+        if point != self.point:
+            return False
+        return all(getattr(self, k) is None or where.get(k) == getattr(self, k)
+                   for k in _WHERE)
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Fault:
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown fault field(s) {sorted(unknown)} in {dict(d)}")
+        return cls(**d)
+
+
+#: Whether any fault or observer is armed in this process (the drivers read only this).
+armed = False
+_faults: list[Fault] = []
+_fired: dict[int, int] = {}  # index in _faults -> times fired
+observer: Callable[[str, Mapping[str, Any], Fault | None], None] | None = None
+
+
+def arm(faults: Iterable[Fault], *,
+        observe: Callable[[str, Mapping[str, Any], Fault | None], None] | None = None) -> None:
+    """Replace this process's faults (and observer); counts start afresh."""
+    global armed, observer
+    _faults[:] = list(faults)
+    _fired.clear()
+    observer = observe
+    armed = bool(_faults) or observer is not None
+
+
+def disarm() -> None:
+    """No faults, no observer: the points cost nothing again."""
+    arm(())
+
+
+def _select(point: str, where: Mapping[str, Any]) -> Fault | None:
+    for i, f in enumerate(_faults):
+        if _fired.get(i, 0) < f.times and f.matches(point, where):
+            _fired[i] = _fired.get(i, 0) + 1
+            return f
+    return None
+
+
+def hit_now(point: str, **where: Any) -> Fault | None:
+    """A synchronous point: act on ``raise``/``freeze``/``die``; return the fault that fired
+    (for ``hit`` to act on the awaiting actions), else None."""
+    fault = _select(point, where)
+    if observer is not None:
+        observer(point, where, fault)
+    if fault is None:
+        return None
+    if fault.action == "raise":
+        raise InjectedFault(f"injected fault at {point} ({_describe(where)})")
+    if fault.action == "freeze":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif fault.action == "die":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return fault
+
+
+async def hit(point: str, **where: Any) -> None:
+    """An awaiting point: everything ``hit_now`` does, plus ``hang``, ``slow``, ``cancel``."""
+    fault = hit_now(point, **where)
+    if fault is None:
+        return
+    import anyio
+
+    if fault.action == "hang":
+        await anyio.sleep_forever()
+    elif fault.action == "slow":
+        await anyio.sleep(fault.seconds)
+    elif fault.action == "cancel":
+        import asyncio
+
+        task = asyncio.current_task()
+        assert task is not None, "the cancel fault needs anyio's asyncio backend"
+        task.cancel(f"injected cancel at {point} ({_describe(where)})")
+        await anyio.lowlevel.checkpoint()
+
+
+def _describe(where: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in where.items())
+
+
+def _from_env() -> None:
+    raw = os.environ.get(ENV, "").strip()
+    if raw:
+        arm(Fault.from_json(d) for d in json.loads(raw))
+
+
+_from_env()

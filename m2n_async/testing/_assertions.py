@@ -1,0 +1,125 @@
+"""Assertions on a ``WorldResult``: the failure contract, checked the way a framework needs it.
+
+Theory of operation: the contract (DESIGN §6, docs/concepts.md "When a round fails") says
+every rank raises the same diagnosis — one class, one text, the same ``exc.rank`` (the rank
+that caused it), ``exc.cause``, and the same phase (handshake) or round — and that a version
+commits on every rank or on none. ``assert_same_failure`` compares every surviving rank's
+exception field by field and, when something differs, fails with a table of all ranks so the
+odd one out is visible; ``assert_not_committed`` reads the versions each rank committed (the
+world records them as they happen, so even a rank killed later counts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from m2n_async.testing._world import RankResult
+
+__all__ = ["assert_committed", "assert_not_committed", "assert_same_failure"]
+
+_UNSET: Any = object()
+
+
+def _table(results: Iterable[RankResult]) -> str:
+    rows = []
+    for r in results:
+        e = r.error
+        what = (f"{type(e).__name__}(rank={getattr(e, 'rank', '-')}, "
+                f"cause={getattr(e, 'cause', '-')}, phase={getattr(e, 'phase', '-')}, "
+                f"round={getattr(e, 'round', '-')}): {e}" if e is not None else "")
+        rows.append(f"  rank {r.rank} ({r.role}): {r.status} {what}".rstrip())
+    return "\n".join(rows)
+
+
+def assert_same_failure(results: Sequence[RankResult], exc_type: type[BaseException]
+                        = Exception, *, culprit: int | None = _UNSET, cause: str | None =
+                        _UNSET, phase: str | None = _UNSET, round: int | None = _UNSET,
+                        ranks: Iterable[int] | None = None, same_text: bool = True
+                        ) -> BaseException:
+    """Every rank in ``ranks`` (default: every rank whose process did not die or freeze)
+    raised the same diagnosis; return one of the exceptions.
+
+    Checked: each raised (none returned); each is an ``exc_type``; all share one class, one
+    ``exc.rank``, ``exc.cause``, ``exc.phase`` and ``exc.round`` (attributes an exception
+    lacks count as None) and, with ``same_text``, one message. ``culprit``, ``cause``,
+    ``phase``, ``round``, when given, are what those must be (``culprit=None`` is the store's
+    failure: nobody to blame). A ``PreflightError``'s culprit is the set of ranks it names:
+    pass ``culprit=r`` for ``failures == {r: ...}``; a ``PeerLostError``'s is its ``ranks``.
+    """
+    by_rank = {r.rank: r for r in results}
+    chosen = (sorted(ranks) if ranks is not None
+              else [r.rank for r in results if r.status not in ("dead", "frozen")])
+    problems: list[str] = []
+    if not chosen:
+        problems.append("no rank to check (every rank died or froze)")
+    for k in chosen:
+        r = by_rank.get(k)
+        if r is None:
+            problems.append(f"rank {k} is not in the results")
+        elif r.status != "error":
+            problems.append(f"rank {k} did not raise ({r.status})")
+        elif not isinstance(r.error, exc_type):
+            problems.append(f"rank {k} raised {type(r.error).__name__}, not "
+                            f"{exc_type.__name__}")
+    errors: dict[int, BaseException] = {}
+    for k in chosen:
+        e = by_rank[k].error if k in by_rank else None
+        if e is not None:
+            errors[k] = e
+
+    def blamed(e: BaseException) -> Any:
+        # TransferError: .rank; PreflightError: the ranks in .failures; PeerLostError: .ranks
+        if hasattr(e, "rank"):
+            return e.rank
+        named = getattr(e, "failures", None) or getattr(e, "ranks", None)
+        if named:
+            named = tuple(sorted(named))
+            return named[0] if len(named) == 1 else named
+        return None
+
+    fields: dict[str, Any] = {
+        "class": lambda e: type(e).__name__, "culprit": blamed,
+        "cause": lambda e: getattr(e, "cause", None),
+        "phase": lambda e: getattr(e, "phase", None),
+        "round": lambda e: getattr(e, "round", None),
+    }
+    if same_text:
+        fields["text"] = str
+    for name, get in fields.items():
+        seen = {k: get(e) for k, e in errors.items()}
+        if len(set(map(repr, seen.values()))) > 1:
+            problems.append(f"ranks differ in {name}: {seen}")
+    wanted = {"culprit": culprit, "cause": cause, "phase": phase, "round": round}
+    for name, want in wanted.items():
+        if want is _UNSET:
+            continue
+        for k, e in errors.items():
+            got = fields[name](e)
+            if got != want:
+                problems.append(f"rank {k}: {name} is {got!r}, expected {want!r}")
+                break
+    if problems:
+        raise AssertionError("not the same failure on every rank:\n- " + "\n- ".join(problems)
+                             + "\n" + _table(results))
+    return next(iter(errors.values()))
+
+
+def assert_not_committed(results: Sequence[RankResult], version: int) -> None:
+    """No rank committed ``version`` (nor a later one): a failed round commits nowhere."""
+    bad = {r.rank: r.committed for r in results
+           if any(v is not None and v >= version for v in r.committed)}
+    if bad:
+        raise AssertionError(f"version {version} was committed on ranks {sorted(bad)} "
+                             f"(their committed versions: {bad})\n{_table(results)}")
+
+
+def assert_committed(results: Sequence[RankResult], version: int,
+                     ranks: Iterable[int] | None = None) -> None:
+    """Every rank (or each of ``ranks``) committed ``version``."""
+    chosen = set(ranks) if ranks is not None else {r.rank for r in results}
+    bad = {r.rank: r.committed for r in results
+           if r.rank in chosen and version not in r.committed}
+    if bad:
+        raise AssertionError(f"version {version} was not committed on ranks {sorted(bad)} "
+                             f"(their committed versions: {bad})\n{_table(results)}")
