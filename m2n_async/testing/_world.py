@@ -32,6 +32,7 @@ import functools
 import importlib
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import secrets
 import signal
@@ -100,7 +101,7 @@ def _child(index: int, jobs: Any, results: Any, events_conn: Any, stacks_path: s
         job = jobs.get()
         if job is None:
             return
-        job_id, target, kwargs, faults = job
+        job_id, payload, faults = job
 
         def observe(point: str, where: Mapping[str, Any], fault: Fault | None) -> None:
             if point == "round.commit":
@@ -109,6 +110,9 @@ def _child(index: int, jobs: Any, results: Any, events_conn: Any, stacks_path: s
                 events.put(("fault", index, (point, dict(where), fault.action)))
         try:
             _faults.arm(faults, observe=observe)
+            # Unpickled here, not by the queue: a function this process cannot import is
+            # this job's error, not the end of the process.
+            target, kwargs = pickle.loads(payload)
             fn = _resolve(target)
             call = functools.partial(fn, **dict(kwargs, _events=events, _index=index))
             value = anyio.run(call)
@@ -213,7 +217,8 @@ class RankPool:
         self._notes.clear()
         self._job_id += 1
         for i, (target, kwargs) in enumerate(jobs):
-            self._jobs[i].put((self._job_id, target, dict(kwargs), tuple(faults)))
+            payload = pickle.dumps((target, dict(kwargs)))
+            self._jobs[i].put((self._job_id, payload, tuple(faults)))
         return self._job_id
 
     def notes(self, i: int) -> list[tuple[str, Any]]:

@@ -1,0 +1,130 @@
+"""Every fault point, driven through a real 2 + 2 world of processes, and the assertions
+(including that they fail when the contract is broken).
+
+Short deadlines keep each case a few seconds long on a 2-core host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import pytest
+
+from m2n_async import PeerLostError, PreflightError, TransferError
+from m2n_async._engine import _faults
+from m2n_async.testing import (
+    Fault,
+    LocalWorld,
+    RankResult,
+    WorldResult,
+    assert_committed,
+    assert_not_committed,
+    assert_same_failure,
+)
+
+from ._ranks import toy_rank
+
+World = Callable[[int, int], LocalWorld]
+FAST = {"phase_timeout": 3.0, "round_timeout": 2.0, "abort_grace": 1.0}
+
+
+def _run(world: LocalWorld, *faults: Fault, rounds: int = 1, timeout: float = 30.0):  # type: ignore[no-untyped-def]
+    return world.run(toy_rank, kwargs={"rounds": rounds, "config": FAST}, faults=faults,
+                     timeout=timeout)
+
+
+def test_points_are_off_by_default_and_match_only_their_coordinates() -> None:
+    assert _faults.armed is False  # nothing armed in a plain process: each point is one read
+    f = Fault("round.bucket", "die", rank=3, round=1, bucket=0)
+    assert f.matches("round.bucket", {"rank": 3, "round": 1, "bucket": 0})
+    assert not f.matches("round.bucket", {"rank": 3, "round": 1, "bucket": 1})
+    assert not f.matches("round.start", {"rank": 3, "round": 1})
+    assert Fault.from_json(f.to_json()) == f
+    with pytest.raises(ValueError, match="unknown fault point"):
+        Fault("round.middle")
+    with pytest.raises(ValueError, match="synchronous"):
+        Fault("round.commit", "hang")
+
+
+def test_handshake_raise_is_one_preflight_error_naming_the_rank(m2n_world: World) -> None:
+    res = _run(m2n_world(2, 2), Fault("handshake.phase", "raise", rank=1, phase="source"))
+    exc = assert_same_failure(res, PreflightError, culprit=1, phase="source")
+    assert "injected fault" in str(exc)
+    assert_not_committed(res, 1)
+
+
+def test_handshake_hang_times_out_naming_the_rank(m2n_world: World) -> None:
+    res = _run(m2n_world(2, 2), Fault("handshake.phase", "hang", rank=2, phase="destination"))
+    # TimeoutError carries no rank: each rank's text names itself and the missing rank.
+    assert_same_failure(res, TimeoutError, ranks=[0, 1, 3], same_text=False)
+    assert all("[2]" in str(res[r].error) for r in (0, 1, 3))
+
+
+def test_handshake_die_is_peer_lost_naming_the_rank(m2n_world: World) -> None:
+    res = _run(m2n_world(2, 2), Fault("handshake.phase", "die", rank=3, phase="data_plane"))
+    assert res[3].status == "dead"
+    assert_same_failure(res, PeerLostError, culprit=3, same_text=False)
+
+
+def test_a_worker_dying_at_a_bucket_is_lost(m2n_world: World) -> None:
+    res = _run(m2n_world(2, 2), Fault("round.bucket", "die", rank=3, round=1, bucket=1))
+    assert res[3].status == "dead" and res[3].faults[0][0] == "round.bucket"
+    assert_same_failure(res, TransferError, culprit=3, cause="lost", round=1)
+    assert_not_committed(res, 1)
+
+
+def test_a_frozen_trainer_is_named_at_the_deadline(m2n_world: World) -> None:
+    res = _run(m2n_world(2, 2), Fault("round.bucket", "freeze", rank=1, round=1, bucket=0))
+    assert res[1].status == "frozen"
+    assert_same_failure(res, TransferError, culprit=1, cause="deadline")
+    assert_not_committed(res, 1)
+
+
+def test_a_cancel_at_a_bucket_is_named_cancelled(m2n_world: World) -> None:
+    res = _run(m2n_world(2, 2), Fault("round.bucket", "cancel", rank=2, round=1, bucket=1))
+    assert isinstance(res[2].error, asyncio.CancelledError)  # the caller's own cancel
+    assert_same_failure(res, TransferError, culprit=2, cause="cancelled", ranks=[0, 1, 3])
+    assert_not_committed(res, 1)
+
+
+def test_a_slow_bucket_still_commits(m2n_world: World) -> None:
+    res = _run(m2n_world(2, 2), Fault("round.bucket", "slow", rank=0, bucket=0, seconds=0.3,
+                                      times=2), rounds=2)
+    assert [r.value["versions"] for r in res] == [[1, 2]] * 4
+    assert_committed(res, 2)
+    assert len(res[0].faults) == 2
+    with pytest.raises(AssertionError, match="version 2 was committed on ranks"):
+        assert_not_committed(res, 2)
+    with pytest.raises(AssertionError, match="did not raise"):
+        assert_same_failure(res)
+
+
+def test_a_rank_frozen_between_rounds_keeps_the_first_version(m2n_world: World) -> None:
+    res = _run(m2n_world(2, 2), Fault("round.start", "freeze", rank=3, round=2), rounds=2)
+    assert_committed(res, 1)
+    assert_same_failure(res, TransferError, culprit=3, cause="deadline", round=2)
+    assert_not_committed(res, 2)
+    with pytest.raises(AssertionError, match="culprit is 3, expected 2"):
+        assert_same_failure(res, TransferError, culprit=2)
+    with pytest.raises(AssertionError, match="not PreflightError"):
+        assert_same_failure(res, PreflightError)
+
+
+def test_a_raise_at_round_start_is_that_ranks_error(m2n_world: World) -> None:
+    res = _run(m2n_world(2, 2), Fault("round.start", "raise", rank=0, round=1))
+    assert_same_failure(res, TransferError, culprit=0, cause="error", round=1)
+
+
+def test_the_assertion_sees_ranks_that_disagree() -> None:
+    def failed(rank: int, culprit: int) -> RankResult:
+        return RankResult(rank, "trainer" if rank < 2 else "worker", "error",
+                          error=TransferError("round 1 failed", rank=culprit, cause="lost",
+                                              round=1))
+
+    res = WorldResult([failed(0, 3), failed(1, 3), failed(2, 0), RankResult(3, "worker",
+                                                                             "dead")])
+    with pytest.raises(AssertionError, match="ranks differ in culprit") as info:
+        assert_same_failure(res, TransferError)
+    assert "rank 2 (worker): error TransferError(rank=0" in str(info.value)  # the table
+    assert_same_failure(res, TransferError, culprit=3, ranks=[0, 1])
