@@ -205,8 +205,12 @@ class _Engine:
     def _settings(self, transport: str = "gloo") -> TransportSettings:
         c = self.config
         host = c.host
-        if host is None and isinstance(self._store, StoreClient) and (
-                self._store.address.startswith(("127.", "localhost", "[::1]", "::1"))):
+        # Gloo must bind somewhere: with a loopback TCP store, or a store that is not a TCP
+        # client at all (MemoryStore: every rank is in this process), the ranks share this
+        # host, so loopback works without configuration.
+        if host is None and (not isinstance(self._store, StoreClient) or
+                             self._store.address.startswith(("127.", "localhost", "[::1]",
+                                                             "::1"))):
             host = "127.0.0.1"
         return TransportSettings(bucket_bytes=self._bucket_bytes(transport),
                                  max_inflight=c.max_inflight,

@@ -29,7 +29,8 @@ World = Callable[[int, int], LocalWorld]
 FAST = {"phase_timeout": 3.0, "round_timeout": 2.0, "abort_grace": 1.0}
 
 
-def _run(world: LocalWorld, *faults: Fault, rounds: int = 1, timeout: float = 30.0):  # type: ignore[no-untyped-def]
+def _run(world: LocalWorld, *faults: Fault, rounds: int = 1, timeout: float = 30.0
+         ) -> WorldResult:
     return world.run(toy_rank, kwargs={"rounds": rounds, "config": FAST}, faults=faults,
                      timeout=timeout)
 
