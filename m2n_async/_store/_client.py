@@ -41,7 +41,7 @@ from m2n_async._proto.errors import (
     StoreError,
 )
 from m2n_async._store import _auth
-from m2n_async._store._core import StaleGenerationError
+from m2n_async._store._core import StaleGenerationError, StoreLimitError
 from m2n_async._store._server import running_loop, tune_socket
 from m2n_async._store._wire import (
     DEFAULT_MAX_FRAME,
@@ -562,6 +562,8 @@ def _fresh(exc: M2NError) -> M2NError:
     if isinstance(exc, StaleGenerationError):
         return StaleGenerationError(str(exc), job=exc.job, generation=exc.generation,
                                     current=exc.current)
+    if isinstance(exc, StoreLimitError):
+        return StoreLimitError(str(exc), limit=exc.limit)
     try:
         return type(exc)(*exc.args)
     except TypeError:
@@ -579,5 +581,7 @@ def _error_to_exception(msg: Error, where: str) -> M2NError:
         return AuthenticationError(f"{where}: {text}")
     if msg.kind == "protocol":
         return RemoteProtocolError(f"{where} reported a protocol error: {text}")
+    if msg.kind == "limit":  # ``key`` names the limit
+        return StoreLimitError(f"{where}: {text}", limit=msg.key or "")
     return StoreError(text)
 

@@ -26,15 +26,33 @@ holds the job's generation counter (advanced with ``add`` by ``next_generation``
 advances, every key of an older generation of that job is purged, waiters on them fail, and
 any later operation on an older generation's key raises ``StaleGenerationError`` — a rank
 that missed a reconnect cannot read or write the new generation's state by accident.
+
+Protected keys: the generation counter and the job claims (``_claims``) are what fence one
+attempt of a job from another, so ordinary key operations cannot undo them. The counter
+``{job}/generation`` and the claim ticket counter ``{job}/claims/seq`` change only by ``add``
+with a delta >= 0 (a counter that went back would hand out a generation, or a ticket, twice);
+``set``, ``compare_set`` and ``delete`` of them are refused, and ``delete_prefix`` skips them.
+A claim entry ``{job}/claims/{rank}/{ticket}`` must be written ephemeral, and once written only
+its owning session may overwrite or delete it (its session's end removes it); ``delete_prefix``
+skips claim entries too. Every refusal is a ``StoreError`` naming the key and the rule.
+
+Limits: what a client can make the store hold, or build for it, is bounded. ``max_bytes`` caps
+the bytes of keys and values the whole store holds and ``max_job_bytes`` those of one job (the
+keys under ``{job}/``); a write past either raises ``StoreLimitError`` naming the quota, and
+nothing is written. A gather (or exchange) result is sized from the lengths of its keys and
+values *before* any of it is encoded: past ``max_reply`` bytes the waiter fails with
+``StoreLimitError`` instead, so one request cannot make a driver build a reply of the whole
+store.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Final, Literal
 
 from m2n_async._proto.errors import M2NError, PeerLostError, StoreError
+from m2n_async._store._wire import DEFAULT_MAX_FRAME
 
 __all__ = [
     "GENERATION_SUFFIX",
@@ -42,13 +60,20 @@ __all__ = [
     "Snapshot",
     "StaleGenerationError",
     "StoreCore",
+    "StoreLimitError",
     "Waiter",
+    "DEFAULT_MAX_BYTES",
     "generation_key",
 ]
 
 GENERATION_SUFFIX: Final[str] = "generation"
+CLAIMS_SEGMENT: Final[str] = "claims"
+CLAIMS_SEQ: Final[str] = "seq"
 _INT64_MIN: Final[int] = -(2**63)
 _INT64_MAX: Final[int] = 2**63 - 1
+#: Store-wide byte quota by default: the store is a control plane (plans, addresses, small
+#: outcomes), never the weights, so a job near this is misbehaving.
+DEFAULT_MAX_BYTES: Final[int] = 1024 * 1024 * 1024
 
 
 class StaleGenerationError(StoreError):
@@ -63,6 +88,50 @@ class StaleGenerationError(StoreError):
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (self.args[0],), {"job": self.job, "generation": self.generation,
                                               "current": self.current})
+
+
+class StoreLimitError(StoreError):
+    """A request was refused because it would pass one of the store's limits.
+
+    ``limit`` names it (``"max_bytes"``, ``"max_job_bytes"``, ``"max_reply"``, or a server
+    limit such as ``"max_connections"``); the store keeps serving, and the same request with
+    less data (or after keys were deleted) may succeed.
+    """
+
+    def __init__(self, message: str, *, limit: str) -> None:
+        self.limit = limit
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.args[0],), {"limit": self.limit})
+
+
+# What one map entry of a gather reply costs on the wire beyond its key's and value's bytes:
+# a msgpack str header and a bin header, 5 bytes each at most.
+_ENTRY_OVERHEAD: Final[int] = 10
+_REPLY_OVERHEAD: Final[int] = 64  # the map header, the Items tag, the request id, the frame
+
+
+def _key_bytes(key: str) -> int:
+    return len(key) if key.isascii() else len(key.encode())
+
+
+def _job_of(key: str) -> str | None:
+    slash = key.find("/")
+    return key[:slash] if slash > 0 else None
+
+
+def _protection(key: str) -> Literal["counter", "claim"] | None:
+    """Whether ``key`` is a job's generation or ticket counter, or a claim entry."""
+    first = key.find("/")
+    if first <= 0:
+        return None
+    rest = key[first + 1:]
+    if rest == GENERATION_SUFFIX:
+        return "counter"
+    if rest.startswith(CLAIMS_SEGMENT + "/"):
+        return "counter" if rest == f"{CLAIMS_SEGMENT}/{CLAIMS_SEQ}" else "claim"
+    return None
 
 
 def generation_key(job: str) -> str:
@@ -109,10 +178,11 @@ class Snapshot:
     completed at that moment (64 ranks of one all-gather get one object, so a driver can encode
     it once: ``cache`` is the driver's memo slot). Treat ``items`` as read-only."""
 
-    __slots__ = ("cache", "items")
+    __slots__ = ("cache", "items", "nbytes")
 
-    def __init__(self, items: dict[str, bytes]) -> None:
+    def __init__(self, items: dict[str, bytes], nbytes: int = 0) -> None:
         self.items = items
+        self.nbytes = nbytes  # the reply's size on the wire, at most (sized before encoding)
         self.cache: object = None
 
 
@@ -148,8 +218,13 @@ class _PrefixTrack:
 class StoreCore:
     """All store state and semantics. Not thread-safe: drive it from one event loop."""
 
-    def __init__(self, *, max_tombstones: int = 65536, max_waiters_per_session: int = 4096
-                 ) -> None:
+    def __init__(self, *, max_tombstones: int = 65536, max_waiters_per_session: int = 4096,
+                 max_bytes: int | None = DEFAULT_MAX_BYTES, max_job_bytes: int | None = None,
+                 max_reply: int | None = DEFAULT_MAX_FRAME) -> None:
+        for name, limit in (("max_bytes", max_bytes), ("max_job_bytes", max_job_bytes),
+                            ("max_reply", max_reply)):
+            if limit is not None and limit < 1:
+                raise ValueError(f"{name} must be >= 1 or None, got {limit}")
         if max_tombstones < 1:
             raise ValueError(f"max_tombstones must be >= 1, got {max_tombstones}")
         if max_waiters_per_session < 1:
@@ -168,6 +243,11 @@ class StoreCore:
         self._max_tombstones = max_tombstones
         self._max_waiters = max_waiters_per_session
         self._next_session = 1
+        self._max_bytes = max_bytes
+        self._max_job_bytes = max_job_bytes
+        self._max_reply = max_reply
+        self._bytes = 0  # keys and values held, the unit of the quotas
+        self._job_bytes: dict[str, int] = {}
 
     # --- introspection (tests, diagnostics) ----------------------------------------------
 
@@ -186,6 +266,15 @@ class StoreCore:
     def tombstones(self) -> int:
         return len(self._tombstones)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of keys and values held (what ``max_bytes`` bounds)."""
+        return self._bytes
+
+    def job_bytes(self, job: str) -> int:
+        """Bytes of keys and values held under ``{job}/`` (what ``max_job_bytes`` bounds)."""
+        return self._job_bytes.get(job, 0)
+
     # --- sessions ------------------------------------------------------------------------
 
     def open_session(self) -> Session:
@@ -202,7 +291,7 @@ class StoreCore:
             self.cancel(waiter)
         for key in sorted(session.ephemeral):
             self._owner.pop(key, None)
-            if self._data.pop(key, None) is not None:
+            if self._forget(key) is not None:
                 self._key_removed(key)
             self._lose(key, "the session that wrote it ended")
         session.ephemeral.clear()
@@ -223,6 +312,7 @@ class StoreCore:
     def set(self, session: Session, key: str, value: bytes, *, ephemeral: bool = False) -> None:
         self._check_live(session)
         self._check_key(key)
+        self._check_writable(session, key, "set", ephemeral=ephemeral)
         self._write(key, value)
         previous = self._owner.pop(key, None)
         if previous is not None:
@@ -241,13 +331,20 @@ class StoreCore:
         self._check_key(key)
         if not _INT64_MIN <= delta <= _INT64_MAX:
             raise StoreError(f"add to {key!r}: delta {delta} is not an int64")
+        protection = _protection(key)
+        if protection == "claim":
+            self._refuse(key, "add", protection)
+        if protection == "counter" and delta < 0:
+            raise StoreError(f"add to {key!r}: delta {delta} would move a job counter back, "
+                             "which would hand out a generation or ticket twice (delta >= 0)")
         old = self._data.get(key)
         base = 0
         if old is not None:
             try:
                 base = int(old)
             except ValueError:
-                raise StoreError(f"add to {key!r}: it holds a non-integer value "
+                what = "job counter" if protection else "key"
+                raise StoreError(f"add to {key!r}: the {what} holds a non-integer value "
                                  f"({old[:32]!r})") from None
         value = base + delta
         if not _INT64_MIN <= value <= _INT64_MAX:
@@ -259,6 +356,9 @@ class StoreCore:
                     ) -> tuple[bool, bytes | None]:
         self._check_live(session)
         self._check_key(key)
+        protection = _protection(key)
+        if protection is not None:
+            self._refuse(key, "compare_set", protection)
         current = self._data.get(key)
         if current != expected:
             return False, current
@@ -270,6 +370,7 @@ class StoreCore:
         and watchers get ``PeerLostError``): how a rank that fails leaves on purpose."""
         self._check_live(session)
         self._check_key(key)
+        self._check_writable(session, key, "delete")
         existed = self._remove(key)
         if lost:
             self._lose(key, f"session {session.id} gave it up as lost")
@@ -278,7 +379,9 @@ class StoreCore:
     def delete_prefix(self, session: Session, prefix: str) -> int:
         self._check_live(session)
         self._check_key(prefix, prefix=True)
-        doomed = [k for k in self._data if k.startswith(prefix)]
+        # The job's counters and claims are not ordinary keys: deleting a whole job's prefix must
+        # not reset its generation (a stale rank's writes would be accepted again).
+        doomed = [k for k in self._data if k.startswith(prefix) and _protection(k) is None]
         for key in doomed:
             self._remove(key)
         return len(doomed)
@@ -324,8 +427,11 @@ class StoreCore:
         present = track.keys if track is not None else {
             k for k in self._data if k.startswith(prefix)}
         if len(present) >= n:
+            snapshot = self._snapshot(present, prefix)
+            if isinstance(snapshot, StoreLimitError):
+                raise snapshot
             waiter.done = True
-            waiter.result = Snapshot({k: self._data[k] for k in sorted(present)})
+            waiter.result = snapshot
             return waiter
         if track is None:
             track = _PrefixTrack(present)
@@ -351,6 +457,10 @@ class StoreCore:
             self._check_key(delete)
         if n < 0:
             raise StoreError(f"exchange {prefix!r}: n must be >= 0, got {n}")
+        self._check_writable(session, key, "exchange")
+        if delete is not None:
+            self._check_writable(session, delete, "exchange")
+        self._check_quota(key, value)  # before the delete: a refused exchange changes nothing
         if delete is not None and delete != key:
             self._remove(delete)
         self.set(session, key, value)
@@ -379,6 +489,77 @@ class StoreCore:
                 f"store {'prefix' if prefix else 'key'} {key!r} belongs to generation "
                 f"{generation} of job {job!r}, which is stale (current generation: {current})",
                 job=job, generation=generation, current=current)
+
+    def _refuse(self, key: str, op: str, protection: Literal["counter", "claim"]) -> None:
+        if protection == "counter":
+            raise StoreError(f"{op} of {key!r} refused: it is a job counter (generation or "
+                             "claim tickets), which only add (delta >= 0) changes")
+        raise StoreError(f"{op} of {key!r} refused: it is a job claim entry, which its holder "
+                         "writes with set(ephemeral=True) and deletes, and nobody else")
+
+    def _check_writable(self, session: Session, key: str, op: str, *,
+                        ephemeral: bool = True) -> None:
+        """Refuse ``op`` (a set or delete) of a protected key (module docstring)."""
+        protection = _protection(key)
+        if protection is None:
+            return
+        if protection == "counter" or op == "exchange":
+            self._refuse(key, op, protection)
+        if not ephemeral:
+            raise StoreError(f"set of {key!r} refused: a job claim entry must be ephemeral "
+                             "(it must vanish with its holder)")
+        owner = self._owner.get(key)
+        if owner is not None and owner is not session:
+            raise StoreError(f"{op} of {key!r} refused: the claim entry belongs to store "
+                             f"session {owner.id}, not to session {session.id}")
+
+    def _check_quota(self, key: str, value: bytes) -> None:
+        """Raise ``StoreLimitError`` if writing ``key`` would pass a byte quota."""
+        old = self._data.get(key)
+        grow = len(value) - (len(old) if old is not None else -_key_bytes(key))
+        if grow <= 0:
+            return
+        if self._max_bytes is not None and self._bytes + grow > self._max_bytes:
+            raise StoreLimitError(
+                f"store quota max_bytes ({self._max_bytes} bytes) refuses a write of {key!r} "
+                f"({len(value)} bytes): the store holds {self._bytes} bytes", limit="max_bytes")
+        job = _job_of(key)
+        if self._max_job_bytes is not None and job is not None:
+            held = self._job_bytes.get(job, 0)
+            if held + grow > self._max_job_bytes:
+                raise StoreLimitError(
+                    f"store quota max_job_bytes ({self._max_job_bytes} bytes per job) refuses a "
+                    f"write of {key!r} ({len(value)} bytes): job {job!r} holds {held} bytes",
+                    limit="max_job_bytes")
+
+    def _account(self, key: str, grow: int) -> None:
+        self._bytes += grow
+        job = _job_of(key)
+        if job is not None:
+            held = self._job_bytes.get(job, 0) + grow
+            if held:
+                self._job_bytes[job] = held
+            else:
+                del self._job_bytes[job]
+
+    def _forget(self, key: str) -> bytes | None:
+        """Pop ``key``'s value, keeping the byte accounting."""
+        value = self._data.pop(key, None)
+        if value is not None:
+            self._account(key, -(_key_bytes(key) + len(value)))
+        return value
+
+    def _snapshot(self, keys: Collection[str], prefix: str) -> Snapshot | StoreLimitError:
+        """The gather result for ``keys``, or the error if it would pass ``max_reply``."""
+        data = self._data
+        nbytes = _REPLY_OVERHEAD + sum(_key_bytes(k) + len(data[k]) + _ENTRY_OVERHEAD
+                                       for k in keys)
+        if self._max_reply is not None and nbytes > self._max_reply:
+            return StoreLimitError(
+                f"gather of {prefix!r}: the reply ({len(keys)} keys, {nbytes} bytes) would "
+                f"exceed the store's frame limit for a reply (max_reply, {self._max_reply} bytes)",
+                limit="max_reply")
+        return Snapshot({k: data[k] for k in sorted(keys)}, nbytes)
 
     def _register(self, waiter: Waiter, watch: Sequence[str],
                   track: _PrefixTrack | None = None) -> Waiter:
@@ -423,7 +604,10 @@ class StoreCore:
         waiter.notify()
 
     def _write(self, key: str, value: bytes) -> None:
-        new = key not in self._data
+        self._check_quota(key, value)
+        old = self._data.get(key)
+        new = old is None
+        self._account(key, len(value) - (len(old) if old is not None else -_key_bytes(key)))
         self._data[key] = value
         self._tombstones.pop(key, None)
         if new:
@@ -431,16 +615,12 @@ class StoreCore:
         self._maybe_advance_generation(key, value)
 
     def _remove(self, key: str) -> bool:
-        if self._data.pop(key, None) is None:
+        if self._forget(key) is None:
             return False
         owner = self._owner.pop(key, None)
         if owner is not None:
             owner.ephemeral.discard(key)
         self._key_removed(key)
-        slash = key.find("/")
-        if slash > 0 and key[slash + 1:] == GENERATION_SUFFIX:
-            # Counter deleted: the job starts over, so its old floor must not refuse it.
-            self._generations.pop(key[:slash], None)
         return True
 
     def _key_added(self, key: str) -> None:
@@ -459,9 +639,12 @@ class StoreCore:
                     track.keys.add(key)
                     ready = [w for w in track.waiters if w.n <= len(track.keys)]
                     if ready:
-                        snapshot = Snapshot({k: self._data[k] for k in sorted(track.keys)})
+                        snapshot = self._snapshot(track.keys, prefix)
                         for waiter in ready:
-                            self._finish(waiter, result=snapshot)
+                            if isinstance(snapshot, StoreLimitError):
+                                self._finish(waiter, error=snapshot)
+                            else:
+                                self._finish(waiter, result=snapshot)
 
     def _key_removed(self, key: str) -> None:
         if self._prefixes:

@@ -10,6 +10,7 @@ the new attempt's state, whichever store implementation is in use.
 
 from __future__ import annotations
 
+from m2n_async._proto.errors import StoreError
 from m2n_async._store._api import Store
 from m2n_async._store._core import generation_key
 
@@ -33,8 +34,15 @@ async def current_generation(store: Store, job: str) -> int:
 
     Cancellation: a read; safe to cancel.
     """
-    value = await store.get(generation_key(job))
-    return 0 if value is None else int(value)
+    key = generation_key(job)
+    value = await store.get(key)
+    if value is None:
+        return 0
+    try:
+        return int(value)
+    except ValueError:
+        raise StoreError(f"job {job!r}: its generation counter {key!r} holds a non-integer "
+                         f"value ({value[:32]!r}); the store's counter is corrupt") from None
 
 
 def generation_namespace(job: str, generation: int, *parts: str) -> str:

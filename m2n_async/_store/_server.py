@@ -17,12 +17,34 @@ message of the request union, a request before authentication — gets a connect
 ``Error`` frame and closes that connection only; its session's ephemeral keys are then lost as
 for any disconnect.
 
-Bounded memory per connection: a receive buffer (1 KiB until the connection authenticates,
-64 KiB after) and at most one partial frame (4 KiB before authentication, ``max_frame`` plus
-one read after) are held, and when the client stops reading its replies (the transport's write
-buffer passes its high-water mark) the server stops reading and executing that client's
-requests until the buffer drains, so replies cannot pile up. Pending waiters are capped per
-session by the core.
+Bounded memory per connection, whatever the client does: a receive buffer (1 KiB until the
+connection authenticates, 64 KiB after); at most one partial frame (4 KiB before
+authentication, ``max_frame`` plus one read after), which must arrive whole within
+``frame_timeout``; and at most ``max_output`` bytes of replies the client has not read. When
+the client stops reading (the transport's write buffer passes its high-water mark) the server
+stops reading and executing its requests until the buffer drains; replies that do not wait for
+a request — waiter completions, pushed when another client writes — count toward the same
+``max_output``, and the reply that would pass it drops the connection instead (``limit``
+error, ``key="max_output"``). Gather replies are sized by the core before they are encoded
+(``max_reply = max_frame``), so a request for more than a frame fails with a ``limit`` error
+and builds nothing. So one connection costs at most about ``max_frame + max_output`` (48 MiB
+by default). Pending waiters are capped per session by the core; the bytes the store holds by
+its quotas (``max_bytes``, ``max_job_bytes``).
+
+Connection limits: the server runs its own accept loop (asyncio's ``create_server`` would
+re-``listen`` at its own backlog of 100, and logs a traceback per failed ``accept``). The
+listen backlog is ``backlog``. At ``max_connections`` open connections a new one is sent a
+``limit`` error and closed at once (its file descriptor is freed, not held); at most
+``max_unauthenticated`` connections may wait to authenticate, and a new one evicts the oldest
+(so a flood of silent connections cannot lock a token holder out: it only has to answer its
+challenge sooner than ``max_unauthenticated`` others arrive). When ``accept`` itself fails —
+the process is out of file descriptors, the kernel out of buffers — the loop backs off (10 ms
+doubling to 1 s) and logs one line per failure kind per 10 s. A wrong token is answered only
+after ``auth_fail_delay`` (the connection still counts as unauthenticated meanwhile), so
+guessing runs at most ``max_unauthenticated / auth_fail_delay`` attempts per second. An
+authenticated connection may be dropped after ``idle_timeout`` without requests or pending
+waits; it is off by default, because ranks sit idle between rounds and TCP keepalive already
+ends the sessions of hosts that died.
 """
 
 from __future__ import annotations
@@ -30,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from types import TracebackType
 from typing import Self, cast
 
@@ -38,7 +61,15 @@ import msgspec
 
 from m2n_async._proto.errors import M2NError, PeerLostError, RemoteProtocolError, StoreError
 from m2n_async._store import _auth
-from m2n_async._store._core import Session, Snapshot, StaleGenerationError, StoreCore, Waiter
+from m2n_async._store._core import (
+    DEFAULT_MAX_BYTES,
+    Session,
+    Snapshot,
+    StaleGenerationError,
+    StoreCore,
+    StoreLimitError,
+    Waiter,
+)
 from m2n_async._store._wire import (
     DEFAULT_MAX_FRAME,
     STORE_PROTO_VERSION,
@@ -84,6 +115,45 @@ _AUTH_RECV_SIZE = 1024
 # unauthenticated connection could announce a max_frame-sized frame and park ~16 MiB here
 # until its auth deadline.
 _AUTH_MAX_PENDING = 4096
+_ACCEPT_BACKOFF_MIN = 0.01  # seconds; doubled per consecutive accept failure ...
+_ACCEPT_BACKOFF_MAX = 1.0  # ... up to this
+_LOG_EVERY = 10.0  # seconds between two log lines about one kind of connection trouble
+_RESERVED_FDS = 64  # file descriptors max_connections leaves to the rest of the process
+# What a transport that has not paused us may hold: asyncio's and uvloop's write buffers pause
+# the protocol past 64 KiB by default; this leaves a margin. Below it no reply needs measuring.
+_UNPAUSED_MAX = 256 * 1024
+
+
+def _default_max_connections() -> int:
+    """4096, or fewer when the process may open fewer files (with some left for the rest)."""
+    try:
+        import resource
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):  # not a POSIX system
+        return 1024
+    if soft == resource.RLIM_INFINITY:
+        return 4096
+    return max(16, min(4096, soft - _RESERVED_FDS))
+
+
+class _Throttled:
+    """Log one line per kind of trouble per ``_LOG_EVERY`` s, counting what it held back: a
+    flood of failing connections must not become a flood of log lines (an unread stderr pipe
+    would then block the event loop for good)."""
+
+    def __init__(self) -> None:
+        self._next: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def warn(self, kind: str, message: str) -> None:
+        now = time.monotonic()
+        if now < self._next.get(kind, 0.0):
+            self._held[kind] = self._held.get(kind, 0) + 1
+            return
+        held = self._held.pop(kind, 0)
+        more = f" ({held} more like it in the last {_LOG_EVERY:g} s)" if held else ""
+        _log.warning("%s%s", message, more)
+        self._next[kind] = now + _LOG_EVERY
 
 
 def format_address(host: str, port: int) -> str:
@@ -129,13 +199,30 @@ class StoreServer:
     serves until the block exits; ``server.address`` is ``"host:port"`` for
     ``StoreClient.connect``. ``token`` (str or bytes, non-empty) is the shared secret.
 
+    Limits (module docstring): ``max_frame`` bytes per frame and per reply; ``max_output``
+    bytes of unread replies per connection (default ``2 * max_frame``, at least ``max_frame``
+    + 1 MiB); ``max_bytes`` held by the store and ``max_job_bytes`` by one job (``None``: no
+    quota); ``max_connections`` open (default from the process's file limit) of which
+    ``max_unauthenticated`` waiting to authenticate, each for at most ``auth_timeout`` s
+    (after it, the connection is dropped with an ``auth`` error); a frame must arrive whole within
+    ``frame_timeout`` s; a wrong token is answered after ``auth_fail_delay`` s; an idle
+    authenticated connection is dropped after ``idle_timeout`` s (``None``: never);
+    ``backlog`` is the listen backlog. A limit that refuses a request answers it with a
+    ``StoreLimitError`` naming the limit; one that drops or refuses a connection sends the same
+    as a connection-level ``limit`` error first; the server keeps serving everyone else.
+
     Cancellation: leaving the block (normally, by error or by cancellation) closes the listener
     and every connection; clients then see ``StoreError``/``PeerLostError``.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, token: str | bytes,
                  max_frame: int = DEFAULT_MAX_FRAME, auth_timeout: float = 10.0,
-                 max_tombstones: int = 65536, max_waiters_per_session: int = 4096) -> None:
+                 max_tombstones: int = 65536, max_waiters_per_session: int = 4096,
+                 max_output: int | None = None,
+                 max_bytes: int | None = DEFAULT_MAX_BYTES, max_job_bytes: int | None = None,
+                 max_connections: int | None = None, max_unauthenticated: int = 64,
+                 frame_timeout: float = 30.0, auth_fail_delay: float = 1.0,
+                 idle_timeout: float | None = None, backlog: int = 1024) -> None:
         if not host:
             raise ValueError("StoreServer host must be an explicit address, got ''")
         if not 0 <= port <= 65535:
@@ -147,15 +234,44 @@ class StoreServer:
             raise ValueError(f"StoreServer max_frame must be in [64, 2**32 - 1], got {max_frame}")
         if not auth_timeout > 0:
             raise ValueError(f"StoreServer auth_timeout must be > 0, got {auth_timeout}")
+        if max_output is None:
+            max_output = max(2 * max_frame, max_frame + 4 * _UNPAUSED_MAX)
+        if max_output < max_frame + 64:  # one reply of a whole frame must always fit
+            raise ValueError(f"StoreServer max_output must be >= max_frame + 64 "
+                             f"({max_frame + 64}), got {max_output}")
+        if max_connections is None:
+            max_connections = _default_max_connections()
+        for name, count in (("max_connections", max_connections),
+                            ("max_unauthenticated", max_unauthenticated), ("backlog", backlog)):
+            if count < 1:
+                raise ValueError(f"StoreServer {name} must be >= 1, got {count}")
+        for name, seconds in (("frame_timeout", frame_timeout), ("idle_timeout", idle_timeout)):
+            if seconds is not None and not seconds > 0:
+                raise ValueError(f"StoreServer {name} must be > 0, got {seconds}")
+        if not auth_fail_delay >= 0:
+            raise ValueError(f"StoreServer auth_fail_delay must be >= 0, got {auth_fail_delay}")
         self._host = host
         self._port = port
         self._max_frame = max_frame
         self._auth_timeout = auth_timeout
+        self._max_output = max_output
+        self._max_connections = max_connections
+        self._max_unauthenticated = max_unauthenticated
+        self._frame_timeout = frame_timeout
+        self._auth_fail_delay = auth_fail_delay
+        self._idle_timeout = idle_timeout
+        self._backlog = backlog
         self.core = StoreCore(max_tombstones=max_tombstones,
-                              max_waiters_per_session=max_waiters_per_session)
-        self._server: asyncio.Server | None = None
+                              max_waiters_per_session=max_waiters_per_session,
+                              max_bytes=max_bytes, max_job_bytes=max_job_bytes,
+                              max_reply=max_frame)
+        self._sock: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
         self._protocols: set[_ServerProtocol] = set()
+        # Insertion-ordered: the first is the oldest, the one a new connection evicts.
+        self._unauthenticated: dict[_ServerProtocol, None] = {}
         self._address: str | None = None
+        self._trouble = _Throttled()
 
     @property
     def address(self) -> str:
@@ -169,35 +285,42 @@ class StoreServer:
         """Connections currently open (authenticated or not)."""
         return len(self._protocols)
 
+    @property
+    def unauthenticated(self) -> int:
+        """Connections open that have not authenticated (yet)."""
+        return len(self._unauthenticated)
+
     async def __aenter__(self) -> Self:
         """Bind and start serving.
 
         Cancellation: if cancelled while binding, nothing is left listening.
         """
-        if self._server is not None:
+        if self._sock is not None:
             raise StoreError("StoreServer is already running")
         loop = running_loop("StoreServer")
-        sock = await _listen(self._host, self._port)
-        try:
-            self._server = await loop.create_server(lambda: _ServerProtocol(self), sock=sock)
-        except BaseException:
-            sock.close()
-            raise
+        sock = await _listen(self._host, self._port, self._backlog)
         host, port = sock.getsockname()[:2]
         self._address = format_address(str(host), int(port))
+        self._sock = sock
+        self._accepting = loop.create_task(self._accept(loop, sock))
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None,
                         exc: BaseException | None, tb: TracebackType | None) -> None:
-        server, self._server = self._server, None
+        sock, self._sock = self._sock, None
+        task, self._accepting = self._accepting, None
         self._address = None
-        if server is None:
+        if sock is None:
             return
-        server.close()
+        if task is not None:
+            task.cancel()
+            with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                await asyncio.wait({task})
+        sock.close()
         for proto in list(self._protocols):
             proto.abort()
-        with anyio.CancelScope(shield=True), anyio.move_on_after(5):
-            await server.wait_closed()
+        with anyio.CancelScope(shield=True):
+            await asyncio.sleep(0)  # let the aborted connections end their sessions
 
     async def serve_forever(self) -> None:
         """Serve until cancelled.
@@ -208,7 +331,52 @@ class StoreServer:
             await anyio.sleep_forever()
 
 
-async def _listen(host: str, port: int) -> socket.socket:
+    async def _accept(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+        """Accept connections until cancelled (module docstring: limits, back-off)."""
+        delay = 0.0
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(sock)
+            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                continue  # the peer gave up before it was accepted
+            except OSError as exc:
+                # Out of file descriptors (EMFILE/ENFILE) or kernel buffers: the connection
+                # stays queued and the listener readable, so retrying at once would spin.
+                delay = min(_ACCEPT_BACKOFF_MAX, max(2 * delay, _ACCEPT_BACKOFF_MIN))
+                self._trouble.warn(f"accept {exc.errno}", (
+                    f"StoreServer at {self._address} cannot accept connections: {exc}; backing "
+                    f"off (now {delay:g} s); raise the open-files limit (ulimit -n) or lower "
+                    "max_connections"))
+                await asyncio.sleep(delay)
+                continue
+            delay = 0.0
+            if len(self._protocols) >= self._max_connections:
+                _refuse(conn, (
+                    f"store at {self._address} has {len(self._protocols)} connections open, its "
+                    f"limit max_connections; connection refused"), "max_connections")
+                self._trouble.warn("max_connections", (
+                    f"StoreServer at {self._address} refused a connection: max_connections "
+                    f"({self._max_connections}) are open"))
+                continue
+            try:
+                await loop.connect_accepted_socket(lambda: _ServerProtocol(self), conn)
+            except Exception as exc:  # one connection's failure is not the listener's
+                conn.close()
+                self._trouble.warn("connect", (
+                    f"StoreServer at {self._address} dropped a connection it accepted: {exc!r}"))
+
+
+def _refuse(conn: socket.socket, message: str, limit: str) -> None:
+    """Tell an accepted connection it is over a limit (best effort) and close it at once."""
+    try:
+        conn.setblocking(False)
+        conn.send(encode_frame(Error(0, "limit", message, key=limit)))
+    except OSError:
+        pass  # it is refused either way
+    conn.close()
+
+
+async def _listen(host: str, port: int, backlog: int) -> socket.socket:
     """A listening non-blocking socket bound to exactly ``host`` (first resolved address)."""
     try:
         infos = await anyio.getaddrinfo(host, port, type=socket.SOCK_STREAM,
@@ -220,7 +388,7 @@ async def _listen(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(sockaddr)
-        sock.listen(1024)
+        sock.listen(backlog)  # in force: nothing re-listens (the accept loop is ours)
         sock.setblocking(False)
     except OSError as exc:
         sock.close()
@@ -248,7 +416,11 @@ class _ServerProtocol(asyncio.BufferedProtocol):
         self._pending: dict[int, Waiter] = {}
         self._paused = False  # the client is not reading: stop executing its requests
         self._closing = False
-        self._deadline: asyncio.TimerHandle | None = None
+        self._rejected = False  # wrong token: its answer is delayed, nothing more is read
+        self._deadline: asyncio.TimerHandle | None = None  # auth, then the wrong-token answer
+        self._frame_deadline: asyncio.TimerHandle | None = None  # a partial frame is held
+        self._idle_check: asyncio.TimerHandle | None = None
+        self._last_input = 0.0  # loop time of the last bytes in (only with idle_timeout)
         self._recv = memoryview(bytearray(_AUTH_RECV_SIZE))
 
     # --- asyncio callbacks ---------------------------------------------------------------
@@ -256,7 +428,20 @@ class _ServerProtocol(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # A stream transport (uvloop's are not asyncio.Transport subclasses: no isinstance).
         self._transport = cast(asyncio.Transport, transport)
-        self._server._protocols.add(self)
+        server = self._server
+        server._protocols.add(self)
+        waiting = server._unauthenticated
+        if len(waiting) >= server._max_unauthenticated:
+            oldest = next(iter(waiting))
+            oldest._fail(0, "limit", (
+                f"store connection evicted before it authenticated: more than "
+                f"{server._max_unauthenticated} connections were waiting to (the limit "
+                "max_unauthenticated), and it was the oldest"), key="max_unauthenticated")
+            server._trouble.warn("max_unauthenticated", (
+                f"StoreServer at {server._address} evicted a connection that had not "
+                f"authenticated: max_unauthenticated ({server._max_unauthenticated}) were "
+                "waiting"))
+        waiting[self] = None
         sock = transport.get_extra_info("socket")
         if sock is not None:
             tune_socket(sock)
@@ -272,15 +457,24 @@ class _ServerProtocol(asyncio.BufferedProtocol):
 
     def data_received(self, data: bytes | memoryview) -> None:
         """Bytes in (``buffer_updated`` calls it with a view of the receive buffer)."""
-        if self._closing:
+        if self._closing or self._rejected:
             return
         try:
             self._reader.feed(data)
             self._process()
-            if self._session is None and self._reader.buffered > _AUTH_MAX_PENDING:
-                raise RemoteProtocolError(
-                    f"store client sent {self._reader.buffered} bytes of a frame before "
-                    f"authenticating (at most {_AUTH_MAX_PENDING} are held until then)")
+            if self._reader.buffered:
+                if self._session is None and self._reader.buffered > _AUTH_MAX_PENDING:
+                    raise RemoteProtocolError(
+                        f"store client sent {self._reader.buffered} bytes of a frame before "
+                        f"authenticating (at most {_AUTH_MAX_PENDING} are held until then)")
+                if self._frame_deadline is None and self._session is not None:
+                    self._frame_deadline = asyncio.get_running_loop().call_later(
+                        self._server._frame_timeout, self._frame_expired)
+            elif self._frame_deadline is not None:
+                self._frame_deadline.cancel()
+                self._frame_deadline = None
+            if self._idle_check is not None:
+                self._last_input = asyncio.get_running_loop().time()
         except RemoteProtocolError as exc:
             self._fail(0, "protocol", str(exc))
         except Exception:  # a bug must cost one connection, never the server
@@ -293,8 +487,10 @@ class _ServerProtocol(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
         self._server._protocols.discard(self)
-        if self._deadline is not None:
-            self._deadline.cancel()
+        self._server._unauthenticated.pop(self, None)
+        for timer in (self._deadline, self._frame_deadline, self._idle_check):
+            if timer is not None:
+                timer.cancel()
         self._pending.clear()
         if self._session is not None:
             self._core.close_session(self._session)  # ephemeral keys lost, watchers told
@@ -306,7 +502,7 @@ class _ServerProtocol(asyncio.BufferedProtocol):
 
     def resume_writing(self) -> None:
         self._paused = False
-        if self._transport is not None and not self._closing:
+        if self._transport is not None and not self._closing and not self._rejected:
             self._transport.resume_reading()
             self.data_received(b"")  # execute what was parsed but not executed while paused
 
@@ -348,13 +544,28 @@ class _ServerProtocol(asyncio.BufferedProtocol):
             raise RemoteProtocolError(
                 f"store protocol version mismatch: client {msg.version}, server "
                 f"{STORE_PROTO_VERSION}")
-        key = self._server._key
-        if not _auth.verify(_auth.client_proof(key, self._nonce, msg.nonce), msg.mac):
-            self._fail(0, "auth", "store authentication failed: wrong token")
-            return
+        server = self._server
+        key = server._key
         if self._deadline is not None:
             self._deadline.cancel()
+            self._deadline = None
+        if not _auth.verify(_auth.client_proof(key, self._nonce, msg.nonce), msg.mac):
+            # Answer later, reading nothing meanwhile: guessing the token costs a connection
+            # slot (max_unauthenticated of them) for auth_fail_delay per guess.
+            self._rejected = True
+            self._paused = True
+            if self._transport is not None:
+                self._transport.pause_reading()
+            self._deadline = asyncio.get_running_loop().call_later(
+                server._auth_fail_delay, self._fail, 0, "auth",
+                "store authentication failed: wrong token")
+            return
+        server._unauthenticated.pop(self, None)
         self._session = self._core.open_session()
+        if server._idle_timeout is not None:
+            loop = asyncio.get_running_loop()
+            self._last_input = loop.time()
+            self._idle_check = loop.call_later(server._idle_timeout, self._idle_expired)
         # Safe to swap here: the reader has consumed or copied everything it was fed.
         self._recv = memoryview(bytearray(_RECV_SIZE))
         self._write(AuthOk(_auth.server_proof(key, self._nonce, msg.nonce), self._session.id))
@@ -362,6 +573,28 @@ class _ServerProtocol(asyncio.BufferedProtocol):
     def _auth_expired(self) -> None:
         if self._session is None and not self._closing:
             self._fail(0, "auth", "authentication deadline passed")
+
+    def _frame_expired(self) -> None:
+        self._frame_deadline = None
+        if self._reader.buffered and not self._closing:
+            self._fail(0, "limit", (
+                f"store client sent {self._reader.buffered} bytes of a frame and not the rest "
+                f"within {self._server._frame_timeout:g} s (the limit frame_timeout); "
+                "connection dropped"), key="frame_timeout")
+
+    def _idle_expired(self) -> None:
+        timeout = self._server._idle_timeout
+        assert timeout is not None
+        loop = asyncio.get_running_loop()
+        idle = loop.time() - self._last_input
+        if self._closing:
+            return
+        if idle < timeout or self._pending:  # a pending wait is not idleness
+            self._idle_check = loop.call_later(max(timeout - idle, timeout / 10),
+                                               self._idle_expired)
+            return
+        self._fail(0, "limit", (f"store connection idle for {idle:.1f} s (the limit "
+                                "idle_timeout); connection dropped"), key="idle_timeout")
 
     def _execute(self, session: Session, msg: ClientMessage) -> ServerMessage | ItemsRaw | None:
         core = self._core
@@ -405,24 +638,52 @@ class _ServerProtocol(asyncio.BufferedProtocol):
 
     def _completed(self, rid: int) -> None:
         waiter = self._pending.pop(rid, None)
-        if waiter is not None and not self._closing:
+        # Sized before it is encoded: a client that does not read must not make us build
+        # (and then refuse) one reply per waiter it parked.
+        if waiter is not None and not self._closing and self._fits(_reply_size(waiter)):
             self._write(_waiter_reply(rid, waiter))
+
+    def _fits(self, size: int) -> bool:
+        """Whether ``size`` more bytes of replies fit ``max_output``; if not, drop the client.
+
+        A completion is written whether or not the client reads (it answers no new request,
+        so pausing reads cannot hold it back); this is what bounds them.
+        """
+        limit = self._server._max_output
+        if not self._paused and size <= limit - _UNPAUSED_MAX:
+            return True  # the common case, without a call: the transport holds little
+        transport = self._transport
+        if transport is None:
+            return False
+        held = transport.get_write_buffer_size()
+        if held + size <= limit:
+            return True
+        self._fail(0, "limit", (
+            f"store client is not reading its replies: {held} bytes wait for it, and a reply "
+            f"of {size} bytes would pass the connection's limit max_output ({limit} bytes); "
+            "connection dropped"), key="max_output")
+        return False
 
     def _write(self, msg: ServerMessage | ItemsRaw) -> None:
         frame = encode_frame(msg)
-        if len(frame) - 4 > self._server._max_frame and not isinstance(msg, Error):
-            rid = getattr(msg, "rid", 0)
-            frame = encode_frame(Error(
-                rid, "limit", f"reply of {len(frame) - 4} bytes exceeds the store frame limit "
-                f"of {self._server._max_frame} bytes"))
+        if not isinstance(msg, Error):
+            if len(frame) - 4 > self._server._max_frame:  # a backstop: the core sizes gathers
+                rid = getattr(msg, "rid", 0)
+                frame = encode_frame(Error(
+                    rid, "limit", f"reply of {len(frame) - 4} bytes exceeds the store frame "
+                    f"limit of {self._server._max_frame} bytes", key="max_frame"))
+            elif not self._fits(len(frame)):
+                return
         if self._transport is not None and not self._closing:
             self._transport.write(frame)
 
-    def _fail(self, rid: int, kind: ErrorKind, message: str) -> None:
+    def _fail(self, rid: int, kind: ErrorKind, message: str, *, key: str | None = None
+              ) -> None:
         """Send a connection-level error (best effort) and close this connection only."""
         if self._closing:
             return
-        self._write(Error(rid, kind, message))
+        self._server._unauthenticated.pop(self, None)
+        self._write(Error(rid, kind, message, key=key))
         self._closing = True
         if self._transport is not None:
             self._transport.close()  # flushes the error frame, then closes
@@ -446,6 +707,18 @@ class _Notify:
 _items_encoder = msgspec.msgpack.Encoder()
 
 
+def _reply_size(waiter: Waiter) -> int:
+    """A completed waiter's reply frame, in bytes at most (without encoding it)."""
+    result = waiter.result
+    if waiter.error is not None:
+        return 256 + 4 * len(str(waiter.error))
+    if isinstance(result, Snapshot):
+        return result.nbytes
+    if isinstance(result, bytes):
+        return 64 + len(result)
+    return 64
+
+
 def _waiter_reply(rid: int, waiter: Waiter) -> ServerMessage | ItemsRaw:
     if waiter.error is not None:
         return _error_reply(rid, waiter.error)
@@ -467,6 +740,8 @@ def _error_reply(rid: int, exc: M2NError) -> Error:
     if isinstance(exc, StaleGenerationError):
         return Error(rid, "stale_generation", str(exc), key=exc.job,
                      generation=exc.generation, current=exc.current)
+    if isinstance(exc, StoreLimitError):
+        return Error(rid, "limit", str(exc), key=exc.limit)
     if isinstance(exc, RemoteProtocolError):
         return Error(rid, "protocol", str(exc))
     return Error(rid, "store", str(exc))

@@ -238,7 +238,7 @@ class Error(_Msg, frozen=True):
     rid: int
     kind: ErrorKind
     message: str
-    key: str | None = None  # peer_lost: the lost key; stale_generation: the job
+    key: str | None = None  # peer_lost: lost key; stale_generation: job; limit: its name
     generation: int | None = None  # stale_generation: the refused generation
     current: int | None = None  # stale_generation: the job's current generation
 

@@ -20,7 +20,15 @@ import anyio
 from anyio.lowlevel import checkpoint
 
 from m2n_async._proto.errors import PeerLostError, StoreError
-from m2n_async._store._core import Snapshot, StaleGenerationError, StoreCore, Waiter
+from m2n_async._store._core import (
+    DEFAULT_MAX_BYTES,
+    Snapshot,
+    StaleGenerationError,
+    StoreCore,
+    StoreLimitError,
+    Waiter,
+)
+from m2n_async._store._wire import DEFAULT_MAX_FRAME
 
 __all__ = ["MemoryStore"]
 
@@ -31,9 +39,13 @@ class MemoryStore:
     """An in-memory ``Store`` (one session); ``session()`` opens more on the same data."""
 
     def __init__(self, *, max_tombstones: int = 65536, max_waiters_per_session: int = 4096,
-                 _core: StoreCore | None = None) -> None:
+                 max_bytes: int | None = DEFAULT_MAX_BYTES, max_job_bytes: int | None = None,
+                 max_reply: int | None = DEFAULT_MAX_FRAME, _core: StoreCore | None = None
+                 ) -> None:
+        # The limits default to the TCP server's, so a test that passes here passes over TCP.
         self.core = _core if _core is not None else StoreCore(
-            max_tombstones=max_tombstones, max_waiters_per_session=max_waiters_per_session)
+            max_tombstones=max_tombstones, max_waiters_per_session=max_waiters_per_session,
+            max_bytes=max_bytes, max_job_bytes=max_job_bytes, max_reply=max_reply)
         self._session = self.core.open_session()
         self._pending: dict[anyio.Event, Waiter] = {}  # blocking calls in flight here
 
@@ -172,4 +184,6 @@ def _fresh(exc: Exception) -> Exception:
     if isinstance(exc, StaleGenerationError):
         return StaleGenerationError(str(exc), job=exc.job, generation=exc.generation,
                                     current=exc.current)
+    if isinstance(exc, StoreLimitError):
+        return StoreLimitError(str(exc), limit=exc.limit)
     return exc

@@ -75,6 +75,9 @@ class FakeTransport(asyncio.Transport):
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return default
 
+    def get_write_buffer_size(self) -> int:
+        return 0  # every write is taken at once
+
     def pause_reading(self) -> None:
         self.reading = False
 

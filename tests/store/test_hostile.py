@@ -1,0 +1,426 @@
+"""Hostile and careless clients: each hole the store's limits close, under a bounded load.
+
+Every test drives one misbehaving client against a live loopback server (or the core, for the
+semantics ``MemoryStore`` shares) and asserts what the limits promise: the offender is refused
+or dropped with the documented ``limit`` (or ``auth``) error, and a well-behaved client is
+served meanwhile. Nothing here asserts a timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+
+import anyio
+import pytest
+from store_helpers import TOKEN, RunningServer, World
+
+from m2n_async import StoreClient, StoreServer, current_generation, next_generation
+from m2n_async._proto.errors import AuthenticationError, StoreError
+from m2n_async._store import _auth
+from m2n_async._store._claims import claim_rank
+from m2n_async._store._client import parse_address
+from m2n_async._store._core import StoreLimitError
+from m2n_async._store._wire import (
+    STORE_PROTO_VERSION,
+    AuthOk,
+    ClientAuth,
+    Error,
+    FrameReader,
+    Get,
+    ServerHello,
+    ServerMessage,
+    encode_frame,
+)
+from m2n_async.testing import MemoryStore
+
+pytestmark = pytest.mark.asyncio
+DEADLINE = 20.0
+
+
+async def healthy(server: StoreServer) -> None:
+    """A well-behaved client is served."""
+    with anyio.fail_after(DEADLINE):
+        async with await StoreClient.connect(server.address, token=TOKEN) as c:
+            await c.set("health", b"ok")
+            assert await c.get("health") == b"ok"
+
+
+class Raw:
+    """A hand-driven connection; ``rcvbuf`` shrinks its socket's receive buffer so that a
+    client which stops reading backs up into the server quickly."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.frames: FrameReader[ServerMessage] = FrameReader(
+            ServerMessage, max_frame=2**31)  # type: ignore[arg-type]
+
+    @classmethod
+    async def open(cls, server: StoreServer, *, authenticate: bool, rcvbuf: int | None = None,
+                   token: str = TOKEN) -> Raw:
+        host, port = parse_address(server.address)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        if rcvbuf is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, (host, port))
+        reader, writer = await asyncio.open_connection(sock=sock, limit=4096)
+        raw = cls(reader, writer)
+        if authenticate:
+            hello = await raw.read()
+            assert isinstance(hello, ServerHello)
+            nonce = _auth.new_nonce()
+            mac = _auth.client_proof(_auth.token_bytes(token), hello.nonce, nonce)
+            raw.send(ClientAuth(STORE_PROTO_VERSION, nonce, mac))
+            assert isinstance(await raw.read(), AuthOk)
+        return raw
+
+    def send(self, msg: object) -> None:
+        self.writer.write(encode_frame(msg))  # type: ignore[arg-type]
+
+    async def read(self) -> ServerMessage | None:
+        """The next message, or None once the server closed the connection."""
+        with anyio.fail_after(DEADLINE):
+            while (msg := self.frames.next_message()) is None:
+                data = await self.reader.read(1 << 20)
+                if not data:
+                    return None
+                self.frames.feed(data)
+            return msg
+
+    async def last(self) -> ServerMessage | None:
+        """Read to the end of the stream; the last message (the connection's error)."""
+        last: ServerMessage | None = None
+        while (msg := await self.read()) is not None:
+            last = msg
+        return last
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def assert_limit(msg: ServerMessage | None, limit: str) -> None:
+    assert isinstance(msg, Error) and msg.rid == 0, msg
+    assert (msg.kind, msg.key) == ("limit", limit), msg
+    assert limit in msg.message
+
+
+async def until(condition: Callable[[], bool], what: str) -> None:
+    """Poll a server counter (they have no event to await) until ``condition`` holds."""
+    with anyio.fail_after(DEADLINE):
+        while True:
+            if condition():
+                return
+            await anyio.sleep(0.01)
+
+
+# --- memory per connection -----------------------------------------------------------------
+
+
+async def test_waiter_completions_to_a_client_that_does_not_read_are_bounded() -> None:
+    # 300 parked gets of a 60 KiB value: 18 MB of completions against a 1 MiB output budget
+    # (plus what the kernel's socket buffers take). The connection is dropped, not grown.
+    runner = RunningServer(max_frame=64 * 1024)
+    server = await runner.start()
+    try:
+        hostile = await Raw.open(server, authenticate=True, rcvbuf=4096)
+        for rid in range(1, 301):
+            hostile.send(Get(rid, "big", wait=True))
+        await hostile.writer.drain()
+        await until(lambda: server.core.pending_waiters == 300, "the gets are parked")
+        with anyio.fail_after(DEADLINE):
+            async with await StoreClient.connect(server.address, token=TOKEN) as writer:
+                await writer.set("big", b"x" * 60_000)  # acknowledged: the writer is served
+                await until(lambda: server.connections == 1, "the hostile client is dropped")
+                assert await writer.get("big") == b"x" * 60_000
+        # Its error frame queued behind replies it never read, so the close grace ran out and
+        # the connection was aborted: it sees the stream end short of its 300 replies.
+        replies = []
+        while (msg := await hostile.read()) is not None:
+            replies.append(msg)
+        assert len(replies) < 300
+        if isinstance(replies[-1], Error):
+            assert_limit(replies[-1], "max_output")
+        await healthy(server)
+    finally:
+        await runner.stop()
+
+
+@pytest.mark.parametrize("kind", ["memory", "tcp"])
+async def test_gather_past_the_reply_limit_is_refused_before_it_is_built(kind: str) -> None:
+    runner = RunningServer(max_frame=64 * 1024)
+    memory = MemoryStore(max_reply=64 * 1024)
+    store = memory
+    if kind == "tcp":
+        server = await runner.start()
+        store = await StoreClient.connect(server.address, token=TOKEN)  # type: ignore[assignment]
+    try:
+        for i in range(6):
+            await store.set(f"big/{i}", b"v" * 10_000)
+        assert len(await store.gather("big/", 6)) == 6  # 60 KB: fits a 64 KiB reply
+        await store.set("big/6", b"v" * 10_000)
+        with pytest.raises(StoreLimitError, match="max_reply") as info:
+            await store.gather("big/", 0)
+        assert info.value.limit == "max_reply" and "'big/'" in str(info.value)
+        await store.delete("big/6")
+        other = memory.session() if kind == "memory" else await StoreClient.connect(
+            server.address, token=TOKEN)
+        # A waiting gather that the next key pushes past the limit fails the same way.
+        caught: list[BaseException] = []
+
+        async def gather() -> None:
+            try:
+                await other.gather("big/", 7)
+            except StoreLimitError as exc:
+                caught.append(exc)
+
+        with anyio.fail_after(DEADLINE):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(gather)
+                await anyio.sleep(0.05)
+                await store.set("big/6", b"v" * 10_000)
+        assert len(caught) == 1
+        # Fewer keys fit, and the store (and both sessions) keep serving.
+        assert await store.delete_prefix("big/") == 7
+        await store.set("big/0", b"v")
+        assert await store.gather("big/", 1) == {"big/0": b"v"}
+        await other.aclose()
+    finally:
+        await store.aclose()
+        if kind == "tcp":
+            await runner.stop()
+
+
+async def test_a_partial_frame_must_arrive_within_frame_timeout() -> None:
+    runner = RunningServer(frame_timeout=0.3)
+    server = await runner.start()
+    try:
+        hostile = await Raw.open(server, authenticate=True)
+        hostile.writer.write((100_000).to_bytes(4, "big") + b"\x00" * 50_000)  # half a frame
+        assert_limit(await hostile.last(), "frame_timeout")
+        await healthy(server)
+    finally:
+        await runner.stop()
+
+
+async def test_an_idle_connection_is_dropped_after_idle_timeout_but_a_waiting_one_is_not() -> None:
+    runner = RunningServer(idle_timeout=0.3)
+    server = await runner.start()
+    try:
+        idle = await Raw.open(server, authenticate=True)
+        async with await StoreClient.connect(server.address, token=TOKEN) as waiting:
+            async with anyio.create_task_group() as tg:
+                got: list[bytes | None] = []
+
+                async def wait() -> None:
+                    got.append(await waiting.get("k", wait=True))
+
+                tg.start_soon(wait)
+                assert_limit(await idle.last(), "idle_timeout")  # 0.3 s idle
+                await anyio.sleep(0.5)  # the waiting client is past its idle_timeout too
+                async with await StoreClient.connect(server.address, token=TOKEN) as writer:
+                    await writer.set("k", b"v")
+            assert got == [b"v"]
+    finally:
+        await runner.stop()
+
+
+# --- connections ---------------------------------------------------------------------------
+
+
+async def test_connections_waiting_to_authenticate_are_capped_oldest_evicted() -> None:
+    runner = RunningServer(max_unauthenticated=4)
+    server = await runner.start()
+    try:
+        silent = [await Raw.open(server, authenticate=False) for _ in range(10)]
+        await until(lambda: server.unauthenticated <= 4 and server.connections <= 4,
+                    "the oldest are evicted")
+        for raw in silent[:6]:  # the first six were evicted, after their challenge
+            assert isinstance(await raw.read(), ServerHello)
+            assert_limit(await raw.last(), "max_unauthenticated")
+        await healthy(server)  # a token holder gets in past a full waiting room
+        for raw in silent:
+            raw.close()
+    finally:
+        await runner.stop()
+
+
+async def test_connections_past_max_connections_are_refused_with_a_limit_error() -> None:
+    runner = RunningServer(max_connections=3)
+    server = await runner.start()
+    try:
+        clients = [await StoreClient.connect(server.address, token=TOKEN) for _ in range(3)]
+        with anyio.fail_after(DEADLINE), pytest.raises(StoreLimitError) as info:
+            await StoreClient.connect(server.address, token=TOKEN)
+        assert info.value.limit == "max_connections"
+        await clients.pop().aclose()
+        await until(lambda: server.connections == 2, "the slot is free")
+        await healthy(server)
+        for c in clients:
+            await c.aclose()
+    finally:
+        await runner.stop()
+
+
+async def test_a_wrong_token_is_answered_late_and_holds_a_waiting_slot_meanwhile() -> None:
+    runner = RunningServer(auth_fail_delay=30.0)
+    server = await runner.start()
+    try:
+        guess = await Raw.open(server, authenticate=False)
+        hello = await guess.read()
+        assert isinstance(hello, ServerHello)
+        nonce = _auth.new_nonce()
+        guess.send(ClientAuth(STORE_PROTO_VERSION, nonce, _auth.client_proof(
+            b"wrong", hello.nonce, nonce)))
+        await until(lambda: any(p._rejected for p in server._protocols), "the guess is judged")
+        assert server.unauthenticated == 1  # the guess still costs its slot
+        await healthy(server)  # and a token holder is served meanwhile
+        assert server.unauthenticated == 1
+    finally:
+        await runner.stop()
+    fast = RunningServer(auth_fail_delay=0.05)
+    server = await fast.start()
+    try:
+        with anyio.fail_after(DEADLINE), pytest.raises(AuthenticationError, match="wrong token"):
+            await StoreClient.connect(server.address, token="wrong")
+        await healthy(server)
+    finally:
+        await fast.stop()
+
+
+_EXHAUST = textwrap.dedent("""
+    import asyncio, logging, resource, socket, sys
+    from m2n_async import StoreClient, StoreServer
+    logging.basicConfig(level=logging.WARNING)
+
+    async def main():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (96, 96))
+        async with StoreServer("127.0.0.1", 0, token="t", max_connections=10_000,
+                               max_unauthenticated=10_000) as server:
+            host, port = server.address.rsplit(":", 1)
+            hogs = []
+            for _ in range(200):  # more than the process may open: accept fails with EMFILE
+                try:
+                    s = socket.socket()
+                except OSError:
+                    break
+                s.setblocking(False)
+                try:
+                    s.connect((host, int(port)))
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    s.close()
+                    break
+                hogs.append(s)
+            await asyncio.sleep(1.5)  # the server meets EMFILE, over and over
+            for s in hogs:
+                s.close()
+            async with asyncio.timeout(30):
+                async with await StoreClient.connect(server.address, token="t") as c:
+                    await c.set("k", b"v")
+                    print("SERVED", await c.get("k"), flush=True)
+
+    asyncio.run(main())
+""")
+
+
+async def test_out_of_file_descriptors_backs_off_and_logs_rarely() -> None:
+    with anyio.fail_after(90):
+        done = await anyio.run_process([sys.executable, "-c", _EXHAUST], check=False)
+    out = subprocess.CompletedProcess(done.args, done.returncode, done.stdout.decode(),
+                                      done.stderr.decode())
+    assert "SERVED b'v'" in out.stdout, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr, out.stderr[-2000:]
+    trouble = [line for line in out.stderr.splitlines() if "cannot accept" in line]
+    assert 1 <= len(trouble) <= 2, out.stderr[-2000:]  # one line per 10 s, not per attempt
+
+
+async def test_the_listen_backlog_asked_for_is_in_force() -> None:
+    runner = RunningServer(backlog=777)
+    server = await runner.start()
+    try:
+        port = parse_address(server.address)[1]
+        try:
+            with anyio.fail_after(DEADLINE):
+                ss = await anyio.run_process(["ss", "-ltnH", f"sport = :{port}"])
+        except FileNotFoundError:
+            pytest.skip("ss (iproute2) is not installed")
+        # For a listening socket ss shows the backlog as Send-Q (the third column).
+        assert ss.stdout.decode().split()[2] == "777", ss.stdout
+        await healthy(server)
+    finally:
+        await runner.stop()
+
+
+# --- protected keys and quotas (both stores) -----------------------------------------------
+
+
+async def test_job_counters_and_claims_survive_ordinary_key_operations(world: World) -> None:
+    s, other = await world.session(), await world.session()
+    assert await next_generation(s, "job") == 1
+    await s.set("job/1/x", b"state")
+    await s.set("job/note", b"free")
+    claim = await claim_rank(s, "job", 0, wait_s=1.0)
+    assert await s.delete_prefix("job/") == 2  # job/1/x and job/note; not the counters
+    assert "job/generation" in world.core.keys() and "job/claims/seq" in world.core.keys()
+    assert claim.key in world.core.keys()
+    assert await next_generation(s, "job") == 2  # never generation 1 again
+    for op in (lambda: s.set("job/generation", b"1"), lambda: s.delete("job/generation"),
+               lambda: s.compare_set("job/generation", b"2", b"1"),
+               lambda: s.add("job/generation", -1), lambda: s.set("job/claims/seq", b"0")):
+        with pytest.raises(StoreError, match="job counter"):
+            await op()
+    assert await current_generation(s, "job") == 2
+    # A claim entry: ephemeral only, and only its holder may rewrite or delete it.
+    with pytest.raises(StoreError, match="session"):
+        await other.set(claim.key, b"mine now", ephemeral=True)
+    with pytest.raises(StoreError, match="session"):
+        await other.delete(claim.key)
+    with pytest.raises(StoreError, match="ephemeral"):
+        await other.set("job/claims/0/999", b"forever")
+    await claim.joined(2)
+    await claim.release()
+    assert claim.key not in world.core.keys()
+
+
+async def test_a_malformed_generation_counter_is_a_clear_store_error() -> None:
+    store = MemoryStore()
+    store.core._data["job/generation"] = b"not a number"  # as a foreign writer could leave it
+    with pytest.raises(StoreError, match=r"generation counter 'job/generation'.*non-integer"):
+        await current_generation(store, "job")
+    with pytest.raises(StoreError, match="job counter holds a non-integer"):
+        await next_generation(store, "job")
+
+
+@pytest.mark.parametrize("kind", ["memory", "tcp"])
+async def test_byte_quotas_refuse_writes_naming_the_quota(kind: str) -> None:
+    limits = {"max_bytes": 110_000, "max_job_bytes": 30_000}
+    runner = RunningServer(**limits)
+    store = MemoryStore(**limits)  # type: ignore[arg-type]
+    if kind == "tcp":
+        server = await runner.start()
+        store = await StoreClient.connect(server.address, token=TOKEN)  # type: ignore[assignment]
+    try:
+        await store.set("a/1", b"x" * 25_000)
+        with pytest.raises(StoreLimitError, match="max_job_bytes") as info:
+            await store.set("a/2", b"x" * 10_000)
+        assert info.value.limit == "max_job_bytes" and "'a'" in str(info.value)
+        assert await store.get("a/2") is None  # nothing written
+        for job in "bcd":
+            await store.set(f"{job}/1", b"x" * 25_000)
+        with pytest.raises(StoreLimitError, match="max_bytes") as info:
+            await store.set("e/1", b"x" * 25_000)
+        assert info.value.limit == "max_bytes"
+        await store.delete("b/1")  # deleting frees quota; the store keeps serving
+        await store.set("e/1", b"x" * 25_000)
+        await store.set("a/1", b"y" * 20_000)  # overwriting with less always fits
+        assert await store.get("e/1") == b"x" * 25_000
+    finally:
+        await store.aclose()
+        if kind == "tcp":
+            await runner.stop()
