@@ -773,10 +773,15 @@ def _print_round(args: DemoArgs, reps: dict[int, RoundReport], total: int, bar: 
         raise DemoFailed(f"round {k}: workers received {got} bytes, the plan says {total}")
     seconds = max(r.seconds for r in reps.values())
     versions = {r.version for r in reps.values()}
+    counts = [w.checked - len(w.mismatched) for w in workers]
+    # Each worker checks its own shard of every tensor: say so, instead of a sum of counts
+    # that reads like one tensor list split in parts.
+    verified = (f"each of {len(workers)} workers verified its {counts[0]} tensors bit-exact"
+                if len(set(counts)) == 1 else
+                "tensors verified bit-exact per worker: " + ", ".join(
+                    f"rank {w.rank} {c}" for w, c in zip(workers, counts, strict=True)))
     bar.line(f"round {k}/{args.rounds}: version {min(versions)}, {got / _MB:7.1f} MB in "
-             f"{seconds:6.2f} s = {got / seconds / 1e9:5.2f} GB/s; "
-             f"{' + '.join(str(w.checked - len(w.mismatched)) for w in workers)} tensors "
-             f"verified bit-exact")
+             f"{seconds:6.2f} s = {got / seconds / 1e9:5.2f} GB/s; {verified}")
 
 
 # -- the command -----------------------------------------------------------------------------

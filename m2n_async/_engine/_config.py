@@ -128,9 +128,14 @@ class SyncResult:
     """The outcome of one committed round on this rank.
 
     ``bytes`` is what this rank sent (trainer) or received (worker) — checked equal to the
-    plan's count, so a zero-byte "success" cannot happen. ``phases`` holds seconds per stage:
-    ``wait_start`` (until the round began here), ``pack``, ``transfer``, ``unpack`` (busy
-    time, overlapped), ``pipeline`` (wall time of all buckets), ``commit`` (outcome gather).
+    plan's count, so a zero-byte "success" cannot happen. ``phases`` holds seconds of two
+    kinds that must not be compared with each other. Wall time, one after the other:
+    ``wait_start`` (until the round began here), ``pipeline`` (all buckets, start to end),
+    ``commit`` (outcome gather); ``seconds`` is about their sum. Busy time, summed over the
+    buckets: ``pack``, ``transfer``, ``unpack`` — buckets overlap (up to ``max_inflight``
+    in flight), so each can exceed ``pipeline``: ``transfer`` 59.8 s against ``pipeline``
+    20 s means about three buckets were in flight at a time, not that the wire was slow.
+    ``summary()`` prints them labelled.
     ``efficiency`` is the plan's lower bound over ``seconds`` when
     ``EngineConfig.link_bytes_per_second`` is set. ``peak_extra_bytes`` is the peak staging
     held by the pipeline (≤ ``max_inflight x bucket_bytes``). ``transport`` is the agreed data
@@ -161,3 +166,31 @@ class SyncResult:
     def gbps(self) -> float:
         """Gigabytes (10^9) per second this rank moved in the round."""
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def summary(self) -> str:
+        """A few readable lines: what moved, how fast, against the plan's lower bound, and
+        where the time went (wall stages, then busy time summed over buckets)."""
+        mb = self.bytes / 1e6
+        head = (f"version {self.version} (round {self.round}, generation {self.generation}): "
+                f"{mb:.1f} MB in {self.buckets} bucket(s), {self.seconds:.3f} s = "
+                f"{self.gbps:.2f} GB/s over {self.transport or '?'}")
+        lines = [head]
+        if self.lower_bound_seconds is not None:
+            eff = f" ({self.efficiency:.0%} of it)" if self.efficiency is not None else ""
+            lines.append(f"  lower bound {self.lower_bound_seconds:.3f} s{eff}")
+        if self.predicted_seconds is not None:
+            lines.append(f"  predicted {self.predicted_seconds:.3f} s")
+        wall = [(k, self.phases[k]) for k in ("wait_start", "pipeline", "commit")
+                if k in self.phases]
+        busy = [(k, v) for k, v in self.phases.items()
+                if k not in ("wait_start", "pipeline", "commit")]
+        if wall:
+            lines.append("  wall: " + ", ".join(f"{k} {v:.3f} s" for k, v in wall))
+        if busy:
+            lines.append("  busy, summed over buckets (they overlap): "
+                         + ", ".join(f"{k} {v:.3f} s" for k, v in busy))
+        if self.peak_extra_bytes:
+            lines.append(f"  peak staging {self.peak_extra_bytes / 1e6:.1f} MB"
+                         + (f", cast {self.cast_bytes / 1e6:.1f} MB" if self.cast_bytes
+                            else ""))
+        return "\n".join(lines)
