@@ -9,7 +9,7 @@ fences a job name to one live holder per rank.
 from m2n_async._store._api import Store, SupportsExchange
 from m2n_async._store._claims import Claim, JobClaim, JobClaimedError, claim_rank
 from m2n_async._store._client import StoreClient
-from m2n_async._store._core import StaleGenerationError, generation_key
+from m2n_async._store._core import StaleGenerationError, StoreLimitError, generation_key
 from m2n_async._store._group import ControlGroup
 from m2n_async._store._namespace import (
     current_generation,
@@ -26,6 +26,7 @@ __all__ = [
     "StaleGenerationError",
     "Store",
     "StoreClient",
+    "StoreLimitError",
     "StoreServer",
     "SupportsExchange",
     "claim_rank",

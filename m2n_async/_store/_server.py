@@ -360,7 +360,7 @@ class StoreServer:
                 continue
             try:
                 await loop.connect_accepted_socket(lambda: _ServerProtocol(self), conn)
-            except Exception as exc:  # one connection's failure is not the listener's
+            except Exception as exc:  # one connection's failure must not end the accept loop
                 conn.close()
                 self._trouble.warn("connect", (
                     f"StoreServer at {self._address} dropped a connection it accepted: {exc!r}"))
