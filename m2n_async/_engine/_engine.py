@@ -212,6 +212,11 @@ class _Engine:
                              self._store.address.startswith(("127.", "localhost", "[::1]",
                                                              "::1"))):
             host = "127.0.0.1"
+        elif host is None and isinstance(self._store, StoreClient):
+            # A remote store: listen on the interface that reaches it, not on whatever the
+            # host name resolves to (often every interface, or a loopback alias). The data
+            # plane is unauthenticated (docs/security.md): bind as narrowly as works.
+            host = self._store.local_host
         return TransportSettings(bucket_bytes=self._bucket_bytes(transport),
                                  max_inflight=c.max_inflight,
                                  max_cta=c.max_cta, device=c.device,

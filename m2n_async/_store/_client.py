@@ -178,6 +178,11 @@ class StoreClient:
         self._protocol = protocol
         self.session = session
         self.address = address
+        # This end's address of the connection: the interface that reaches the store, which
+        # is where a data plane of this rank should listen (peers reach the store too).
+        sockname = transport.get_extra_info("sockname")
+        self.local_host: str | None = (str(sockname[0]) if isinstance(sockname, tuple)
+                                       and sockname else None)
         # rid -> the caller's future. Its result is the reply, or the M2NError that failed
         # every pending call (a bare future is the cheapest wakeup there is, and anyio's cancel
         # scopes cancel it like any other await).
