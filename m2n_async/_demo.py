@@ -287,6 +287,8 @@ class Ready(msgspec.Struct, tag=True, frozen=True):
     transport: str
     reason: str
     local_bytes: int
+    #: seconds this rank spent in ``connect`` (the handshake), apart from process start
+    handshake_seconds: float = 0.0
 
 
 class Progress(msgspec.Struct, tag=True, frozen=True):
@@ -445,12 +447,13 @@ async def _trainer(args: DemoArgs, rank: int, params: Sequence[DemoParam], plan:
     # This rank's shards at round 0; each round rewrites them in place (mask r-1 -> r).
     shards = {p.name: shard_content(p, t.spec.layout.box(p.shape, rank), 0)
               for p, t in zip(params, plan.params, strict=True)}
+    t_connect = time.monotonic()
     engine = await TrainerEngine.connect(store=store, rank=rank, trainer_ranks=args.trainers,
                                          world_size=args.world, params=plan.source_specs(),
                                          config=config, timeout=args.phase_timeout * 6)
     try:
         send(Ready(rank, engine.generation, engine.transport, engine.transport_reason,
-                   plan.send_bytes(rank)))
+                   plan.send_bytes(rank), time.monotonic() - t_connect))
         # The engine's liveness keys of the workers: a worker that dies while verifying
         # fails this wait at once instead of after the deadline.
         group = ControlGroup(store, rank, args.world,
@@ -487,6 +490,7 @@ async def _worker(args: DemoArgs, rank: int, params: Sequence[DemoParam], plan: 
             for p, box in zip(params, boxes, strict=True)}
     scratch = torch.empty(max(t.numel() * t.element_size() for t in targets.values()),
                           dtype=torch.uint8)
+    t_connect = time.monotonic()
     engine = await WorkerEngine.connect(
         store=store, rank=rank, trainer_ranks=args.trainers, world_size=args.world,
         mesh_dims=(1, args.workers), config=config, timeout=args.phase_timeout * 6,
@@ -494,7 +498,7 @@ async def _worker(args: DemoArgs, rank: int, params: Sequence[DemoParam], plan: 
                  for p, t in zip(params, plan.params, strict=True)})
     try:
         send(Ready(rank, engine.generation, engine.transport, engine.transport_reason,
-                   plan.recv_bytes(rank)))
+                   plan.recv_bytes(rank), time.monotonic() - t_connect))
         for r in range(1, args.rounds + 1):
             fault = _fault(rank, r)
             res = await engine.receive(timeout=args.round_timeout,
@@ -724,8 +728,14 @@ async def _monitor(args: DemoArgs, procs: Sequence[Any], readers: list[Connectio
                 ready[ev.rank] = ev
                 if len(ready) == args.world:
                     t = ready[0]
-                    bar.line(f"connected in {time.monotonic() - started:.1f} s: generation "
-                             f"{t.generation}, transport {t.transport} ({t.reason})")
+                    # Process start (spawn, imports, building the model) and the handshake
+                    # are reported apart: the first dominates on a small host.
+                    took = time.monotonic() - started
+                    shake = max(r.handshake_seconds for r in ready.values())
+                    bar.line(f"connected in {took:.1f} s (processes started in "
+                             f"{max(took - shake, 0.0):.1f} s, handshake {shake:.1f} s): "
+                             f"generation {t.generation}, transport {t.transport} "
+                             f"({t.reason})")
             elif isinstance(ev, Progress) and ev.rank >= args.trainers and ev.round == current:
                 progress.setdefault(ev.round, {})[ev.rank] = ev.done
                 done = sum(progress[ev.round].values())
@@ -776,7 +786,8 @@ def _print_round(args: DemoArgs, reps: dict[int, RoundReport], total: int, bar: 
     counts = [w.checked - len(w.mismatched) for w in workers]
     # Each worker checks its own shard of every tensor: say so, instead of a sum of counts
     # that reads like one tensor list split in parts.
-    verified = (f"each of {len(workers)} workers verified its {counts[0]} tensors bit-exact"
+    who = "the worker" if len(workers) == 1 else f"each of {len(workers)} workers"
+    verified = (f"{who} verified its {counts[0]} tensors bit-exact"
                 if len(set(counts)) == 1 else
                 "tensors verified bit-exact per worker: " + ", ".join(
                     f"rank {w.rank} {c}" for w, c in zip(workers, counts, strict=True)))
