@@ -68,11 +68,16 @@ def test_handshake_die_is_peer_lost_naming_the_rank(m2n_world: World) -> None:
     assert_same_failure(res, PeerLostError, culprit=3, same_text=False)
 
 
-def test_a_worker_dying_at_a_bucket_is_lost(m2n_world: World) -> None:
-    res = _run(m2n_world(2, 2), Fault("round.bucket", "die", rank=3, round=1, bucket=1))
+def test_a_worker_dying_at_a_bucket_is_lost_and_a_replacement_joins(m2n_world: World
+                                                                      ) -> None:
+    world = m2n_world(2, 2)
+    res = _run(world, Fault("round.bucket", "die", rank=3, round=1, bucket=1))
     assert res[3].status == "dead" and res[3].faults[0][0] == "round.bucket"
     assert_same_failure(res, TransferError, culprit=3, cause="lost", round=1)
     assert_not_committed(res, 1)
+    # The same job again: a replacement process for rank 3, a new generation for everyone.
+    again = world.run(toy_rank, kwargs={"config": FAST}, job=world.job, timeout=30)
+    assert [v["versions"] for v in again.values] == [[1]] * 4
 
 
 def test_a_frozen_trainer_is_named_at_the_deadline(m2n_world: World) -> None:
