@@ -37,7 +37,7 @@ import msgspec
 
 from m2n_async._proto.cost import Prediction, pick, predict
 from m2n_async._proto.errors import LocalProtocolError, PlanError, PreflightError
-from m2n_async._proto.layout import Layout, Mesh
+from m2n_async._proto.layout import Layout, Mesh, show_placements
 from m2n_async._proto.messages import (
     PROTO_VERSION,
     CostInputs,
@@ -812,7 +812,7 @@ class Handshake:
             span += f" {_names(names)}"
         first = dests.get(self.trainer_ranks)
         if first is not None and first.placements is not None and q == self.trainer_ranks:
-            shown = ", ".join(f"{n}: {p}" for n, p in zip(
+            shown = ", ".join(f"{n}: {show_placements(p)}" for n, p in zip(
                 names, first.placements[at:at + DIFF_CHUNK], strict=False))
             span += f"; rank {q} asks for {{{shown}}}" if shown else ""
         return f"the first difference from rank {q} is within {span}"

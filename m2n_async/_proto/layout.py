@@ -22,10 +22,17 @@ import msgspec
 
 from m2n_async._proto.errors import PlanError
 
-__all__ = ["REPLICATE", "Box", "Layout", "Mesh"]
+__all__ = ["REPLICATE", "Box", "Layout", "Mesh", "show_placements"]
 
 REPLICATE: Final[int] = -1
 """Placement of a mesh axis along which the tensor is replicated (``Replicate()`` in M2N)."""
+
+def show_placements(placements: tuple[int, ...] | None) -> str:
+    """Placements as people read them in messages: ``(REPLICATE, 1)``, ``replicated``."""
+    if placements is None:
+        return "replicated"
+    return "(" + ", ".join("REPLICATE" if p == REPLICATE else str(p) for p in placements) + ")"
+
 
 Box = tuple[tuple[int, int], ...]
 """Per tensor dim ``(start, stop)`` in global coordinates, half open."""
@@ -211,10 +218,10 @@ class Layout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
             d, n = p[1], self.mesh.dims[1]
         if d >= len(shape):
             return (f"shard dim {d} does not exist in a tensor of rank {len(shape)} "
-                    f"(shape {tuple(shape)}, placements {self.placements})")
+                    f"(shape {tuple(shape)}, placements {show_placements(self.placements)})")
         if shape[d] % n:
             return (f"dim {d} of size {shape[d]} does not divide evenly into {n} shards "
-                    f"(placements {self.placements}, mesh {self.mesh.dims})")
+                    f"(placements {show_placements(self.placements)}, mesh {self.mesh.dims})")
         return None
 
     def _check_shape(self, shape: tuple[int, ...]) -> None:

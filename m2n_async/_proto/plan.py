@@ -43,7 +43,7 @@ from typing import Final, NamedTuple, Protocol
 import msgspec
 
 from m2n_async._proto.errors import PlanError
-from m2n_async._proto.layout import Box, Layout
+from m2n_async._proto.layout import Box, Layout, show_placements
 from m2n_async._proto.messages import (
     PLAN_SCHEMA_VERSION,
     PROTO_VERSION,
@@ -571,6 +571,12 @@ class TransferPlan:
         return result
 
 
+def _sides(p: ParamTransfer) -> str:
+    return (f"source placements {show_placements(p.src.placements)} on mesh {p.src.mesh.dims}, "
+            f"destination placements {show_placements(p.dst.placements)} on mesh "
+            f"{p.dst.mesh.dims}")
+
+
 def check_plan_limits(plan: TransferPlan, transport: str) -> None:
     """Raise ``PlanError`` if ``transport`` cannot carry a param: fan-in, fan-out, size.
 
@@ -594,22 +600,16 @@ def check_plan_limits(plan: TransferPlan, transport: str) -> None:
         if g.fan_in > M2N_MAX_FAN_IN:
             raise PlanError(
                 f"parameter {p.name!r}: fan-in {g.fan_in} source shards into one destination "
-                f"shard exceeds the M2N limit {M2N_MAX_FAN_IN} (source placements "
-                f"{p.src.placements} on mesh {p.src.mesh.dims}, destination placements "
-                f"{p.dst.placements} on mesh {p.dst.mesh.dims})")
+                f"shard exceeds the M2N limit {M2N_MAX_FAN_IN} ({_sides(p)})")
         if g.cost > M2N_MAX_CALL_BYTES:
             raise PlanError(
                 f"parameter {p.name!r}: one rank sends or receives {g.cost} bytes of it in one "
                 f"reshard, over the M2N limit of {M2N_MAX_CALL_BYTES} (2 GiB of NCCL's default "
-                f"PACK staging; source placements {p.src.placements} on mesh {p.src.mesh.dims}, "
-                f"destination placements {p.dst.placements} on mesh {p.dst.mesh.dims}): use "
-                "transport 'nccl' or shard it finer")
+                f"PACK staging; {_sides(p)}): use transport 'nccl' or shard it finer")
         if g.fan_out > M2N_MAX_FAN_OUT:
             raise PlanError(
                 f"parameter {p.name!r}: fan-out {g.fan_out} destination shards from one source "
-                f"shard exceeds the M2N limit {M2N_MAX_FAN_OUT} (source placements "
-                f"{p.src.placements} on mesh {p.src.mesh.dims}, destination placements "
-                f"{p.dst.placements} on mesh {p.dst.mesh.dims})")
+                f"shard exceeds the M2N limit {M2N_MAX_FAN_OUT} ({_sides(p)})")
 
 
 # -- digests --------------------------------------------------------------------------------
@@ -737,8 +737,8 @@ def validate_local_buffer(spec_or_transfer: ParamSpec | ParamTransfer, tensor_li
     got_shape = tuple(int(n) for n in tensor_like.shape)
     if got_shape != want:
         raise PlanError(f"{where}: tensor shape {got_shape} != local shard shape {want} "
-                        f"(global shape {spec.shape}, placements {layout.placements}, "
-                        f"mesh {layout.mesh.dims})")
+                        f"(global shape {spec.shape}, placements "
+                        f"{show_placements(layout.placements)}, mesh {layout.mesh.dims})")
     if not tensor_like.is_contiguous():
         raise PlanError(f"{where}: tensor is not contiguous (call .contiguous() first)")
     if device is not None:

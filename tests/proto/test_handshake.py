@@ -680,4 +680,4 @@ def test_a_placement_disagreement_names_the_parameters_and_the_reference() -> No
     assert sorted(err.failures) == [3]
     msg = err.failures[3]
     assert "the first difference from rank 1 is within parameters #0..#15 ['w', 'b']" in msg
-    assert "rank 1 asks for {w: (-1, 1), b: None}" in msg, msg
+    assert "rank 1 asks for {w: (REPLICATE, 1), b: replicated}" in msg, msg
