@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import anyio
 
+from m2n_async._data import _kernels
 from m2n_async._data._native import poll_until, wait_threadsafe
 from m2n_async._data._transport import Completion, Staging, Transport, TransportSettings
 from m2n_async._proto.errors import LocalProtocolError, PlanError, TransferError
@@ -594,8 +595,6 @@ class GpuTransportBase(Transport):
                 self._watcher = _Watcher(f"{self.name}-r{self.ctx.rank}")
             # The Triton copy compiles on first launch: do it now, on a thread, not in the
             # first round's pack (``_kernels.warm_up``; a no-op without Triton).
-            from m2n_async._data import _kernels
-
             if _kernels.available():
                 wires = sorted({p.spec.dtype for p in self.ctx.plan.params})
                 await anyio.to_thread.run_sync(

@@ -53,6 +53,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from m2n_async._data._kernels import MIN_PIECES, copy_many
+from m2n_async._data._kernels import available as kernels_available
 from m2n_async._proto.errors import PlanError
 
 if TYPE_CHECKING:
@@ -346,10 +348,17 @@ def foreach_copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor], *,
     """``dsts[k].copy_(srcs[k])`` for every k, as few multi-tensor calls as ``chunk`` allows
     (a cast where the dtypes differ, exactly as ``copy_``).
 
-    On CUDA the pairs are grouped by (destination, source) dtype first: the fused
+    On CUDA, each group of at least ``MIN_PIECES`` pairs of one geometry (shape, strides,
+    dtypes) goes through one Triton launch where Triton is installed (``_kernels``: strided
+    segments are one copy each under ``_foreach_copy_``, 1024 column blocks 8.3 ms vs
+    0.07 ms on an H200). The rest is grouped by (destination, source) dtype: the fused
     multi-tensor kernel takes lists of one dtype pair and falls back to one copy per tensor
     otherwise (on the CPU every pair is its own copy anyway, so the order is kept).
     """
+    if dsts and dsts[0].is_cuda and len(dsts) >= MIN_PIECES and kernels_available():
+        dsts, srcs = _copy_by_kernel(dsts, srcs)
+        if not dsts:
+            return
     if len(dsts) == 1:
         dsts[0].copy_(srcs[0], non_blocking=non_blocking)
         return
@@ -366,6 +375,24 @@ def foreach_copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor], *,
             return
     for c in range(0, len(dsts), chunk):
         torch._foreach_copy_(dsts[c:c + chunk], srcs[c:c + chunk], non_blocking=non_blocking)
+
+
+def _copy_by_kernel(dsts: list[torch.Tensor], srcs: list[torch.Tensor]
+                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Copy every group of one geometry the Triton kernel takes; return the pairs left."""
+    groups: dict[tuple[object, ...], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for d, s in zip(dsts, srcs, strict=True):
+        g = groups.setdefault((d.dtype, s.dtype, d.shape, d.stride(), s.stride()), ([], []))
+        g[0].append(d)
+        g[1].append(s)
+    rest_d: list[torch.Tensor] = []
+    rest_s: list[torch.Tensor] = []
+    for gd, gs in groups.values():
+        # a group shares shape, strides and dtypes by its key: only the first pair is checked
+        if not copy_many(gd, gs, uniform=True):
+            rest_d += gd
+            rest_s += gs
+    return rest_d, rest_s
 
 
 def element_region(seg: Segment, itemsize: int
