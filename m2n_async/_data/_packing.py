@@ -382,13 +382,16 @@ def _copy_by_kernel(dsts: list[torch.Tensor], srcs: list[torch.Tensor]
     """Copy every group of one geometry the Triton kernel takes; return the pairs left."""
     groups: dict[tuple[object, ...], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for d, s in zip(dsts, srcs, strict=True):
-        g = groups.setdefault((d.dtype, s.dtype, d.shape, d.stride(), s.stride()), ([], []))
+        # get_device(): -1 on the CPU; a target on another device must not share a group
+        key = (d.dtype, s.dtype, d.shape, d.stride(), s.stride(), d.get_device(),
+               s.get_device())
+        g = groups.setdefault(key, ([], []))
         g[0].append(d)
         g[1].append(s)
     rest_d: list[torch.Tensor] = []
     rest_s: list[torch.Tensor] = []
     for gd, gs in groups.values():
-        # a group shares shape, strides and dtypes by its key: only the first pair is checked
+        # a group shares dtypes, geometry and devices by its key: only its first pair is checked
         if not copy_many(gd, gs, uniform=True):
             rest_d += gd
             rest_s += gs
