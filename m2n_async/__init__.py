@@ -18,7 +18,7 @@ from m2n_async._proto.errors import (
     TransferError,
 )
 
-# --- core (issue 2) ---
+# --- core ---
 from m2n_async._proto.layout import REPLICATE, Box, Layout, Mesh
 from m2n_async._proto.params import M2N_DTYPES, ParamSpec, ParamTransfer, dtype_name
 from m2n_async._proto.plan import (
@@ -30,7 +30,7 @@ from m2n_async._proto.plan import (
     source_plan_digest,
 )
 
-# --- store (issue 3) ---
+# --- store ---
 from m2n_async._store import (
     ControlGroup,
     JobClaimedError,
@@ -45,21 +45,21 @@ from m2n_async._store import (
     next_generation,
 )
 
-# --- handshake (issue 4) ---
+# --- handshake ---
 # isort: split
 from m2n_async._engine._preflight import PreflightOutcome
 from m2n_async._proto.handshake import TRANSITIONS as PREFLIGHT_TRANSITIONS
 from m2n_async._proto.handshake import Phase as PreflightPhase
 from m2n_async._proto.handshake import PreflightPlan
 
-# --- engine (issue 5/6) ---
+# --- engine ---
 # isort: split
 from m2n_async._data._transport import LoadCallback
 from m2n_async._engine._config import EngineConfig, EngineState, SyncResult
 from m2n_async._engine._engine import TrainerEngine, WorkerEngine
 
-# --- end engine (issue 5/6) ---
-# --- ecosystem (issue 8) ---
+# --- end engine ---
+# --- ecosystem ---
 # isort: split
 from m2n_async._integrations.planfile import PlanSummary, load_plan_file
 from m2n_async._integrations.planfile import summarize as summarize_plan
@@ -71,7 +71,7 @@ from m2n_async._integrations.targets import (
     targets_from_module,
 )
 
-# --- end ecosystem (issue 8) ---
+# --- end ecosystem ---
 # --- blocking facade (synchronous callers) ---
 # isort: split
 from m2n_async.blocking import BlockingTrainer, BlockingWorker
@@ -81,7 +81,7 @@ from m2n_async.blocking import BlockingTrainer, BlockingWorker
 __version__ = "0.1.0"
 
 __all__ = [
-    # core (issue 2)
+    # core
     "M2N_DTYPES",
     "REPLICATE",
     "Box",
@@ -108,7 +108,7 @@ __all__ = [
     "RemoteProtocolError",
     "StoreError",
     "TransferError",
-    # store (issue 3)
+    # store
     "ControlGroup",
     "JobClaimedError",
     "StaleGenerationError",
@@ -120,20 +120,20 @@ __all__ = [
     "current_generation",
     "generation_namespace",
     "next_generation",
-    # handshake (issue 4)
+    # handshake
     "PREFLIGHT_TRANSITIONS",
     "PreflightOutcome",
     "PreflightPhase",
     "PreflightPlan",
-    # engine (issue 5/6)
+    # engine
     "EngineConfig",
     "EngineState",
     "LoadCallback",
     "SyncResult",
     "TrainerEngine",
     "WorkerEngine",
-    # end engine (issue 5/6)
-    # ecosystem (issue 8)
+    # end engine
+    # ecosystem
     "LoadTarget",
     "ModuleShards",
     "PlanSummary",
@@ -144,7 +144,7 @@ __all__ = [
     "specs_from_module",
     "summarize_plan",
     "targets_from_module",
-    # end ecosystem (issue 8)
+    # end ecosystem
     # blocking facade
     "BlockingTrainer",
     "BlockingWorker",

@@ -19,7 +19,7 @@ from m2n_async._proto.params import ParamSpec, ParamTransfer
 
 PROTO_VERSION: Final[int] = 2
 
-# --- plan records (core, issue 2) ---
+# --- plan records (core) ---
 
 PLAN_SCHEMA_VERSION: Final[int] = 1
 """Version of the plan record layout; part of every plan digest (bump on any field change)."""
@@ -43,7 +43,7 @@ class PlanRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=Tr
     params: tuple[ParamTransfer, ...]
 
 
-# --- handshake envelopes (issue 4) ---
+# --- handshake envelopes ---
 # One envelope per phase (see _proto/handshake.py), all-gathered by every rank. Every field is
 # required (no defaults) so that a missing field is a decode error, never a silent default.
 # ``proto_version``, ``generation`` and ``rank`` travel in each one: each envelope is
@@ -161,7 +161,7 @@ class CommunicatorId(msgspec.Struct, frozen=True, forbid_unknown_fields=True, ta
     unique_id: bytes
 
 
-# --- round messages (engine, issue 5) ---
+# --- round messages (engine) ---
 # Written under ``{job}/{generation}/round/{round}/``: ``start`` (trainer rank 0),
 # ``done/{rank}`` (every rank) and ``abort`` (the first failing rank wins a compare-and-set, so
 # every rank reads the same first failure and raises the same error).
@@ -227,8 +227,8 @@ class Abort(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
 # forbid_unknown_fields=True, tag=True) and add it to this one line.
 Envelope: TypeAlias = (SourcePlanRecord | PlanRecord
                        | Hello | SourcePlan | DestinationPlan | DataPlaneReport | RuntimeReady
-                       | PhaseFailure | CommunicatorId  # handshake (issue 4)
-                       | RoundStart | RoundDone | Abort)  # rounds (issue 5)
+                       | PhaseFailure | CommunicatorId  # handshake
+                       | RoundStart | RoundDone | Abort)  # rounds
 
 _T = TypeVar("_T")
 _ENCODER: Final = msgspec.msgpack.Encoder()

@@ -1,4 +1,4 @@
-"""Engine guards found in review: argument checks before a round, one round per engine at a
+"""Engine guards: argument checks before a round, one round per engine at a
 time, a cancel that lands while rank 0 publishes the round, and a rank that fails or is
 cancelled while connecting (its peers hear it at once, in the same phase's terms)."""
 
