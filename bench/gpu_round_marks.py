@@ -11,9 +11,10 @@ the bucket is submitted), when the native thread started the bucket's reshards
 the round (the trainer's ``torch.cuda.synchronize``). The medians over the rounds are printed as
 JSON per rank, sorted by time.
 
-Reading it (BENCHMARKS "Multi-GPU", the nvidia-h200-x2 run of 2026-11-29): the gap between ``b0.transfer_out`` and
-``n0.native_begin`` is the native thread waiting for the GIL; ``t0`` → ``b0.transfer_out`` is
-the pipeline's own start-up; ``bN.signal_fired`` → ``bN.wait_done`` the loop's wake-up.
+Reading it (BENCHMARKS "Multi-GPU", the nvidia-h200-x2 run of 2026-11-29): the gap between
+``b0.transfer_out`` and ``n0.native_begin`` is the native thread waiting for the GIL;
+``t0`` → ``b0.transfer_out`` is the pipeline's own start-up; ``bN.signal_fired`` →
+``bN.wait_done`` the loop's wake-up.
 
     python3 bench/gpu_round_marks.py --model dense
     python3 bench/gpu_round_marks.py --model dense --cast     # fp32 sources cast to bf16
