@@ -1,6 +1,7 @@
 """Hostile and careless clients against a live store server: what each attack costs it.
 
-Usage: ``python bench/store_stress.py [--loop asyncio|uvloop|both] [--seconds S]``
+Usage: ``python bench/store_stress.py [--loop asyncio|uvloop|both] [--seconds S]
+[--attacks NAME,...]``
 
 The server runs in its own process (default limits, except ``frame_timeout=2`` so that the
 partial-frame attack ends within the run; its open-files limit is 1,024, as on a default
@@ -8,11 +9,14 @@ Linux box). For each attack the bench samples the server's RSS (peak growth over
 and its open file descriptors, and runs a well-behaved client in a third process that times
 its connect and then its ``get`` round trips throughout (p50, p99). Attacks:
 
+- ``idle``: 900 authenticated connections that send nothing (the open-files limit allows
+  ~960); the server's RSS growth once they are open, per connection.
 - ``waiters``: one connection parks 150 ``get(wait=True)`` and never reads; another client
   writes one 8 MiB value (its ack time is shown).
 - ``gather``: 40 x 15 MiB values, then one ``gather("big/", 0)`` (refused: ``max_reply``).
 - ``fd_flood``: a token-less client holds 1,100 connections and reopens those dropped.
-- ``partial``: 20 connections park 15 MiB of a 16 MiB frame (dropped at ``frame_timeout``).
+- ``partial``: 20 connections park 15 MiB of a 16 MiB frame: those past the store-wide
+  ``max_partial_bytes`` (256 MiB) are dropped at once, the rest at ``frame_timeout``.
 - ``guess``: wrong-token attempts from 200 concurrent connections (answered / s).
 - ``backlog``: 400 simultaneous connects (p90 of connect-to-challenge).
 - ``counter``: ``delete_prefix("job/")`` then ``next_generation`` (must not reuse 1).
@@ -171,6 +175,21 @@ def _closed(writer: asyncio.StreamWriter) -> bool:
 # --- the attacks ---------------------------------------------------------------------------
 
 
+IDLE_CONNECTIONS = 900
+
+
+async def attack_idle(address: str, pid: int) -> dict[str, object]:
+    await asyncio.sleep(0.2)
+    before = _rss_mb(pid)
+    conns = [await raw(address, token=TOKEN) for _ in range(IDLE_CONNECTIONS)]
+    await asyncio.sleep(0.5)  # every challenge answered, every session open
+    grown = _rss_mb(pid) - before
+    for _, writer in conns:
+        writer.close()
+    return {"idle_connections": IDLE_CONNECTIONS, "idle_rss_growth_mb": round(grown, 1),
+            "rss_per_connection_kib": round(grown * 1024 / IDLE_CONNECTIONS, 1)}
+
+
 async def attack_waiters(address: str) -> dict[str, object]:
     reader, writer = await raw(address, token=TOKEN, rcvbuf=4096)
     for rid in range(1, 151):
@@ -260,16 +279,29 @@ async def attack_partial(address: str) -> dict[str, object]:
     conns = [await raw(address, token=TOKEN) for _ in range(20)]
     for _, writer in conns:
         writer.write((16 << 20).to_bytes(4, "big") + b"\x00" * (15 << 20))
-    await asyncio.gather(*(w.drain() for _, w in conns))
-    await asyncio.sleep(3.5)  # frame_timeout is 2 s in this bench
+    drained = asyncio.gather(*(w.drain() for _, w in conns), return_exceptions=True)
+    await asyncio.sleep(1.0)  # before frame_timeout (2 s in this bench)
+    early = 0
+    for reader, _ in conns:  # dropped by max_partial_bytes: its error (or a reset: it had
+        try:                 # bytes the server never read)
+            got = await asyncio.wait_for(reader.read(65536), 0.05)
+            early += b"max_partial_bytes" in got
+        except TimeoutError:
+            pass
+        except OSError:
+            early += 1
+    await drained
+    await asyncio.sleep(2.5)
     open_after = 0
     for reader, writer in conns:
         try:  # a dropped connection has its limit error, then the end of the stream
             await asyncio.wait_for(reader.read(65536), 0.2)
         except TimeoutError:
             open_after += 1
+        except OSError:
+            pass
         writer.close()
-    return {"still_open_after_3.5s": open_after}
+    return {"dropped_by_max_partial_bytes": early, "still_open_after_3.5s": open_after}
 
 
 async def attack_guess(address: str, seconds: float) -> dict[str, object]:
@@ -329,7 +361,8 @@ async def attack_counter(address: str) -> dict[str, object]:
 # --- driver --------------------------------------------------------------------------------
 
 
-def run_loop(loop_name: str, seconds: float) -> dict[str, dict[str, object]]:
+def run_loop(loop_name: str, seconds: float, only: set[str] | None
+             ) -> dict[str, dict[str, object]]:
     server = subprocess.Popen([sys.executable, __file__, "--serve", loop_name],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert server.stdout is not None
@@ -338,7 +371,7 @@ def run_loop(loop_name: str, seconds: float) -> dict[str, dict[str, object]]:
     log_lines: list[str] = []
     threading.Thread(target=lambda: log_lines.extend(server.stderr or ()), daemon=True).start()
     try:
-        results = asyncio.run(_attacks(address, server.pid, seconds))
+        results = asyncio.run(_attacks(address, server.pid, seconds, only))
     finally:
         server.terminate()
         server.wait()
@@ -347,9 +380,12 @@ def run_loop(loop_name: str, seconds: float) -> dict[str, dict[str, object]]:
     return results
 
 
-async def _attacks(address: str, pid: int, seconds: float) -> dict[str, dict[str, object]]:
+async def _attacks(address: str, pid: int, seconds: float, only: set[str] | None
+                   ) -> dict[str, dict[str, object]]:
+    # idle first: RSS growth is only seen on pages the process had not touched before
     attacks: dict[str, Callable[[], Awaitable[dict[str, object]]]] = {
         "baseline": lambda: asyncio.sleep(seconds, {}),
+        "idle": lambda: attack_idle(address, pid),
         "waiters": lambda: attack_waiters(address),
         "gather": lambda: attack_gather(address, pid),
         "fd_flood": lambda: attack_fd_flood(address, seconds),
@@ -360,6 +396,8 @@ async def _attacks(address: str, pid: int, seconds: float) -> dict[str, dict[str
     }
     results: dict[str, dict[str, object]] = {}
     for name, attack in attacks.items():
+        if only is not None and name not in only:
+            continue
         sampler = Sampler(pid)
         good = await asyncio.create_subprocess_exec(
             sys.executable, __file__, "--legit", address, str(seconds),
@@ -382,6 +420,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--loop", default="both", choices=["asyncio", "uvloop", "both"])
     parser.add_argument("--seconds", type=float, default=4.0, help="length of timed attacks")
+    parser.add_argument("--attacks", help="comma-separated attacks to run (default: all)")
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--legit", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -394,7 +433,8 @@ def main() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
     loops = ["asyncio", "uvloop"] if args.loop == "both" else [args.loop]
-    table = {name: run_loop(name, args.seconds) for name in loops}
+    only = set(args.attacks.split(",")) if args.attacks else None
+    table = {name: run_loop(name, args.seconds, only) for name in loops}
     attacks = list(table[loops[0]])
     for attack in attacks:
         print(f"\n{attack}")

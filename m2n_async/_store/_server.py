@@ -17,10 +17,18 @@ message of the request union, a request before authentication — gets a connect
 ``Error`` frame and closes that connection only; its session's ephemeral keys are then lost as
 for any disconnect.
 
-Bounded memory per connection, whatever the client does: a receive buffer (1 KiB until the
-connection authenticates, 64 KiB after); at most one partial frame (4 KiB before
-authentication, ``max_frame`` plus one read after), which must arrive whole within
-``frame_timeout``; and at most ``max_output`` bytes of replies the client has not read. When
+Bounded memory per connection, whatever the client does: no receive buffer of its own (the
+loop reads every connection into one server-wide buffer — reading into it and handing the
+bytes over run back to back in one callback, and the frame reader copies only a trailing
+partial frame — so an idle connection costs a few KiB of loop and session objects, not a
+buffer); at most one partial frame (4 KiB before authentication, just under
+``4 + max_frame`` after), which must arrive whole within ``frame_timeout``; and at most
+``max_output`` bytes of replies the client has not read. Store-wide, the partial frames of
+all connections together may hold at most ``max_partial_bytes`` (256 MiB by default):
+without it, N connections could each park a frame of ``max_frame`` bytes. The connection
+whose bytes would pass it is dropped (``limit`` error, ``key="max_partial_bytes"``, and one
+log line per 10 s); the ones within it, and every client whose requests arrive whole — a
+request of one read never counts — keep being served. When
 the client stops reading (the transport's write buffer passes its high-water mark) the server
 stops reading and executing its requests until the buffer drains; replies that do not wait for
 a request — waiter completions, pushed when another client writes — count toward the same
@@ -28,8 +36,9 @@ a request — waiter completions, pushed when another client writes — count to
 error, ``key="max_output"``). Gather replies are sized by the core before they are encoded
 (``max_reply = max_frame``), so a request for more than a frame fails with a ``limit`` error
 and builds nothing. So one connection costs at most about ``max_frame + max_output`` (48 MiB
-by default). Pending waiters are capped per session by the core; the bytes the store holds by
-its quotas (``max_bytes``, ``max_job_bytes``).
+by default), and all connections' partial frames together ``max_partial_bytes``. Pending
+waiters are capped per session by the core; the bytes the store holds by its quotas
+(``max_bytes``, ``max_job_bytes``).
 
 Connection limits: the server runs its own accept loop (asyncio's ``create_server`` would
 re-``listen`` at its own backlog of 100, and logs a traceback per failed ``accept``). The
@@ -101,15 +110,16 @@ from m2n_async._store._wire import (
     encode_frame,
 )
 
-__all__ = ["StoreServer", "format_address", "tune_socket"]
+__all__ = ["DEFAULT_MAX_PARTIAL_BYTES", "StoreServer", "format_address", "tune_socket"]
 
 _log = logging.getLogger("m2n_async.store")
 _CLOSE_GRACE = 5.0  # seconds a failed connection gets to flush its error frame
-# Receive buffer per connection. Requests are small; a large value just takes several reads.
+# The server's one receive buffer (module docstring). Requests are small; a large value just
+# takes several reads.
 _RECV_SIZE = 64 * 1024
-# Until a connection has authenticated it gets only this much (the handshake frame is ~120
-# bytes), so that connections which never authenticate cost little while they wait to be
-# dropped.
+# Until a connection has authenticated it may read only this much at a time (the handshake
+# frame is ~120 bytes), so that a connection which never authenticates cannot make the server
+# parse more than a few of its bytes before it is dropped.
 _AUTH_RECV_SIZE = 1024
 # ... and may have at most this much of a partial frame held for it: without the cap one
 # unauthenticated connection could announce a max_frame-sized frame and park ~16 MiB here
@@ -122,6 +132,10 @@ _RESERVED_FDS = 64  # file descriptors max_connections leaves to the rest of the
 # What a transport that has not paused us may hold: asyncio's and uvloop's write buffers pause
 # the protocol past 64 KiB by default; this leaves a margin. Below it no reply needs measuring.
 _UNPAUSED_MAX = 256 * 1024
+#: Store-wide budget of bytes held for partly received frames (``max_partial_bytes``) by
+#: default: 16 frames of the default ``max_frame`` parked at once. Real clients' frames are
+#: small and arrive whole; a big ``set`` is in flight for milliseconds.
+DEFAULT_MAX_PARTIAL_BYTES = 256 * 1024 * 1024
 
 
 def _default_max_connections() -> int:
@@ -201,7 +215,9 @@ class StoreServer:
 
     Limits (module docstring): ``max_frame`` bytes per frame and per reply; ``max_output``
     bytes of unread replies per connection (default ``2 * max_frame``, at least ``max_frame``
-    + 1 MiB); ``max_bytes`` held by the store and ``max_job_bytes`` by one job (``None``: no
+    + 1 MiB); ``max_partial_bytes`` held for partly received frames by all connections
+    together (default 256 MiB, at least ``2 * max_frame``; it must hold one whole frame);
+    ``max_bytes`` held by the store and ``max_job_bytes`` by one job (``None``: no
     quota); ``max_connections`` open (default from the process's file limit) of which
     ``max_unauthenticated`` waiting to authenticate, each for at most ``auth_timeout`` s
     (after it, the connection is dropped with an ``auth`` error); a frame must arrive whole within
@@ -218,7 +234,7 @@ class StoreServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, token: str | bytes,
                  max_frame: int = DEFAULT_MAX_FRAME, auth_timeout: float = 10.0,
                  max_tombstones: int = 65536, max_waiters_per_session: int = 4096,
-                 max_output: int | None = None,
+                 max_output: int | None = None, max_partial_bytes: int | None = None,
                  max_bytes: int | None = DEFAULT_MAX_BYTES, max_job_bytes: int | None = None,
                  max_connections: int | None = None, max_unauthenticated: int = 64,
                  frame_timeout: float = 30.0, auth_fail_delay: float = 1.0,
@@ -239,6 +255,11 @@ class StoreServer:
         if max_output < max_frame + 64:  # one reply of a whole frame must always fit
             raise ValueError(f"StoreServer max_output must be >= max_frame + 64 "
                              f"({max_frame + 64}), got {max_output}")
+        if max_partial_bytes is None:
+            max_partial_bytes = max(DEFAULT_MAX_PARTIAL_BYTES, 2 * max_frame)
+        if max_partial_bytes < max_frame + 4:  # one frame of max_frame must always fit
+            raise ValueError(f"StoreServer max_partial_bytes must be >= max_frame + 4 "
+                             f"({max_frame + 4}), got {max_partial_bytes}")
         if max_connections is None:
             max_connections = _default_max_connections()
         for name, count in (("max_connections", max_connections),
@@ -255,6 +276,8 @@ class StoreServer:
         self._max_frame = max_frame
         self._auth_timeout = auth_timeout
         self._max_output = max_output
+        self._max_partial_bytes = max_partial_bytes
+        self._partial_bytes = 0  # held for partial frames by all connections (the budget's use)
         self._max_connections = max_connections
         self._max_unauthenticated = max_unauthenticated
         self._frame_timeout = frame_timeout
@@ -272,6 +295,9 @@ class StoreServer:
         self._unauthenticated: dict[_ServerProtocol, None] = {}
         self._address: str | None = None
         self._trouble = _Throttled()
+        # Shared by every connection (module docstring); the unauthenticated get a prefix.
+        self._recv = memoryview(bytearray(_RECV_SIZE))
+        self._auth_recv = self._recv[:_AUTH_RECV_SIZE]
 
     @property
     def address(self) -> str:
@@ -289,6 +315,12 @@ class StoreServer:
     def unauthenticated(self) -> int:
         """Connections open that have not authenticated (yet)."""
         return len(self._unauthenticated)
+
+    @property
+    def partial_bytes(self) -> int:
+        """Bytes held now for partly received frames, all connections together (the use of
+        ``max_partial_bytes``)."""
+        return self._partial_bytes
 
     async def __aenter__(self) -> Self:
         """Bind and start serving.
@@ -400,9 +432,12 @@ async def _listen(host: str, port: int, backlog: int) -> socket.socket:
 class _ServerProtocol(asyncio.BufferedProtocol):
     """One connection: handshake, then requests answered synchronously (see module doc).
 
-    A ``BufferedProtocol``: the loop receives into our one preallocated buffer. A plain
-    ``Protocol`` gets a fresh ``bytes`` per read, which asyncio allocates at 256 KiB and then
-    shrinks — an mmap/munmap pair per request that cost ~20 us of a ~60 us round trip.
+    A ``BufferedProtocol``: the loop receives into the server's one preallocated buffer. A
+    plain ``Protocol`` gets a fresh ``bytes`` per read, which asyncio allocates at 256 KiB and
+    then shrinks — an mmap/munmap pair per request that cost ~20 us of a ~60 us round trip.
+    Sharing the buffer is safe because both loops (asyncio, uvloop) call ``get_buffer``, read
+    into it and call ``buffer_updated`` back to back, and ``buffer_updated`` consumes or
+    copies every byte before it returns.
     """
 
     def __init__(self, server: StoreServer) -> None:
@@ -410,6 +445,7 @@ class _ServerProtocol(asyncio.BufferedProtocol):
         self._core = server.core
         self._reader: FrameReader[ClientMessage] = FrameReader(
             ClientMessage, max_frame=server._max_frame)  # type: ignore[arg-type]
+        self._held = 0  # bytes of a partial frame counted in the server's max_partial_bytes
         self._transport: asyncio.Transport | None = None
         self._nonce = _auth.new_nonce()
         self._session: Session | None = None
@@ -421,7 +457,6 @@ class _ServerProtocol(asyncio.BufferedProtocol):
         self._frame_deadline: asyncio.TimerHandle | None = None  # a partial frame is held
         self._idle_check: asyncio.TimerHandle | None = None
         self._last_input = 0.0  # loop time of the last bytes in (only with idle_timeout)
-        self._recv = memoryview(bytearray(_AUTH_RECV_SIZE))
 
     # --- asyncio callbacks ---------------------------------------------------------------
 
@@ -450,10 +485,10 @@ class _ServerProtocol(asyncio.BufferedProtocol):
         self._write(ServerHello(STORE_PROTO_VERSION, self._nonce))
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        return self._recv
+        return self._server._recv if self._session is not None else self._server._auth_recv
 
     def buffer_updated(self, nbytes: int) -> None:
-        self.data_received(self._recv[:nbytes])  # the reader copies only a partial frame
+        self.data_received(self._server._recv[:nbytes])  # the reader copies a partial frame
 
     def data_received(self, data: bytes | memoryview) -> None:
         """Bytes in (``buffer_updated`` calls it with a view of the receive buffer)."""
@@ -461,6 +496,8 @@ class _ServerProtocol(asyncio.BufferedProtocol):
             return
         try:
             self._reader.feed(data)
+            if self._reader.buffered != self._held and self._over_partial_budget():
+                return
             self._process()
             if self._reader.buffered:
                 if self._session is None and self._reader.buffered > _AUTH_MAX_PENDING:
@@ -486,6 +523,7 @@ class _ServerProtocol(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
+        self._release_partial()
         self._server._protocols.discard(self)
         self._server._unauthenticated.pop(self, None)
         for timer in (self._deadline, self._frame_deadline, self._idle_check):
@@ -566,13 +604,40 @@ class _ServerProtocol(asyncio.BufferedProtocol):
             loop = asyncio.get_running_loop()
             self._last_input = loop.time()
             self._idle_check = loop.call_later(server._idle_timeout, self._idle_expired)
-        # Safe to swap here: the reader has consumed or copied everything it was fed.
-        self._recv = memoryview(bytearray(_RECV_SIZE))
         self._write(AuthOk(_auth.server_proof(key, self._nonce, msg.nonce), self._session.id))
 
     def _auth_expired(self) -> None:
         if self._session is None and not self._closing:
             self._fail(0, "auth", "authentication deadline passed")
+
+    def _over_partial_budget(self) -> bool:
+        """Count this connection's partial frame in the store-wide ``max_partial_bytes``; if
+        its growth passes the budget, drop the connection (True). A partial frame that only
+        shrank, or a connection holding none, is never the one dropped."""
+        server = self._server
+        held = self._reader.buffered
+        grew = held > self._held
+        server._partial_bytes += held - self._held
+        self._held = held
+        limit = server._max_partial_bytes
+        if not grew or server._partial_bytes <= limit:
+            return False
+        others = server._partial_bytes - held
+        self._fail(0, "limit", (
+            f"store connections hold {others} bytes of partly received frames, and the "
+            f"{held} bytes of this connection's frame would pass the store-wide limit "
+            f"max_partial_bytes ({limit} bytes); connection dropped"), key="max_partial_bytes")
+        server._trouble.warn("max_partial_bytes", (
+            f"StoreServer at {server._address} dropped a connection whose partial frame of "
+            f"{held} bytes would pass max_partial_bytes ({limit} bytes; {others} held by "
+            f"other connections)"))
+        return True
+
+    def _release_partial(self) -> None:
+        """Free this connection's partial frame and give its bytes back to the budget."""
+        self._server._partial_bytes -= self._held
+        self._held = 0
+        self._reader.discard()
 
     def _frame_expired(self) -> None:
         self._frame_deadline = None
@@ -685,6 +750,7 @@ class _ServerProtocol(asyncio.BufferedProtocol):
         self._server._unauthenticated.pop(self, None)
         self._write(Error(rid, kind, message, key=key))
         self._closing = True
+        self._release_partial()  # nothing more is read: its partial frame is garbage now
         if self._transport is not None:
             self._transport.close()  # flushes the error frame, then closes
             # A peer that does not read would keep a closing transport (and its buffer) alive.

@@ -32,8 +32,10 @@ from m2n_async._store._wire import (
     Error,
     FrameReader,
     Get,
+    Ok,
     ServerHello,
     ServerMessage,
+    Set,
     encode_frame,
 )
 from m2n_async.testing import MemoryStore
@@ -205,6 +207,52 @@ async def test_a_partial_frame_must_arrive_within_frame_timeout() -> None:
         await healthy(server)
     finally:
         await runner.stop()
+
+
+async def test_partial_frames_past_the_store_wide_budget_drop_the_connection_passing_it(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Six connections each send all but the last byte of a ~50 KB set. The budget holds three
+    # such partial frames and all but one byte of a fourth, so each connection past the
+    # third passes it with its last byte read (nothing left unread: its error frame is not
+    # lost to a reset) and is dropped; the three within it are served when they finish.
+    frames = [encode_frame(Set(1, f"parked/{i}", b"v" * 50_000)) for i in range(6)]
+    held = len(frames[0]) - 1
+    runner = RunningServer(max_frame=64 * 1024, max_partial_bytes=4 * held - 1)
+    server = await runner.start()
+    try:
+        parkers = [await Raw.open(server, authenticate=True) for _ in frames]
+        for i, (raw, frame) in enumerate(zip(parkers, frames, strict=True)):
+            raw.writer.write(frame[:-1])
+            if i < 3:
+                await until(lambda i=i: server.partial_bytes == (i + 1) * held,
+                            "the partial frame is held")
+            else:
+                assert_limit(await raw.last(), "max_partial_bytes")
+                assert server.partial_bytes == 3 * held  # the dropped one's bytes are freed
+        await healthy(server)  # requests that arrive whole never count against the budget
+        await until(lambda: server.connections == 3, "only the three within it are open")
+        for raw, frame in zip(parkers[:3], frames[:3], strict=True):
+            raw.writer.write(frame[-1:])
+            assert isinstance(await raw.read(), Ok)
+        assert server.partial_bytes == 0
+        drops = [r for r in caplog.records if "max_partial_bytes" in r.getMessage()]
+        assert 1 <= len(drops) <= 3, drops  # logged, but not once per drop
+        # With the budget free again, a frame larger than one read gets through.
+        with anyio.fail_after(DEADLINE):
+            async with await StoreClient.connect(server.address, token=TOKEN) as c:
+                await c.set("big", b"x" * 60_000)
+                assert await c.get("big") == b"x" * 60_000
+        for raw in parkers:
+            raw.close()
+    finally:
+        await runner.stop()
+
+
+async def test_the_partial_frame_budget_must_hold_one_frame() -> None:
+    with pytest.raises(ValueError, match="max_partial_bytes must be >= max_frame"):
+        StoreServer(token="t", max_frame=1 << 20, max_partial_bytes=1 << 20)
+    assert StoreServer(token="t")._max_partial_bytes == 256 << 20
+    assert StoreServer(token="t", max_frame=1 << 28)._max_partial_bytes == 2 << 28
 
 
 async def test_an_idle_connection_is_dropped_after_idle_timeout_but_a_waiting_one_is_not() -> None:

@@ -181,13 +181,17 @@ async def test_silent_client_is_dropped_after_auth_deadline() -> None:
         await runner.stop()
 
 
-async def test_unauthenticated_connections_hold_a_small_buffer(server: StoreServer) -> None:
-    """Connections that never authenticate cost ~1 KiB of receive buffer each, not the 64 KiB
-    an authenticated session reads into; a large frame still arrives through the small one."""
+async def test_connections_read_into_one_shared_buffer(server: StoreServer) -> None:
+    """No connection owns a receive buffer (an idle one would hold 64 KiB for nothing): all
+    read into the server's one buffer, the unauthenticated into 1 KiB of it; a large frame
+    still arrives through it in many reads, while other connections read into it too."""
     waiting = [await RawPeer.connect(server, authenticate=False) for _ in range(3)]
     authed = await RawPeer.connect(server, authenticate=True)
-    sizes = sorted(p._recv.nbytes for p in server._protocols)
-    assert sizes == [1024, 1024, 1024, 64 * 1024]
+    views = [p.get_buffer(-1) for p in server._protocols]
+    assert sorted(v.nbytes for v in views) == [1024, 1024, 1024, 64 * 1024]
+    assert all(v.obj is views[0].obj for v in views)
+    for peer in waiting:  # interleave their reads with the big frame's
+        await peer.stream.send(b"\x00\x00")
     big = b"b" * 300_000  # many reads on either side
     await authed.stream.send(encode_frame(Set(1, "big", big)))
     assert isinstance(await authed.read(), Ok)
