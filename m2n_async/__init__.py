@@ -58,8 +58,7 @@ from m2n_async._data._transport import LoadCallback
 from m2n_async._engine._config import EngineConfig, EngineState, SyncResult
 from m2n_async._engine._engine import TrainerEngine, WorkerEngine
 
-# --- end engine ---
-# --- ecosystem ---
+# --- ecosystem: torch modules and plan files in ---
 # isort: split
 from m2n_async._integrations.planfile import PlanSummary, load_plan_file
 from m2n_async._integrations.planfile import summarize as summarize_plan
@@ -71,12 +70,9 @@ from m2n_async._integrations.targets import (
     targets_from_module,
 )
 
-# --- end ecosystem ---
 # --- blocking facade (synchronous callers) ---
 # isort: split
 from m2n_async.blocking import BlockingTrainer, BlockingWorker
-
-# --- end blocking facade ---
 
 __version__ = "0.1.0"
 
@@ -132,8 +128,7 @@ __all__ = [
     "SyncResult",
     "TrainerEngine",
     "WorkerEngine",
-    # end engine
-    # ecosystem
+    # ecosystem: torch modules and plan files in
     "LoadTarget",
     "ModuleShards",
     "PlanSummary",
@@ -144,10 +139,8 @@ __all__ = [
     "specs_from_module",
     "summarize_plan",
     "targets_from_module",
-    # end ecosystem
-    # blocking facade
+    # blocking facade (synchronous callers)
     "BlockingTrainer",
     "BlockingWorker",
-    # end blocking facade
     "__version__",
 ]
