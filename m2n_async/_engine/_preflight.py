@@ -8,6 +8,10 @@ the encoded envelope; (3) hands the bytes to ``Handshake.receive``, which raises
 one deadline per phase, ``phase_timeout + per_param_timeout * n_params`` (bigger plans ship
 more specs and placements, and take longer to validate).
 
+When ``source`` or ``destination`` finds plans that differ, the phase takes one more gather
+before it raises: the records the chunk digests point at (``Handshake.records``), from which
+every rank names the first differing parameter and field.
+
 Failure translation at this boundary:
 - deadline passed → ``TimeoutError`` naming the phase and the ranks that never posted
   (``ControlGroup.missing_ranks``), or saying that this rank's own local step overran;
@@ -267,6 +271,33 @@ async def _run_phase(group: ControlGroup, machine: Handshake, inputs: PreflightI
 
     payloads = await _gather(group, phase.value, inputs.generation, deadline, produce, machine)
     machine.receive(payloads)  # PreflightError: the same on every rank
+    if machine.wants_records:  # plans differ: every rank names where, from one more gather
+        await _exchange_records(group, machine, phase, inputs.generation, deadline)
+
+
+async def _exchange_records(group: ControlGroup, machine: Handshake, phase: Phase,
+                            generation: int, deadline: float) -> None:
+    """All-gather the records the chunk digests point at and raise the phase's error.
+
+    Raises the ``PreflightError`` of ``receive_records`` (the first differing parameter and
+    field); if the gather itself times out or loses a peer, the one ``receive`` found from
+    the chunk digests (the run of parameters), with what went wrong in a note.
+    """
+    async def produce() -> bytes:
+        try:
+            return machine.encode(machine.records())
+        except Exception as exc:  # the peers still get an envelope from this rank
+            return machine.encode(machine.failure(exc))
+
+    try:
+        payloads = await _gather(group, phase.value, generation, deadline, produce, machine)
+    except (TimeoutError, PeerLostError) as exc:
+        error = machine.error
+        assert error is not None
+        error.add_note(f"the plan records that name the first differing parameter could not "
+                       f"be exchanged: {exc}")
+        raise error from exc
+    machine.receive_records(payloads)
 
 
 async def _gather(group: ControlGroup, phase: str, generation: int, deadline: float,

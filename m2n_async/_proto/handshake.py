@@ -19,6 +19,19 @@ others are named; when the top count is tied, no value can be trusted and every 
 named (with one trainer and one worker disagreeing, both). Facts already agreed in an earlier
 phase (transport, plan digest) are compared exactly, so a deviation there names one rank.
 
+Plans that differ (``source``: a trainer's specs; ``destination``: a worker's placements)
+are located in two steps, so that the gathers stay O(params) and not O(ranks x params):
+every envelope carries 4 bytes of digest per ``DIFF_CHUNK`` records, which point at the first
+chunk where each disagreeing rank differs from its reference rank. ``receive`` then returns
+the current phase with ``wants_records`` set instead of raising; the ranks all-gather once
+more — ``records()``: one holder of each distinct version of each such chunk ships it, every
+other rank an empty ``DiffRecords`` — and ``receive_records`` raises the phase's
+``PreflightError`` naming, for each disagreeing rank, the first parameter that differs, the
+fields that differ (name, dtype, shape, mesh, placements), the value of each and the ranks
+holding it. Who ships what is computed from the first gather alone, so every rank expects the
+same records and raises the same error. If that second gather fails (a peer lost, a
+deadline), ``error`` still holds the phase's diagnosis from the chunk digests.
+
 The machine is sans-IO like the rest of ``_proto``: no clocks, no event loop, no torch. Time
 (deadlines) and liveness (lost peers) belong to the driver, which reports them with
 ``abandon(Event.TIMED_OUT | Event.PEER_LOST | Event.STORE_ERROR | Event.CANCELLED)``.
@@ -30,8 +43,8 @@ import enum
 import hashlib
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Final, TypeAlias, TypeVar
+from dataclasses import dataclass, field
+from typing import Final, NoReturn, TypeAlias, TypeVar
 
 import msgspec
 
@@ -44,6 +57,7 @@ from m2n_async._proto.messages import (
     DataPlaneIdentity,
     DataPlaneReport,
     DestinationPlan,
+    DiffRecords,
     Hello,
     PhaseFailure,
     RuntimeReady,
@@ -168,6 +182,7 @@ _ENCODER: Final = msgspec.msgpack.Encoder()
 _HandshakeEnvelope: TypeAlias = (Hello | SourcePlan | DestinationPlan | DataPlaneReport
                                  | RuntimeReady | PhaseFailure)
 _DECODER: Final = msgspec.msgpack.Decoder(_HandshakeEnvelope)
+_RECORDS_DECODER: Final = msgspec.msgpack.Decoder(DiffRecords | PhaseFailure)
 
 
 class _Header(msgspec.Struct):
@@ -192,10 +207,70 @@ class PreflightPlan:
     predicted_seconds: float | None = None
 
 
-#: Parameters per chunk digest (``chunk_digests``): a rank whose plan differs is told the
-#: first run of this many parameters that differs, and their names on a reference rank.
+#: Parameters per chunk digest (``chunk_digests``): when plans differ, the ranks exchange the
+#: records of the first chunk of this many parameters that differs (module docstring).
 #: 4 bytes per 16 parameters: 25 KB per trainer for 10^5 parameters.
 DIFF_CHUNK: Final[int] = 16
+#: After a plan disagreement the ranks exchange at most this many chunks (the first differing
+#: one of each disagreeing rank), each from at most this many holders of distinct records:
+#: the second gather stays ~1,000 records whatever the number of ranks; a rank whose chunk is
+#: left out is told the run of parameters, as the chunk digests alone can tell.
+_DIFF_MAX_CHUNKS: Final[int] = 8
+_DIFF_MAX_VERSIONS: Final[int] = 8
+
+
+@dataclass
+class _Odd:
+    """One disagreeing rank: its reference rank, the chunk where they first differ, and its
+    diagnosis without the records (``head`` + ``known`` + ``coarse``)."""
+
+    reference: int
+    chunk: int
+    head: str
+    known: list[str]
+    coarse: str
+
+
+@dataclass
+class _Disagreement:
+    """A phase's plans differ where the chunk digests point; the records are still to come.
+
+    ``chunks``/``counts``: per rank that was compared (trainers in ``source``, workers in
+    ``destination``), its chunk digests and its number of records; ``wanted``: per rank, the
+    chunks it ships; ``failures``: the phase's diagnosis without the records.
+    """
+
+    phase: Phase
+    chunks: dict[int, bytes]
+    counts: dict[int, int]
+    odd: dict[int, _Odd] = field(default_factory=dict)
+    wanted: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    failures: dict[int, str] = field(default_factory=dict)
+
+    def version(self, rank: int, k: int) -> bytes:
+        """Rank's digest of chunk ``k`` (empty if its records end before it)."""
+        return self.chunks[rank][4 * k:4 * k + 4]
+
+    def versions(self, k: int) -> dict[bytes, list[int]]:
+        """The distinct versions of chunk ``k`` and their holders (ascending), most held
+        first (ties: the lowest holder first)."""
+        held: dict[bytes, list[int]] = {}
+        for r in sorted(self.chunks):
+            held.setdefault(self.version(r, k), []).append(r)
+        return dict(sorted(held.items(), key=lambda kv: (-len(kv[1]), kv[1][0])))
+
+    def plan_wanted(self) -> None:
+        """Which ranks ship which chunks: for each chunk some rank first differs in (the
+        first ``_DIFF_MAX_CHUNKS``), the lowest holder of each of its most held versions."""
+        wanted: dict[int, list[int]] = {}
+        for k in sorted({o.chunk for o in self.odd.values()})[:_DIFF_MAX_CHUNKS]:
+            for holders in list(self.versions(k).values())[:_DIFF_MAX_VERSIONS]:
+                wanted.setdefault(holders[0], []).append(k)
+        self.wanted = {r: tuple(ks) for r, ks in sorted(wanted.items())}
+
+    def expected(self, rank: int, k: int) -> int:
+        """How many records rank's chunk ``k`` holds."""
+        return max(0, min(DIFF_CHUNK, self.counts[rank] - k * DIFF_CHUNK))
 
 
 def chunk_digests(items: Sequence[object]) -> bytes:
@@ -394,6 +469,11 @@ class Handshake:
         self._requested = transport  # replaced by the agreed request when hello passes
         self.plan: PreflightPlan | None = None
         self.identities: dict[int, DataPlaneIdentity] = {}
+        # this rank's own records, which it may be asked to ship after a disagreement
+        self._own_specs: tuple[ParamSpec, ...] = ()
+        self._own_placements: tuple[tuple[int, int] | None, ...] = ()
+        self._disagreement: _Disagreement | None = None  # found by the current phase's check
+        self._awaiting: _Disagreement | None = None  # receive() asked for records
 
     # -- local steps: this rank's envelope for the current phase ------------------------
 
@@ -417,6 +497,7 @@ class Handshake:
         specs = tuple(params)
         validate_source_specs(specs, self.trainer_ranks)
         digest = source_plan_digest(specs, self.trainer_ranks)
+        self._own_specs = specs
         return SourcePlan(self.proto_version, self.generation, self.rank, digest,
                           specs if self.rank == 0 else None, chunk_digests(specs), len(specs))
 
@@ -456,6 +537,7 @@ class Handshake:
             raise PlanError(f"worker rank {self.rank}: " + "; ".join(parts))
         placements = tuple(_placement(n, dst_placements[n]) for n in names)
         digest = placements_digest(dims, placements)
+        self._own_placements = placements
         first_worker = self.rank == self.trainer_ranks
         return DestinationPlan(self.proto_version, self.generation, self.rank, caps, dims,
                                digest, placements if first_worker else None,
@@ -502,14 +584,21 @@ class Handshake:
         """Validate the gathered envelopes of the current phase (index = rank) and advance.
 
         Returns the next phase. Raises ``PreflightError`` (and moves to ``FAILED``) naming
-        every rank whose local step failed, whose envelope was invalid, or that disagreed.
+        every rank whose local step failed, whose envelope was invalid, or that disagreed —
+        except when plans differ where the chunk digests point: then it returns the current
+        phase with ``wants_records`` set (``error`` holds the diagnosis so far), and the
+        driver gathers ``records()`` for ``receive_records``, which raises the final error.
         """
         phase = self.phase
         if phase not in ENVELOPE_OF:
             raise LocalProtocolError(f"handshake is {phase.value}; it gathers nothing more")
+        if self._awaiting is not None:
+            raise LocalProtocolError(f"phase {phase.value!r} waits for the records of a plan "
+                                     f"disagreement (receive_records), not for envelopes")
         if len(payloads) != self.world_size:
             raise LocalProtocolError(f"phase {phase.value!r}: got {len(payloads)} envelopes "
                                      f"for world_size {self.world_size}")
+        self._disagreement = None
         failures: dict[int, str] = {}
         envelopes: dict[int, msgspec.Struct] = {}
         for r, data in enumerate(payloads):
@@ -532,15 +621,71 @@ class Handshake:
         checks[phase](envelopes, failures)
         if failures:
             self.error = PreflightError(phase.value, failures, generation=self.generation)
+            found = self._disagreement
+            if found is not None and found.wanted:
+                found.failures = failures
+                self._awaiting = found
+                return phase
             self.phase = TRANSITIONS[phase][Event.REJECTED]
             raise self.error
         self.phase = TRANSITIONS[phase][Event.AGREED]
         return self.phase
 
+    @property
+    def wants_records(self) -> bool:
+        """Whether the current phase failed on plans that differ and waits for the records
+        (``records()`` all-gathered, then ``receive_records``) before it raises."""
+        return self._awaiting is not None
+
+    def records(self) -> DiffRecords:
+        """This rank's ``DiffRecords``: the chunks of its specs (``source``) or placements
+        (``destination``) that every rank computed it must ship; empty if none."""
+        pending = self._pending_records()
+        ks = pending.wanted.get(self.rank, ())
+        cut = [slice(k * DIFF_CHUNK, (k + 1) * DIFF_CHUNK) for k in ks]
+        if pending.phase is Phase.SOURCE:
+            return DiffRecords(self.proto_version, self.generation, self.rank,
+                               pending.phase.value, ks,
+                               tuple(self._own_specs[c] for c in cut), ())
+        return DiffRecords(self.proto_version, self.generation, self.rank, pending.phase.value,
+                           ks, (), tuple(self._own_placements[c] for c in cut))
+
+    def receive_records(self, payloads: Sequence[bytes]) -> NoReturn:
+        """Validate the gathered ``DiffRecords`` (index = rank) and raise the phase's
+        ``PreflightError``: each disagreeing rank is told the first parameter where it differs
+        from its reference rank, the fields that differ there, and which ranks hold each
+        value. A rank whose records are missing or do not match its chunk digests is named;
+        the ranks its records would have explained keep the chunk-digest diagnosis."""
+        pending = self._pending_records()
+        if len(payloads) != self.world_size:
+            raise LocalProtocolError(f"phase {pending.phase.value!r}: got {len(payloads)} "
+                                     f"record envelopes for world_size {self.world_size}")
+        shipped: dict[tuple[int, int], tuple[object, ...]] = {}
+        failures = dict(pending.failures)
+        for r, data in enumerate(payloads):
+            got = self._decode_records(pending, r, data)
+            if isinstance(got, str):
+                if r in pending.wanted:
+                    _add(failures, r, got)
+                continue
+            chunks = got.specs if pending.phase is Phase.SOURCE else got.placements
+            for k, recs in zip(got.chunks, chunks, strict=True):
+                shipped[(r, k)] = recs
+        for r, odd in pending.odd.items():
+            detail = self._first_difference_text(pending, shipped, r, odd)
+            if detail is not None:
+                failures[r] = _compose(odd.head, [*odd.known, detail])
+        self._awaiting = None
+        self.error = PreflightError(pending.phase.value, failures, generation=self.generation)
+        self.phase = TRANSITIONS[pending.phase][Event.REJECTED]
+        raise self.error
+
     def abandon(self, event: Event) -> Phase:
-        """Record that the current phase ended without agreement (timeout, lost peer, cancel)."""
+        """Record that the current phase ended without agreement (timeout, lost peer, cancel);
+        during a records exchange ``error`` keeps the diagnosis of the chunk digests."""
         if event is Event.AGREED:
             raise LocalProtocolError("abandon() takes a failure event, not AGREED")
+        self._awaiting = None
         nxt = TRANSITIONS[self.phase].get(event)
         if nxt is not None:
             self.phase = nxt
@@ -575,6 +720,35 @@ class Handshake:
             return (f"reported a failure of phase {env.phase!r} during phase "
                     f"{phase.value!r}")
         return env
+
+    def _decode_records(self, pending: _Disagreement, r: int, data: bytes
+                        ) -> DiffRecords | str:
+        """Rank ``r``'s valid records, or why they are not."""
+        phase = pending.phase.value
+        try:
+            got = _RECORDS_DECODER.decode(data)
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            return f"sent invalid plan records after phase {phase!r}: {e}"
+        if (got.proto_version, got.generation, got.rank, got.phase) != (
+                self.proto_version, self.generation, r, phase):
+            return (f"sent plan records of protocol {got.proto_version}, generation "
+                    f"{got.generation}, rank {got.rank}, phase {got.phase!r}; expected "
+                    f"{self.proto_version}, {self.generation}, {r}, {phase!r}")
+        if isinstance(got, PhaseFailure):
+            return f"could not send its plan records: {got.error}"
+        wanted = pending.wanted.get(r, ())
+        chunks = got.specs if pending.phase is Phase.SOURCE else got.placements
+        other = got.placements if pending.phase is Phase.SOURCE else got.specs
+        if got.chunks != wanted or len(chunks) != len(wanted) or other:
+            return (f"sent plan records of chunks {list(got.chunks)}, but chunks "
+                    f"{list(wanted)} were asked of it")
+        for k, recs in zip(wanted, chunks, strict=True):
+            expected = pending.expected(r, k)
+            if len(recs) != expected or (expected and
+                                         chunk_digests(recs) != pending.version(r, k)):
+                return (f"sent plan records of parameters #{k * DIFF_CHUNK}.."
+                        f"#{(k + 1) * DIFF_CHUNK - 1} that do not match its chunk digests")
+        return got
 
     # -- agreement per phase -----------------------------------------------------------------
 
@@ -628,11 +802,20 @@ class Handshake:
         digests = {r: p.digest for r, p in plans.items()
                    if r < t and p.digest and r not in failures}
         ref_digest, odd = _outliers(digests, _show_digest)
+        found = _Disagreement(Phase.SOURCE, {r: plans[r].chunks or b"" for r in digests},
+                              {r: plans[r].n_params or 0 for r in digests})
         for r, note in odd.items():
-            where = (self._where_specs_differ(plans, digests, ref_digest, r)
-                     or "different param names, dtypes, shapes, layouts or order")
-            _add(failures, r, f"source-plan digest {_dig(digests[r])} differs: {note} "
-                              f"({where})")
+            head = f"source-plan digest {_dig(digests[r])} differs: {note}"
+            located = self._where_specs_differ(plans, digests, ref_digest, r)
+            if located is None:
+                _add(failures, r, _compose(head, ["different param names, dtypes, shapes, "
+                                                  "layouts or order"]))
+                continue
+            located.head = head
+            found.odd[r] = located
+            _add(failures, r, _compose(head, [*located.known, located.coarse]))
+        found.plan_wanted()
+        self._disagreement = found
         root = plans.get(0)
         if root is None or root.params is None or 0 in failures:
             return
@@ -679,10 +862,21 @@ class Handshake:
         workers = {r: (d.mesh_dims, d.placements_digest) for r, d in dests.items()
                    if r >= t and r not in failures}
         ref, odd = _outliers(workers, _show_destination)
+        found = _Disagreement(Phase.DESTINATION,
+                              {r: dests[r].placement_chunks or b"" for r in workers},
+                              dict.fromkeys(workers, len(specs)))
         for r, note in odd.items():
-            where = self._where_placements_differ(dests, workers, ref, r)
-            _add(failures, r, f"destination {_show_destination(workers[r])} differs: {note}"
-                              + (f" ({where})" if where else ""))
+            head = f"destination {_show_destination(workers[r])} differs: {note}"
+            located = self._where_placements_differ(dests, workers, ref, r)
+            if located is None or located.chunk < 0:
+                known = located.known if located is not None else []
+                _add(failures, r, _compose(head, known))
+                continue
+            located.head = head
+            found.odd[r] = located
+            _add(failures, r, _compose(head, [*located.known, located.coarse]))
+        found.plan_wanted()
+        self._disagreement = found
         first = dests.get(t)
         if failures or first is None or ref is None:
             return
@@ -768,43 +962,57 @@ class Handshake:
         if self.phase is not phase:
             raise LocalProtocolError(f"handshake is in phase {self.phase.value!r}, not "
                                      f"{phase.value!r}")
+        if self._awaiting is not None:
+            raise LocalProtocolError(f"phase {phase.value!r} failed and waits for the records "
+                                     f"of a plan disagreement")
+
+    def _pending_records(self) -> _Disagreement:
+        if self._awaiting is None:
+            raise LocalProtocolError(f"handshake is in phase {self.phase.value!r} and waits "
+                                     f"for no plan records")
+        return self._awaiting
 
     def _where_specs_differ(self, plans: Mapping[int, SourcePlan], digests: Mapping[int, str],
-                            ref: str | None, r: int) -> str | None:
+                            ref: str | None, r: int) -> _Odd | None:
         """Where trainer ``r``'s specs first differ from a reference rank's (the majority's,
-        or rank 0's on a tie), naming the parameters there when rank 0 shipped them."""
-        holders = [q for q, d in sorted(digests.items()) if q != r and (ref is None or d == ref)]
-        if not holders:
+        or the lowest other rank on a tie), as far as the chunk digests tell: the chunk, and
+        the run of parameters it covers with rank 0's names there when rank 0 shipped them."""
+        q = _reference(digests, ref, r)
+        if q is None:
             return None
-        q = holders[0]
         mine, theirs = plans[r], plans[q]
         at = first_difference(mine.chunks, theirs.chunks)
         if at is None:
             return None
-        parts = []
+        known = []
         if mine.n_params != theirs.n_params:
-            parts.append(f"rank {r} has {mine.n_params} parameters, rank {q} {theirs.n_params}")
+            known.append(f"rank {r} has {mine.n_params} parameters, rank {q} {theirs.n_params}")
         root = plans.get(0)
         names = ([p.name for p in root.params[at:at + DIFF_CHUNK]]
                  if root is not None and root.params is not None and q == 0 else [])
         span = f"parameters #{at}..#{at + DIFF_CHUNK - 1}"
         if names:
             span += f" (rank 0 has {_names(names)} there)"
-        parts.append(f"the first difference from rank {q} is within {span}")
-        return "; ".join(parts)
+        return _Odd(q, at // DIFF_CHUNK, "", known,
+                    f"the first difference from rank {q} is within {span}")
 
     def _where_placements_differ(self, dests: Mapping[int, DestinationPlan],
-                                 workers: Mapping[int, object], ref: object, r: int
-                                 ) -> str | None:
-        """Where worker ``r``'s placements first differ from a reference worker's, naming
-        the parameters (from the agreed source specs) and the first worker's placements."""
-        holders = [q for q, v in sorted(workers.items()) if q != r and (ref is None or v == ref)]
-        if not holders:
+                                 workers: Mapping[int, tuple[object, object]], ref: object,
+                                 r: int) -> _Odd | None:
+        """Where worker ``r``'s destination first differs from a reference worker's: its mesh
+        dims (told at once, with every worker's), and the chunk of placements where they
+        first differ (``chunk`` -1: none), with the names there and the first worker's
+        placements when it is the reference."""
+        q = _reference(workers, ref, r)
+        if q is None:
             return None
-        q = holders[0]
+        known = []
+        if workers[r][0] != workers[q][0]:
+            dims = {w: v[0] for w, v in workers.items()}
+            known.append(_clause("worker mesh dims", dims, lambda d: str(tuple(d))))  # type: ignore[arg-type]
         at = first_difference(dests[r].placement_chunks, dests[q].placement_chunks)
         if at is None:
-            return None
+            return _Odd(q, -1, "", known, "")
         specs = self._specs or ()
         names = [s.name for s in specs[at:at + DIFF_CHUNK]]
         span = f"parameters #{at}..#{at + DIFF_CHUNK - 1}"
@@ -815,7 +1023,55 @@ class Handshake:
             shown = ", ".join(f"{n}: {show_placements(p)}" for n, p in zip(
                 names, first.placements[at:at + DIFF_CHUNK], strict=False))
             span += f"; rank {q} asks for {{{shown}}}" if shown else ""
-        return f"the first difference from rank {q} is within {span}"
+        return _Odd(q, at // DIFF_CHUNK, "", known,
+                    f"the first difference from rank {q} is within {span}")
+
+    def _first_difference_text(self, pending: _Disagreement,
+                               shipped: Mapping[tuple[int, int], tuple[object, ...]], r: int,
+                               odd: _Odd) -> str | None:
+        """From the exchanged records: the first parameter where rank ``r`` differs from its
+        reference, each field that differs there and who holds which value; None when the
+        records of either side are missing (or equal despite their digests)."""
+        k = odd.chunk
+        records: dict[bytes, tuple[object, ...]] = {}  # chunk version -> its records
+        for version, holders in pending.versions(k).items():
+            for h in holders:
+                if (h, k) in shipped:
+                    records[version] = shipped[(h, k)]
+                    break
+        mine = records.get(pending.version(r, k))
+        theirs = records.get(pending.version(odd.reference, k))
+        if mine is None or theirs is None:
+            return None
+        j = next((j for j in range(max(len(mine), len(theirs)))
+                  if j >= len(mine) or j >= len(theirs) or mine[j] != theirs[j]), None)
+        if j is None:
+            return None
+        index = k * DIFF_CHUNK + j
+        # every compared rank whose version of the chunk is known, with its record there
+        at: dict[int, object] = {}
+        for version, holders in pending.versions(k).items():
+            if version in records:
+                recs = records[version]
+                for h in holders:
+                    at[h] = recs[j] if j < len(recs) else _ABSENT
+        a = mine[j] if j < len(mine) else _ABSENT
+        b = theirs[j] if j < len(theirs) else _ABSENT
+        fields = (_SPEC_FIELDS if pending.phase is Phase.SOURCE else _PLACEMENT_FIELDS)
+        if a is _ABSENT or b is _ABSENT:  # one plan ends before the other
+            _, get, show = fields[0]  # the name (source), the placements (destination)
+            return f"the first difference is parameter #{index}: " + _clause(
+                "", at, lambda v: "absent" if v is _ABSENT else show(get(v)))
+        differing = [(label, get, show) for label, get, show in fields if get(a) != get(b)]
+        if pending.phase is Phase.SOURCE:
+            name = a.name if a.name == b.name else None  # type: ignore[attr-defined]
+        else:
+            specs = self._specs or ()
+            name = specs[index].name if index < len(specs) else None
+        clauses = [_clause(label, {h: get(v) for h, v in at.items() if v is not _ABSENT},
+                           show) for label, get, show in differing]
+        what = f"parameter #{index}" + (f" {name!r}" if name is not None else "")
+        return f"the first difference is {what}, in its " + "; and its ".join(clauses)
 
     def _agreed_specs(self) -> tuple[ParamSpec, ...]:
         if self._specs is None:
@@ -836,6 +1092,72 @@ def _check_agreed(failures: dict[int, str], r: int, transport: str, digest: str,
     elif digest != plan.digest:
         _add(failures, r, f"prepared plan {_dig(digest)}, but plan {_dig(plan.digest)} was "
                           f"agreed")
+
+
+class _Absent:
+    """A record a rank does not have (its plan ends before it)."""
+
+    def __repr__(self) -> str:
+        return "absent"
+
+
+_ABSENT: Final = _Absent()
+
+_Field: TypeAlias = tuple[str, Callable[[object], object], Callable[[object], str]]
+
+
+def _spec_field(attr: str, show: Callable[[object], str]) -> _Field:
+    parts = attr.split(".")
+
+    def get(spec: object) -> object:
+        for part in parts:
+            spec = getattr(spec, part)
+        return spec
+
+    return (attr.rsplit(".", 1)[-1], get, show)
+
+
+def _show_mesh(mesh: object) -> str:
+    assert isinstance(mesh, Mesh)
+    return f"{mesh.dims} from rank {mesh.start_rank}"
+
+
+def _show_placements(p: object) -> str:
+    return show_placements(p)  # type: ignore[arg-type]
+
+
+# What a source spec is compared by, in this order (the order messages name them in).
+_SPEC_FIELDS: Final[tuple[_Field, ...]] = (
+    _spec_field("name", repr), _spec_field("dtype", str), _spec_field("shape", str),
+    _spec_field("layout.mesh", _show_mesh), _spec_field("layout.placements", _show_placements),
+)
+_PLACEMENT_FIELDS: Final[tuple[_Field, ...]] = (("placements", lambda p: p, _show_placements),)
+
+
+def _reference(values: Mapping[int, object], ref: object, r: int) -> int | None:
+    """The rank ``r`` is compared with: the lowest other holder of the reference value, or on
+    a tie (``ref`` None) the lowest other rank."""
+    return next((q for q in sorted(values) if q != r and (ref is None or values[q] == ref)),
+                None)
+
+
+def _clause(label: str, values: Mapping[int, object], show: Callable[[object], str]) -> str:
+    """``label`` and each value with the ranks holding it, the most held first; says so when
+    the most held value is tied (no side is taken as right)."""
+    held: dict[object, list[int]] = {}
+    for r in sorted(values):
+        held.setdefault(values[r], []).append(r)
+    ranked = sorted(held.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
+    text = (f"{label} " if label else "") + ", ".join(
+        f"{show(v)} on rank(s) {_short(rs)}" for v, rs in ranked)
+    if len(ranked) > 1 and len(ranked[0][1]) == len(ranked[1][1]):
+        text += " (no majority: neither is taken as right)"
+    return text
+
+
+def _compose(head: str, parts: Sequence[str]) -> str:
+    shown = [p for p in parts if p]
+    return f"{head} ({'; '.join(shown)})" if shown else head
 
 
 def _placement(name: str, p: object) -> tuple[int, int] | None:

@@ -152,6 +152,20 @@ class PhaseFailure(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=
     error: str
 
 
+class DiffRecords(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
+    """After ``source`` or ``destination`` found plans that differ: this rank's records of
+    the chunks (``DIFF_CHUNK`` records each) that every rank computed it must ship, so that
+    all name the first parameter and field that differ; ranks asked for none send empty."""
+
+    proto_version: int
+    generation: int
+    rank: int
+    phase: str
+    chunks: tuple[int, ...]  # chunk indices, ascending
+    specs: tuple[tuple[ParamSpec, ...], ...]  # source: this trainer's specs of each chunk
+    placements: tuple[tuple[tuple[int, int] | None, ...], ...]  # destination: a worker's
+
+
 class CommunicatorId(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
     """After every phase passed: rank 0's NCCL unique id, broadcast with its SHA-256."""
 
@@ -227,7 +241,7 @@ class Abort(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
 # forbid_unknown_fields=True, tag=True) and add it to this one line.
 Envelope: TypeAlias = (SourcePlanRecord | PlanRecord
                        | Hello | SourcePlan | DestinationPlan | DataPlaneReport | RuntimeReady
-                       | PhaseFailure | CommunicatorId  # handshake
+                       | PhaseFailure | DiffRecords | CommunicatorId  # handshake
                        | RoundStart | RoundDone | Abort)  # rounds
 
 _T = TypeVar("_T")

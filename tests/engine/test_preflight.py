@@ -8,6 +8,7 @@ rank(s) within the phase deadline + 1 s, and nothing of the data plane may exist
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -325,6 +326,86 @@ async def test_stale_generation_rank_is_named_by_everyone() -> None:
         assert isinstance(e, PreflightError) and e.phase == "hello"
         if r != 3:
             assert list(e.failures) == [3] and "stale generation 2" in e.failures[3]
+
+
+def identical_errors(log: Log, w: int, phase: str) -> PreflightError:
+    """Every rank's outcome is the same PreflightError of ``phase``; that error."""
+    errors = [log.outcome[r] for r in range(w)]
+    first = errors[0]
+    assert isinstance(first, PreflightError) and first.phase == phase, first
+    for e in errors:
+        assert isinstance(e, PreflightError), repr(e)
+        assert (e.phase, e.failures, e.generation) == (phase, first.failures, GEN)
+    assert log.communicators == [] and log.prepared == []
+    return first
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("store_kind", ["memory", "tcp"])
+async def test_a_renamed_or_reshaped_param_is_named_with_its_field_by_every_rank(
+        store_kind: str) -> None:
+    t, n = 4, 2
+    mesh = Mesh((t, 1))
+    log = Log()
+    inputs = {r: make_inputs(r, t, n, log) for r in range(t + n)}
+    inputs[2] = dataclasses.replace(inputs[2], params=[
+        ParamSpec("w", "float32", (12, 6), Layout(mesh, (0, REPLICATE))),
+        ParamSpec("b.renamed", "bfloat16", (12,), Layout(mesh, None))])
+    inputs[1] = dataclasses.replace(inputs[1], params=[
+        ParamSpec("w", "float32", (24, 6), Layout(mesh, (0, REPLICATE))),
+        ParamSpec("b", "bfloat16", (12,), Layout(mesh, None))])
+    if store_kind == "tcp":
+        async with StoreServer(token="s3cret") as server:
+            clients = [await StoreClient.connect(server.address, token="s3cret")
+                       for _ in range(t + n)]
+            try:
+                await run_world(t, n, phase_timeout=5.0, stores=clients, inputs=inputs,
+                                log=log)
+            finally:
+                for c in clients:
+                    await c.aclose()
+    else:
+        await run_world(t, n, phase_timeout=5.0, inputs=inputs, log=log)
+    err = identical_errors(log, t + n, "source")
+    assert sorted(err.failures) == [1, 2]
+    assert ("the first difference is parameter #0 'w', in its shape (12, 6) on rank(s) "
+            "[0, 2, 3], (24, 6) on rank(s) [1]") in err.failures[1], err.failures[1]
+    assert ("the first difference is parameter #1, in its name 'b' on rank(s) [0, 1, 3], "
+            "'b.renamed' on rank(s) [2]") in err.failures[2], err.failures[2]
+
+
+@pytest.mark.asyncio
+async def test_a_worker_asking_another_placement_is_named_with_it_by_every_rank() -> None:
+    t, n = 2, 3
+    log = Log()
+    inputs = {r: make_inputs(r, t, n, log) for r in range(t + n)}
+    inputs[3] = dataclasses.replace(inputs[3], dst_placements={"w": (REPLICATE, 0), "b": None})
+    await run_world(t, n, phase_timeout=5.0, inputs=inputs, log=log)
+    err = identical_errors(log, t + n, "destination")
+    assert sorted(err.failures) == [3]
+    assert ("the first difference is parameter #0 'w', in its placements (REPLICATE, 1) on "
+            "rank(s) [2, 4], (REPLICATE, 0) on rank(s) [3]") in err.failures[3], err.failures
+
+
+@pytest.mark.asyncio
+async def test_a_rank_lost_to_the_records_exchange_leaves_the_chunk_diagnosis() -> None:
+    # Trainer 1 differs; worker 4 hangs in the gather of the records (the third call of its
+    # group): every rank still raises one PreflightError, the one the chunk digests allow.
+    t, n = 2, 3
+    log = Log()
+    inputs = {r: make_inputs(r, t, n, log) for r in range(t + n)}
+    mesh = Mesh((t, 1))
+    inputs[1] = dataclasses.replace(inputs[1], params=[
+        ParamSpec("w", "float32", (12, 6), Layout(mesh, (0, REPLICATE))),
+        ParamSpec("b", "float32", (12,), Layout(mesh, None))])
+    await run_world(t, n, phase_timeout=HANG_TIMEOUT, inputs=inputs, log=log,
+                    fault=Fault("destination", 4, "hang"))
+    err = identical_errors(log, t + n, "source")
+    assert sorted(err.failures) == [0, 1]
+    assert "the first difference from rank 0 is within parameters #0..#15" in err.failures[1]
+    for r in range(t + n):
+        notes = getattr(log.outcome[r], "__notes__", [])
+        assert any("could not be exchanged" in note for note in notes), (r, notes)
 
 
 @pytest.mark.asyncio

@@ -77,6 +77,8 @@ class World:
         self.costs = dict(costs or {})
         self.identity = {r: DataPlaneIdentity("2.30.7", None, (("NCCL_RESHARD_X", "1"),))
                          for r in range(t + n)}
+        self.records_exchanged = 0
+        self.tamper_records: dict[int, Tamper] = {}
 
     def local(self, r: int) -> msgspec.Struct:
         m = self.machines[r]
@@ -106,6 +108,16 @@ class World:
                 verdicts.append(m.receive(payloads))
             except PreflightError as e:
                 verdicts.append(e)
+        if any(m.wants_records for m in self.machines):  # plans differ: one more gather
+            assert all(m.wants_records for m in self.machines)
+            self.records_exchanged += 1
+            records = [self.tamper_records.get(r, m.encode)(m.records())
+                       for r, m in enumerate(self.machines)]
+            verdicts = []
+            for m in self.machines:
+                with pytest.raises(PreflightError) as info:
+                    m.receive_records(records)
+                verdicts.append(info.value)
         first = verdicts[0]
         for v in verdicts[1:]:
             if isinstance(first, PreflightError):
@@ -623,61 +635,207 @@ def test_auto_chooses_by_predicted_cost_and_names_a_rank_whose_costs_differ() ->
     assert agreed is not None and agreed.transport == "m2n" and agreed.predicted_seconds is None
 
 
-def test_a_plan_disagreement_names_where_the_plans_differ() -> None:
-    # 40 params; trainer 2 of 3 has parameter #21 with another shape: the message names the
-    # run of parameters holding it, with rank 0's names there, not just two digests
-    def specs(t: int, odd: bool) -> list[ParamSpec]:
-        mesh = Mesh((t, 1))
-        return [ParamSpec(f"p{i}", "float32", (12, 6 if not (odd and i == 21) else 12),
-                          Layout(mesh, (0, REPLICATE))) for i in range(40)]
+def many_specs(t: int, n: int = 40, **odd: Any) -> list[ParamSpec]:
+    """``n`` params p0, p1, ...; ``odd`` changes one: ``at=21`` and ``name=``/``shape=``/
+    ``dtype=``/``placements=`` (the source layout's)."""
+    mesh = Mesh((t, 1))
+    specs = [ParamSpec(f"p{i}", "float32", (12, 6), Layout(mesh, (0, REPLICATE)))
+             for i in range(n)]
+    if odd:
+        i = odd.pop("at")
+        s = specs[i]
+        layout = Layout(mesh, odd.pop("placements", s.layout.placements))
+        specs[i] = ParamSpec(odd.get("name", s.name), odd.get("dtype", s.dtype),
+                             odd.get("shape", s.shape), layout)
+    return specs
 
-    world = World(3, 2)
-    world.specs = specs(3, False)
+
+def with_trainer_specs(world: World, specs_of: Mapping[int, list[ParamSpec]]) -> World:
+    """``world`` whose trainer r sends ``specs_of[r]`` (else ``world.specs``) in ``source``."""
     base_local = world.local
 
     def local(r: int) -> msgspec.Struct:
         m = world.machines[r]
-        if m.phase is Phase.SOURCE and r == 2:
-            return m.source(specs(3, True))
+        if m.phase is Phase.SOURCE and r in specs_of:
+            return m.source(specs_of[r])
         return base_local(r)
 
     world.local = local  # type: ignore[method-assign]
+    return world
+
+
+def test_a_renamed_parameter_names_the_parameter_the_field_and_who_holds_each_name() -> None:
+    world = World(3, 2)
+    world.specs = many_specs(3)
+    with_trainer_specs(world, {1: many_specs(3, at=21, name="p21.renamed")})
+    err = world.fail_at(Phase.SOURCE, {})  # every rank raised this same error (World.step)
+    assert world.records_exchanged == 1
+    assert sorted(err.failures) == [1]
+    msg = err.failures[1]
+    assert ("the first difference is parameter #21, in its name 'p21' on rank(s) [0, 2], "
+            "'p21.renamed' on rank(s) [1]") in msg, msg
+    assert "2 rank(s) [0, 2] have" in msg and "no majority" not in msg
+
+
+def test_a_different_shape_names_the_parameter_the_field_and_both_values() -> None:
+    world = World(3, 2)
+    world.specs = many_specs(3)
+    with_trainer_specs(world, {2: many_specs(3, at=21, shape=(12, 12))})
+    err = world.fail_at(Phase.SOURCE, {})
+    assert sorted(err.failures) == [2]
+    assert ("the first difference is parameter #21 'p21', in its shape (12, 6) on rank(s) "
+            "[0, 1], (12, 12) on rank(s) [2]") in err.failures[2], err.failures[2]
+
+
+def test_every_differing_field_of_the_first_differing_parameter_is_named() -> None:
+    world = World(3, 1)
+    world.specs = many_specs(3)
+    odd = many_specs(3, at=3, dtype="bfloat16", placements=None)
+    with_trainer_specs(world, {0: odd})  # rank 0, which also ships the specs, is the odd one
+    err = world.fail_at(Phase.SOURCE, {})
+    assert sorted(err.failures) == [0]
+    msg = err.failures[0]
+    assert ("the first difference is parameter #3 'p3', in its dtype float32 on rank(s) "
+            "[1, 2], bfloat16 on rank(s) [0]; and its placements (0, REPLICATE) on rank(s) "
+            "[1, 2], replicated on rank(s) [0]") in msg, msg
+
+
+def test_two_trainers_without_a_majority_are_both_named_and_neither_is_blamed() -> None:
+    world = World(2, 1)
+    world.specs = many_specs(2)
+    with_trainer_specs(world, {1: many_specs(2, at=21, shape=(12, 12))})
+    err = world.fail_at(Phase.SOURCE, {})
+    assert sorted(err.failures) == [0, 1]
+    detail = ("the first difference is parameter #21 'p21', in its shape (12, 6) on rank(s) "
+              "[0], (12, 12) on rank(s) [1] (no majority: neither is taken as right)")
+    for r in (0, 1):
+        assert detail in err.failures[r], err.failures[r]
+        assert "no majority (rank(s) [0]:" in err.failures[r]
+
+
+def test_a_missing_parameter_is_named_with_the_counts() -> None:
+    world = World(2, 1)
+    world.specs = many_specs(2)
+    with_trainer_specs(world, {1: many_specs(2)[:39]})
+    err = world.fail_at(Phase.SOURCE, {})
+    assert sorted(err.failures) == [0, 1]
+    msg = err.failures[1]
+    assert "rank 1 has 39 parameters, rank 0 40" in msg
+    assert ("the first difference is parameter #39: 'p39' on rank(s) [0], absent on rank(s) "
+            "[1] (no majority") in msg, msg
+
+
+def test_an_inserted_parameter_names_the_first_position_that_differs() -> None:
+    world = World(3, 1)
+    world.specs = many_specs(3, n=50)
+    extra = ParamSpec("extra", "float32", (12, 6), Layout(Mesh((3, 1)), (0, REPLICATE)))
+    with_trainer_specs(world, {2: [*world.specs[:37], extra, *world.specs[37:]]})
+    err = world.fail_at(Phase.SOURCE, {})
+    msg = err.failures[2]
+    assert "rank 2 has 51 parameters, rank 0 50" in msg
+    assert ("the first difference is parameter #37, in its name 'p37' on rank(s) [0, 1], "
+            "'extra' on rank(s) [2]") in msg, msg
+
+
+def test_records_that_do_not_match_their_digests_name_the_sender_only() -> None:
+    # Trainer 2 differs; it is asked for its chunk and ships another one: it is named for
+    # that, and its disagreement keeps the diagnosis the chunk digests alone allow.
+    world = World(3, 1)
+    world.specs = many_specs(3)
+    with_trainer_specs(world, {2: many_specs(3, at=21, shape=(12, 12))})
+    world.tamper_records[2] = lambda env: Handshake.encode(msgspec.structs.replace(
+        env, specs=(tuple(world.specs[16:32]),)))
     err = world.fail_at(Phase.SOURCE, {})
     assert sorted(err.failures) == [2]
     msg = err.failures[2]
     assert "the first difference from rank 0 is within parameters #16..#31" in msg, msg
     assert "'p16'" in msg and "rank 0 has" in msg
-    # a missing parameter: the count is named too
-    world = World(2, 1)
-    world.specs = specs(2, False)
-
-    def short(r: int) -> msgspec.Struct:
-        m = world.machines[r]
-        if m.phase is Phase.SOURCE and r == 1:
-            return m.source(specs(2, False)[:39])
-        return World.local(world, r)
-
-    world.local = short  # type: ignore[method-assign]
+    # a reference rank whose records are wrong is named too; the odd rank keeps the run
+    world = World(3, 1)
+    world.specs = many_specs(3)
+    with_trainer_specs(world, {2: many_specs(3, at=21, shape=(12, 12))})
+    world.tamper_records[0] = edit(chunks=[0], specs=[[]])
     err = world.fail_at(Phase.SOURCE, {})
-    # two trainers disagreeing: no majority, both named, each told where
-    assert sorted(err.failures) == [0, 1]
-    assert "rank 1 has 39 parameters, rank 0 40" in err.failures[1]
-    assert "within parameters #32..#47" in err.failures[1]
+    assert sorted(err.failures) == [0, 2]
+    assert "chunks [0], but chunks [1] were asked of it" in err.failures[0], err.failures[0]
+    assert "within parameters #16..#31" in err.failures[2]
 
 
-def test_a_placement_disagreement_names_the_parameters_and_the_reference() -> None:
-    world = World(1, 3)
+def test_a_digest_that_differs_with_equal_chunks_needs_no_records() -> None:
+    err = World(3, 1).fail_at(Phase.SOURCE, {1: replace(digest="f" * 64)})
+    assert sorted(err.failures) == [1]
+    assert "different param names, dtypes, shapes, layouts or order" in err.failures[1]
+
+
+def with_worker_placements(world: World, r: int, placements: dict[str, Any],
+                           mesh_dims: tuple[int, int] | None = None) -> World:
     base_local = world.local
 
-    def local(r: int) -> msgspec.Struct:
-        m = world.machines[r]
-        if m.phase is Phase.DESTINATION and r == 3:
-            return m.destination(("gloo",), (1, 3), {"w": (REPLICATE, 0), "b": None})
-        return base_local(r)
+    def local(q: int) -> msgspec.Struct:
+        m = world.machines[q]
+        if m.phase is Phase.DESTINATION and q == r:
+            return m.destination(("gloo",), mesh_dims or (1, world.n), placements)
+        return base_local(q)
 
     world.local = local  # type: ignore[method-assign]
+    return world
+
+
+def test_a_worker_asking_another_placement_names_the_parameter_and_both_placements() -> None:
+    world = World(1, 3)
+    with_worker_placements(world, 3, {"w": (REPLICATE, 0), "b": None})
     err = world.fail_at(Phase.DESTINATION, {})
+    assert world.records_exchanged == 1
     assert sorted(err.failures) == [3]
     msg = err.failures[3]
-    assert "the first difference from rank 1 is within parameters #0..#15 ['w', 'b']" in msg
-    assert "rank 1 asks for {w: (REPLICATE, 1), b: replicated}" in msg, msg
+    assert ("the first difference is parameter #0 'w', in its placements (REPLICATE, 1) on "
+            "rank(s) [1, 2], (REPLICATE, 0) on rank(s) [3]") in msg, msg
+    # the first worker, which ships the placements, is the odd one: the same diagnosis
+    world = World(1, 3)
+    with_worker_placements(world, 1, {"w": (REPLICATE, 1), "b": (REPLICATE, 0)})
+    err = world.fail_at(Phase.DESTINATION, {})
+    assert sorted(err.failures) == [1]
+    assert ("parameter #1 'b', in its placements replicated on rank(s) [2, 3], "
+            "(REPLICATE, 0) on rank(s) [1]") in err.failures[1], err.failures[1]
+
+
+def test_two_workers_asking_different_placements_without_a_majority() -> None:
+    world = World(1, 2)
+    with_worker_placements(world, 2, {"w": (REPLICATE, 0), "b": None})
+    err = world.fail_at(Phase.DESTINATION, {})
+    assert sorted(err.failures) == [1, 2]
+    for r in (1, 2):
+        assert ("parameter #0 'w', in its placements (REPLICATE, 1) on rank(s) [1], "
+                "(REPLICATE, 0) on rank(s) [2] (no majority: neither is taken as right)"
+                ) in err.failures[r], err.failures[r]
+
+
+def test_a_worker_on_another_mesh_is_told_the_mesh_dims_at_once() -> None:
+    world = World(1, 3)
+    with_worker_placements(world, 2, make_placements(), mesh_dims=(3, 1))
+    err = world.fail_at(Phase.DESTINATION, {})
+    assert world.records_exchanged == 0  # the placements agree: nothing more to fetch
+    assert sorted(err.failures) == [2]
+    assert ("worker mesh dims (1, 3) on rank(s) [1, 3], (3, 1) on rank(s) [2]"
+            in err.failures[2]), err.failures[2]
+
+
+def test_a_records_exchange_is_a_step_of_its_own() -> None:
+    world = World(2, 1)
+    world.specs = many_specs(2)
+    with_trainer_specs(world, {1: many_specs(2, at=5, shape=(12, 12))})
+    world.run_to(Phase.SOURCE)
+    payloads = [m.encode(world.local(r)) for r, m in enumerate(world.machines)]
+    m = world.machines[2]
+    assert m.receive(payloads) is Phase.SOURCE and m.wants_records
+    assert m.error is not None and "within parameters #0..#15" in m.error.failures[1]
+    with pytest.raises(LocalProtocolError, match="records"):
+        m.receive(payloads)
+    with pytest.raises(LocalProtocolError, match="records"):
+        m.source(None)  # the phase is over, though not yet raised
+    assert m.records().chunks == ()  # the worker ships nothing
+    world.machines[0].receive(payloads)
+    assert world.machines[0].records().chunks == (0,)  # its version of chunk 0, as rank 1 its
+    # a deadline during the exchange: FAILED, the chunk-digest diagnosis kept
+    assert m.abandon(Event.TIMED_OUT) is Phase.FAILED and not m.wants_records
+    assert m.error is not None and 1 in m.error.failures
