@@ -203,6 +203,28 @@ async def test_connections_read_into_one_shared_buffer(server: StoreServer) -> N
     await healthy(server)
 
 
+async def test_large_frames_of_many_connections_at_once_arrive_intact(
+        server: StoreServer) -> None:
+    """Sixteen clients write and read back distinct 200 KB values at the same time: their
+    reads interleave in the one shared receive buffer, and no byte crosses over."""
+    clients = [await StoreClient.connect(server.address, token=TOKEN) for _ in range(16)]
+
+    async def one(i: int, c: StoreClient) -> None:
+        value = bytes([i]) * 100_000 + bytes(range(256)) * 390 + bytes([255 - i]) * 160
+        for round_ in range(3):
+            await c.set(f"big/{i}/{round_}", value)
+        for round_ in range(3):
+            assert await c.get(f"big/{i}/{round_}") == value
+
+    with anyio.fail_after(DEADLINE * 3):
+        async with anyio.create_task_group() as tg:
+            for i, c in enumerate(clients):
+                tg.start_soon(one, i, c)
+    for c in clients:
+        await c.aclose()
+    assert server.partial_bytes == 0
+
+
 async def test_unauthenticated_frame_cannot_park_memory(server: StoreServer) -> None:
     """A frame announced before authentication may not grow past a few KiB on the server:
     one that tries (here: a 16 MiB length prefix, then its bytes) is refused at once."""
