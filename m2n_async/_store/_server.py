@@ -63,7 +63,7 @@ import logging
 import socket
 import time
 from types import TracebackType
-from typing import Self, cast
+from typing import Final, Self, cast
 
 import anyio
 import msgspec
@@ -135,7 +135,7 @@ _UNPAUSED_MAX = 256 * 1024
 #: Store-wide budget of bytes held for partly received frames (``max_partial_bytes``) by
 #: default: 16 frames of the default ``max_frame`` parked at once. Real clients' frames are
 #: small and arrive whole; a big ``set`` is in flight for milliseconds.
-DEFAULT_MAX_PARTIAL_BYTES = 256 * 1024 * 1024
+DEFAULT_MAX_PARTIAL_BYTES: Final[int] = 256 * 1024 * 1024
 
 
 def _default_max_connections() -> int:
