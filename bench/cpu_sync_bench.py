@@ -92,6 +92,7 @@ class RankResult(msgspec.Struct):
     tiny_engine_s: list[float] = []    # part 2 (processes 0 and 2)
     tiny_raw_s: list[float] = []
     tiny_connect_s: float = 0.0
+    tiny_phases: dict[str, float] = {}  # this rank's last part-2 SyncResult.phases
     lag_tiny: list[float] = []
     error: str | None = None
 
@@ -117,6 +118,7 @@ def _child(args: Args, rank: int, results: Any) -> None:
         out.error = f"{type(exc).__name__}: {exc}"
     if prof is not None:
         prof.disable()
+        os.makedirs(args.profile, exist_ok=True)  # the rank writes its own file: no race
         prof.dump_stats(os.path.join(args.profile, f"rank{rank}.prof"))
     results.put(msgspec.json.encode(out))
 
@@ -367,7 +369,9 @@ async def _part_tiny(args: Args, rank: int, out: RankResult) -> None:
         await _timed(op, None, sub)
         await _timed(raw, None, sub)
         for _ in range(args.tiny_rounds):
-            out.tiny_engine_s.append((await _timed(op, lag, sub))[0])
+            seconds, res = await _timed(op, lag, sub)
+            out.tiny_engine_s.append(seconds)
+            out.tiny_phases = dict(res.phases)
             out.tiny_raw_s.append((await _timed(raw, None, sub))[0])
     finally:
         await engine.close()
@@ -521,6 +525,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{n * 64 / 1e6:.1f} MB: median {t_raw:.4f} s")
         print(f"   host overhead per parameter: {per * 1e6:.2f} us  (goal <= 0.5 us) "
               f"{'OK' if per <= 0.5e-6 else 'MISSED'}")
+        for who, r in (("trainer", res[TINY_TRAINER]), ("worker", res[ns.trainers])):
+            ph = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r.tiny_phases.items())
+            print(f"   {who} phases of the last round, ms: {ph}")
 
         lags.append(("part 2 sync_weights rounds", res[TINY_TRAINER].lag_tiny))
     print("\n3. event-loop lag on trainer rank 0 (a task sleeping 1 ms; how late it wakes)")

@@ -48,7 +48,7 @@ def median_marks(rows: list[dict[str, float]]) -> dict[str, float]:
 
 async def marks_rank(ctx: _world.RankCtx) -> dict[str, Any]:
     import torch
-    from gpu_sync_bench import _defs
+    from gpu_sync_bench import model_defs as _defs
 
     from m2n_async._engine._pipeline import run_pipeline
 

@@ -448,7 +448,6 @@ class _Engine:
         if bps is not None and self._plan is not None:
             lower = self._plan.lower_bound_seconds(bps)
             eff = lower / seconds if seconds > 0 else None
-        await self._rounds.cleanup(k)
         return SyncResult(version=self._version, round=k, generation=self._generation,
                           bytes=stats.nbytes, seconds=seconds, phases=phases,
                           buckets=stats.buckets, lower_bound_seconds=lower, efficiency=eff,
@@ -670,7 +669,11 @@ class TrainerEngine(_Engine):
                                      f"seconds > 0, got {timeout!r}")
         assert self._plan is not None and self._transport is not None
         plan, transport, rank = self._plan, self._transport, self.rank
-        device = transport.ctx.settings.device or "cpu"
+        # The device the transport resolved ("cuda" -> "cuda:N"): shards are checked against
+        # the very device the transport copies on, index included.
+        resolved = getattr(transport, "device", None)
+        device = str(resolved) if resolved is not None else (
+            transport.ctx.settings.device or "cpu")
         # Before the round: a weights object of the wrong kind, a module lacking plan names,
         # or a dtype that is not a float cast of the wire dtype is refused with nothing
         # sent, the engine still READY.

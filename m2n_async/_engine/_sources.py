@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from itertools import repeat
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -108,6 +109,12 @@ class _Sources:
             self._all_on_device = lambda ts: all(map(_IS_CPU, ts))
         elif kind == "cuda" and not index:
             self._all_on_device = lambda ts: all(map(_IS_CUDA, ts))
+        elif kind == "cuda" and index.isdigit():
+            # is_cuda and then the index: two C-level passes over the shards
+            want = int(index)
+            get_device = torch.Tensor.get_device  # the C method: half methodcaller's cost
+            self._all_on_device = lambda ts: all(map(_IS_CUDA, ts)) and all(
+                map(operator.eq, map(get_device, ts), repeat(want)))
         else:
             self._all_on_device = lambda ts: all(map(self._on_device, ts))
         #: ``precheck`` found every dtype of this round's plain dict accepted
