@@ -22,8 +22,9 @@ per receiving GPU and the efficiency against ``--link-gbps`` (370 GB/s, NVLink o
 * ``m2n_nocoalesce`` -- the same lane with ``coalesce=False``: one reshard per parameter;
 * ``nccl``           -- the ``nccl`` lane (packed per-peer buffers, grouped send/recv);
 * ``m2n_cast``       -- ``m2n`` (coalescing on) with fp32 master sources cast to the bf16 wire;
-* ``pack_only``      -- the trainer's casts alone as the coalescing lane does them: per bucket
-                        one ``torch._foreach_copy_`` of the fp32 shards into bf16 stacked staging;
+* ``pack_only``      -- the trainer's casts alone, per bucket one ``torch._foreach_copy_`` of
+                        the fp32 shards into bf16 stacked staging (the lane's fallback when
+                        Triton is absent; with it the lane runs ``pack_lane``'s kernel);
                         ``pack_per_tensor`` one ``.to(bf16)`` per shard (the old lane);
                         ``pack_flat`` one flat copy of the same bytes (the HBM floor);
 * ``pack_lane``      -- the m2n lane's own ``stage`` of every bucket from the fp32 shards (its
@@ -1182,8 +1183,8 @@ def model_goals(model: str | None, s: Mapping[str, float]) -> list[dict[str, Any
                          "bytes", _div(g("m2n"), g("raw_stacked")), "<=", 1.5))
         out.append(_goal("MoE: per-param m2n (coalescing off) / engine (coalescing on)",
                          _div(g("m2n_nocoalesce"), g("m2n")), ">=", 50))
-        out.append(_goal("MoE: pack_only fp32 -> bf16 (ms)",
-                         None if g("pack_only") is None else g("pack_only") * 1e3, "<=", 1.5))
+        # The pack goal is the lane's own stage (its Triton stack copy, cached tables):
+        # ``pack_only`` is the foreach_copy emulation, kept for comparison.
         out.append(_goal("MoE: the lane's own pack (pack_lane) fp32 -> bf16 (ms)",
                          None if g("pack_lane") is None else g("pack_lane") * 1e3, "<=", 1.5))
     if model == "mixed":
@@ -1380,6 +1381,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--timeout", type=float, default=600.0, help="whole world (seconds)")
     ap.add_argument("--round-deadline", type=float, default=90.0,
                     help="seconds one pipeline or API round may take before it fails")
+    ap.add_argument("--store-process", action="store_true",
+                    help="run the store in a process of its own (as `m2n-async store` beside "
+                         "a job) instead of in trainer rank 0's event loop")
     ap.add_argument("--diagnose", action="store_true",
                     help="also time raw-call variants, the m2n lane with blocking-sync events "
                          "and other buckets, and trace one pipeline round")
@@ -1424,6 +1428,7 @@ def build_case(args: argparse.Namespace) -> dict[str, Any]:
     return {"model": args.model, "iters": args.iters, "slow_iters": args.slow_iters,
             "bucket_bytes": args.bucket_bytes, "max_inflight": args.max_inflight,
             "max_cta": args.max_cta, "diagnose": args.diagnose,
+            "store": "process" if args.store_process else "rank0",
             "coalesce_below": (COALESCE_BELOW_BYTES if args.coalesce_below is None
                                else args.coalesce_below),
             "round_deadline": args.round_deadline, "timeline": bool(args.timeline),

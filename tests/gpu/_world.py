@@ -364,7 +364,7 @@ async def _rank_async(rank: int, world_size: int, trainer_ranks: int, scenario: 
                 await store.set(f"done/{rank}", b"1")
                 await store.aclose()
 
-    if rank == 0:
+    if rank == 0 and case.get("store") != "process":
         async with StoreServer(host="127.0.0.1", port=0, token=TOKEN) as srv:
             for _ in range(world_size - 1):
                 addr_q.put(srv.address)
@@ -378,6 +378,23 @@ async def _rank_async(rank: int, world_size: int, trainer_ranks: int, scenario: 
             return out
     address = await anyio.to_thread.run_sync(addr_q.get, True, 120)
     return await body(address)
+
+
+def _store_entry(addr_q: Any, stop: Any, world_size: int) -> None:
+    """``case["store"] == "process"``: the store in a process of its own, as a launcher runs
+    ``m2n-async store`` beside the job (by default trainer rank 0's event loop serves it,
+    sharing that process's CPU and GIL with the rank's own work)."""
+    import anyio
+
+    from m2n_async import StoreServer
+
+    async def serve() -> None:
+        async with StoreServer(host="127.0.0.1", port=0, token=TOKEN) as srv:
+            for _ in range(world_size):
+                addr_q.put(srv.address)
+            await anyio.to_thread.run_sync(stop.wait)
+
+    anyio.run(serve)
 
 
 def run_world(scenario: str, case: dict[str, Any], *, trainer_ranks: int, world_size: int,
@@ -394,6 +411,11 @@ def run_world(scenario: str, case: dict[str, Any], *, trainer_ranks: int, world_
                                                     case, addr_q, out_q), daemon=True)
              for r in range(world_size)]
     t0 = time.monotonic()
+    store = stop = None
+    if case.get("store") == "process":
+        stop = ctx.Event()
+        store = ctx.Process(target=_store_entry, args=(addr_q, stop, world_size), daemon=True)
+        store.start()
     for p in procs:
         p.start()
     results: dict[int, dict[str, Any]] = {}
@@ -411,5 +433,10 @@ def run_world(scenario: str, case: dict[str, Any], *, trainer_ranks: int, world_
         if p.is_alive():
             p.kill()
             p.join(5)
+    if store is not None and stop is not None:
+        stop.set()
+        store.join(10)
+        if store.is_alive():
+            store.kill()
     return {"results": results, "gpus": gpus, "exitcodes": [p.exitcode for p in procs],
             "seconds": round(time.monotonic() - t0, 2)}
