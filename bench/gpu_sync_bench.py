@@ -937,7 +937,7 @@ async def broadcast_baseline(ctx: _world.RankCtx, plan: Any, sources: Any, targe
 
 BCAST_BUCKET = 64 << 20  # vLLM uses 1 GiB; the small models are 256 MiB - 1 GiB: double-buffer
 BCAST_BUCKET_LARGE = 1 << 30
-NVLINK_GBPS = 370.0  # NCCL's effective NVLink bandwidth per H200 (REFERENCE.md)
+NVLINK_GBPS = 370.0  # NCCL's effective NVLink bandwidth per H200 (docs/nccl-m2n.md §5)
 
 
 # -- threshold sweep: where does one M2N call become bandwidth-bound? --------------------------

@@ -60,7 +60,7 @@ DTYPE_ITEMSIZE: Final[dict[str, int]] = {
     "complex128": 16,
 }
 
-# The twelve dtypes NCCL M2N accepts (REFERENCE §1): no bool, int16 or 4-bit types.
+# The twelve dtypes NCCL M2N accepts (docs/nccl-m2n.md §1): no bool, int16 or 4-bit types.
 M2N_DTYPES: Final[frozenset[str]] = frozenset({
     "int8", "uint8", "float8_e4m3fn", "float8_e5m2", "float16", "bfloat16",
     "int32", "uint32", "float32", "int64", "uint64", "float64",
