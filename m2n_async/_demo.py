@@ -50,6 +50,7 @@ import anyio
 import anyio.to_thread
 import msgspec
 
+from m2n_async._proto.lanes import AUTO, LANES
 from m2n_async._proto.layout import REPLICATE, Layout, Mesh
 from m2n_async._proto.params import ParamSpec, ParamTransfer, dtype_itemsize
 from m2n_async._proto.plan import TransferPlan
@@ -811,7 +812,7 @@ def add_demo_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
     p.add_argument("--size-mb", type=float, default=350.0,
                    help="model size in MB (10^6 bytes; default 350)")
-    p.add_argument("--transport", choices=("gloo", "auto", "nccl", "m2n"), default="gloo",
+    p.add_argument("--transport", choices=(*LANES, AUTO), default="gloo",
                    help="data plane (default gloo; auto picks the best available)")
     p.add_argument("--bucket-mb", type=float, default=64.0,
                    help="bucket size in MiB (default 64)")

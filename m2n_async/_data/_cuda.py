@@ -9,8 +9,9 @@ torch pins 2.28.9 (REFERENCE §1, §3). The version is checked *before* ``nccl.m
 with an older libnccl the import dies on an undefined symbol, which says nothing useful.
 
 *Identity.* What must be equal on every rank (libnccl version, ``max_cta``, the matched
-``NCCL_*`` variables, our own grouping switch) is computed here, for the handshake's
-``data_plane`` phase; ``capabilities`` lists the transports this process can run.
+``NCCL_*`` variables of ``_proto.lanes.nccl_environment``, our own grouping switch) is
+computed here, for the handshake's ``data_plane`` phase; ``gpu_unavailable_reason`` says
+whether this process can run a GPU lane at all.
 
 *Completion.* The event loop never blocks on CUDA. Work is ordered on three streams per
 transport (pack, transfer, unpack); the transfer stream waits on the pack stream through an
@@ -54,7 +55,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -62,13 +63,14 @@ from m2n_async._data import _kernels
 from m2n_async._data._native import poll_until, wait_threadsafe
 from m2n_async._data._transport import Completion, Staging, Transport, TransportSettings
 from m2n_async._proto.errors import LocalProtocolError, PlanError, TransferError
+from m2n_async._proto.handshake import communicator_id, read_communicator_id
+from m2n_async._proto.lanes import nccl_environment
 
 if TYPE_CHECKING:
     import torch
 
     from m2n_async._data._native import NativeCall
     from m2n_async._data._transport import Rendezvous
-    from m2n_async._proto.messages import DataPlaneIdentity
 
 __all__ = [
     "GPU_INSTALL_HINT",
@@ -77,8 +79,6 @@ __all__ = [
     "GpuTransportBase",
     "Signal",
     "Streams",
-    "capabilities",
-    "data_plane_identity",
     "gpu_unavailable_reason",
     "grouping_mode",
     "libnccl_version",
@@ -279,8 +279,6 @@ def gpu_unavailable_reason(transport: str, settings: TransportSettings) -> str |
 
 
 def _gpu_identity(transport: str, settings: TransportSettings) -> dict[str, str]:
-    from m2n_async._proto.handshake import nccl_environment
-
     version, _ = libnccl_version()
     out = {"max_cta": "default" if settings.max_cta is None else str(settings.max_cta)}
     if version is not None:
@@ -289,32 +287,6 @@ def _gpu_identity(transport: str, settings: TransportSettings) -> dict[str, str]
         out[GROUPING_ENV] = grouping_mode()
     out.update(dict(nccl_environment(os.environ)))
     return out
-
-
-def data_plane_identity(transport: str, settings: TransportSettings) -> DataPlaneIdentity:
-    """The handshake's ``DataPlaneIdentity`` for ``transport`` in this process.
-
-    GPU transports: the loaded libnccl version, ``max_cta`` and the matched ``NCCL_*``
-    environment (plus ``M2N_ASYNC_M2N_GROUPING`` for m2n). Other transports: ``max_cta`` and
-    the environment only (the variables still must not differ on ranks of one job).
-    """
-    from m2n_async._proto.handshake import nccl_environment
-    from m2n_async._proto.messages import DataPlaneIdentity
-
-    env = dict(nccl_environment(os.environ))
-    version: str | None = None
-    if transport in ("nccl", "m2n"):
-        version = libnccl_version()[0]
-        if transport == "m2n":
-            env[GROUPING_ENV] = grouping_mode()
-    return DataPlaneIdentity(libnccl_version=version, max_cta=settings.max_cta,
-                             env=tuple(sorted(env.items())))
-
-
-def capabilities(settings: TransportSettings) -> list[str]:
-    """Transports this process can run, best first (always ends with "gloo")."""
-    out = [name for name in ("m2n", "nccl") if gpu_unavailable_reason(name, settings) is None]
-    return [*out, "gloo"]
 
 
 # -- completion: signals, watcher, streams ---------------------------------------------------
@@ -532,10 +504,6 @@ class GpuTransportBase(Transport):
 
     #: Seconds ``close``/``abort`` give the communicator abort before leaving it behind.
     ABORT_TIMEOUT = 10.0
-    #: On NVLink a bucket's fixed costs (submission, completion, loop wake-up) matter: 64 MiB
-    #: buckets made rounds 30-48 % slower than 256 MiB on dense models, 1 GiB gained nothing
-    #: (BENCHMARKS "Multi-GPU"); staging stays bounded by ``max_inflight`` x this.
-    default_bucket_bytes: ClassVar[int] = 256 << 20
 
     def __init__(self, ctx: Any) -> None:
         super().__init__(ctx)
@@ -602,8 +570,9 @@ class GpuTransportBase(Transport):
 
     async def connect(self, rendezvous: Rendezvous) -> None:
         """Create the communicator over all ``world_size`` ranks: rank 0 makes the unique id,
-        the rendezvous broadcasts it, every rank runs ``Communicator.init`` on the native
-        thread, bounded by ``settings.connect_timeout``.
+        the rendezvous broadcasts it with its SHA-256 and the generation (every rank checks
+        both: ``RemoteProtocolError`` naming rank 0), every rank runs ``Communicator.init``
+        on the native thread, bounded by ``settings.connect_timeout``.
 
         Cancellation: the init keeps running on the native thread; a communicator it creates
         after this returned (cancelled or timed out), or after the transport was aborted, is
@@ -611,10 +580,11 @@ class GpuTransportBase(Transport):
         """
         self.check_usable()
         nc = self._nc or nccl_core()
-        uid = None
+        published = None
         if self.ctx.rank == 0:
-            uid = bytes(nc.get_unique_id().as_bytes)
-        uid = await rendezvous.broadcast(uid, name="nccl-unique-id")
+            published = communicator_id(self.ctx.generation, bytes(nc.get_unique_id().as_bytes))
+        uid = read_communicator_id(await rendezvous.broadcast(published, name="nccl-unique-id"),
+                                   self.ctx.generation)
 
         def init() -> Any:
             return nc.Communicator.init(nranks=self.ctx.world_size, rank=self.ctx.rank,

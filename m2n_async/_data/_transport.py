@@ -9,8 +9,9 @@ Lifecycle (who calls what, and when)::
 
     class-level, before the plan is agreed (handshake phases destination / data_plane):
         Transport.unavailable_reason(settings)  -> None or why not usable in this process
-        Transport.check_plan(plan)               -> raises PlanError if it cannot express it
         Transport.identity(settings)             -> values that must be equal on every rank
+    (whether a lane can carry the plan is a fact of the plan: ``_proto.plan.carry_problem``,
+    which the handshake applies to every lane)
     after the destination phase (plan agreed):
         t = create_transport(name, TransportContext(...))    # cheap: no I/O, no resources
     in the runtime_ready phase (local only, no peer communication):
@@ -86,7 +87,6 @@ __all__ = [
     "TransportContext",
     "TransportSettings",
     "create_transport",
-    "select_transport",
     "transport_class",
 ]
 
@@ -102,16 +102,13 @@ LoadCallback: TypeAlias = Callable[[str, "torch.Tensor"], None]
 #: Where a worker's destination shard goes: a tensor written in place, or a load callback.
 Sink: TypeAlias = "torch.Tensor | LoadCallback"
 
-#: name -> import path of the class. Imported lazily: importing ``nccl.m2n`` without a GPU
-#: runtime fails, and a CPU job must not pay for (or trip over) it.
+#: lane name (``_proto.lanes.LANES``) -> import path of its class. Imported lazily: importing
+#: ``nccl.m2n`` without a GPU runtime fails, and a CPU job must not pay for (or trip over) it.
 TRANSPORTS: dict[str, str] = {
     "m2n": "m2n_async._data.m2n:M2NTransport",
     "nccl": "m2n_async._data.nccl:NcclTransport",
     "gloo": "m2n_async._data.gloo:GlooTransport",
 }
-
-#: Preference order of ``transport="auto"`` (DESIGN §1).
-AUTO_ORDER: tuple[str, ...] = ("m2n", "nccl", "gloo")
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +117,8 @@ class TransportSettings:
     matters (``max_cta`` is compared in the data_plane phase; bucket boundaries come from the
     plan and ``bucket_bytes``, which the handshake agrees)."""
 
+    #: The size the agreed buckets (``TransportContext.buckets``) were cut at. No lane reads
+    #: it: they take the boundaries from the context, so none can cut them differently.
     bucket_bytes: int
     max_inflight: int
     max_cta: int | None = None
@@ -335,11 +334,8 @@ class Rendezvous:
 class Transport(ABC):
     """Base of the data planes (module docstring: lifecycle, buffers, threads, errors)."""
 
-    #: The name agreed in the handshake: "gloo", "nccl" or "m2n".
+    #: The name agreed in the handshake: one of ``_proto.lanes.LANES``.
     name: ClassVar[str]
-    #: ``bucket_bytes`` when the engine's config leaves it to the transport (None). CPU: large
-    #: buckets only add memory; the per-bucket costs are small next to socket copies.
-    default_bucket_bytes: ClassVar[int] = 64 << 20
 
     @property
     def detail(self) -> str:
@@ -354,11 +350,6 @@ class Transport(ABC):
         """None when this process can run the transport, else an actionable reason (what to
         install, which version was found). Must not create any resource."""
         return None
-
-    @classmethod
-    def check_plan(cls, plan: TransferPlan) -> None:
-        """Raise ``PlanError`` (naming the param) if this transport cannot express ``plan``."""
-        plan.validate(cls.name)
 
     @classmethod
     def identity(cls, settings: TransportSettings) -> dict[str, str]:
@@ -511,36 +502,6 @@ def transport_class(name: str) -> type[Transport]:
     if not (isinstance(cls, type) and issubclass(cls, Transport)):
         raise LocalProtocolError(f"{path} is not a Transport subclass")
     return cls
-
-
-def select_transport(requested: str, plan: TransferPlan,
-                     settings: TransportSettings) -> tuple[type[Transport], str]:
-    """Resolve ``requested`` ("auto" or a name) to a class and a human-readable reason.
-
-    "auto" picks the first of ``AUTO_ORDER`` that is available in this process and can
-    express the whole plan; the reason lists why each earlier one was skipped. An explicit
-    name that cannot run raises (``PlanError`` for the plan, ``LocalProtocolError`` for the
-    runtime) instead of silently falling back. The choice is local: the handshake's
-    data_plane phase makes every rank agree on it.
-    """
-    names = AUTO_ORDER if requested == "auto" else (requested,)
-    skipped: list[str] = []
-    for name in names:
-        try:
-            cls = transport_class(name)
-            why = cls.unavailable_reason(settings)
-            if why is not None:
-                raise LocalProtocolError(f"transport {name!r} unavailable: {why}")
-            cls.check_plan(plan)
-        except (PlanError, LocalProtocolError) as exc:
-            if requested != "auto":
-                raise
-            skipped.append(f"{name}: {exc}")
-            continue
-        if requested != "auto":
-            return cls, f"{name} (requested)"
-        return cls, f"{name} (auto" + ("; skipped " + "; ".join(skipped) if skipped else "") + ")"
-    raise LocalProtocolError("no transport can run this plan here: " + "; ".join(skipped))
 
 
 def create_transport(name: str, ctx: TransportContext) -> Transport:

@@ -99,7 +99,7 @@ from m2n_async._data._transport import (
 from m2n_async._proto.errors import LocalProtocolError, PeerLostError, PlanError, TransferError
 
 if TYPE_CHECKING:
-    from m2n_async._proto.plan import Bucket, TransferPlan
+    from m2n_async._proto.plan import Bucket
     from m2n_async._store import Store
 
 __all__ = ["GlooTransport", "StoreAdapter"]
@@ -416,10 +416,6 @@ class GlooTransport(Transport):
         if settings.device not in (None, "cpu"):
             return f"gloo moves CPU tensors; device {settings.device!r} requested"
         return None
-
-    @classmethod
-    def check_plan(cls, plan: TransferPlan) -> None:
-        plan.validate("gloo")
 
     @classmethod
     def identity(cls, settings: TransportSettings) -> dict[str, str]:

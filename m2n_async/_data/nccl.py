@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     import torch
 
     from m2n_async._data._transport import TransportContext
-    from m2n_async._proto.plan import Bucket, TransferPlan
+    from m2n_async._proto.plan import Bucket
 
 __all__ = ["NcclStaging", "NcclTransport"]
 
@@ -95,10 +95,6 @@ class NcclTransport(GpuTransportBase):
     def __init__(self, ctx: TransportContext) -> None:
         super().__init__(ctx)
         self._packings: dict[int, BucketPacking] = {}
-
-    @classmethod
-    def check_plan(cls, plan: TransferPlan) -> None:
-        plan.validate("nccl")
 
     def _packing(self, bucket: Bucket) -> BucketPacking:
         got = self._packings.get(bucket.index)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from m2n_async._proto.cost import DEFAULT_LANES, cost_inputs
 from m2n_async._proto.errors import PlanError
+from m2n_async._proto.lanes import AUTO, LANES, REQUESTABLE
 from m2n_async._proto.stacking import COALESCE_BELOW_BYTES
 
 __all__ = ["EngineConfig", "EngineState", "SyncResult"]
@@ -86,9 +87,10 @@ class EngineConfig:
     costs: Mapping[str, tuple[float, float, float]] | None = None
 
     def __post_init__(self) -> None:
-        if self.transport not in ("auto", "m2n", "nccl", "gloo"):
-            raise PlanError(f"EngineConfig.transport must be 'auto', 'm2n', 'nccl' or 'gloo', "
-                            f"got {self.transport!r}")
+        if self.transport not in REQUESTABLE:
+            *head, last = (AUTO, *LANES)
+            raise PlanError(f"EngineConfig.transport must be {', '.join(map(repr, head))} or "
+                            f"{last!r}, got {self.transport!r}")
         if self.bucket_bytes is not None and (type(self.bucket_bytes) is not int
                                               or self.bucket_bytes < 1):
             raise PlanError(f"EngineConfig.bucket_bytes must be None or an int >= 1, got "

@@ -43,7 +43,6 @@ import anyio.to_thread
 
 from m2n_async._data._native import NativeThread
 from m2n_async._data._transport import (
-    AUTO_ORDER,
     Rendezvous,
     Sink,
     Transport,
@@ -71,6 +70,7 @@ from m2n_async._proto.errors import (
     TransferError,
 )
 from m2n_async._proto.handshake import Phase, PreflightPlan
+from m2n_async._proto.lanes import LANES, bucket_bytes
 from m2n_async._proto.messages import (
     PROTO_VERSION,
     CostInputs,
@@ -198,9 +198,7 @@ class _Engine:
     def _bucket_bytes(self, transport: str) -> int:
         """The config's ``bucket_bytes``, or the transport's default when it is None: a pure
         function of the agreed transport, so every rank derives the same buckets."""
-        if self.config.bucket_bytes is not None:
-            return self.config.bucket_bytes
-        return transport_class(transport).default_bucket_bytes
+        return bucket_bytes(transport, self.config.bucket_bytes)
 
     def _settings(self, transport: str = "gloo") -> TransportSettings:
         c = self.config
@@ -238,7 +236,7 @@ class _Engine:
 
     def _capabilities(self) -> list[str]:
         out = []
-        for name in AUTO_ORDER:
+        for name in LANES:
             try:
                 if transport_class(name).unavailable_reason(self._settings(name)) is None:
                     out.append(name)

@@ -28,7 +28,6 @@ or buffer; only the engine's ``prepare_runtime`` callback may, in ``runtime_read
 from __future__ import annotations
 
 import functools
-import hashlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
@@ -37,14 +36,11 @@ import anyio
 import msgspec
 
 from m2n_async._engine import _faults
-from m2n_async._proto.errors import PeerLostError, PreflightError, StoreError
+from m2n_async._proto.errors import PeerLostError, StoreError
 from m2n_async._proto.handshake import Event, Handshake, Phase, PreflightPlan
 from m2n_async._proto.messages import (
-    PROTO_VERSION,
-    CommunicatorId,
     CostInputs,
     DataPlaneIdentity,
-    PhaseFailure,
 )
 from m2n_async._proto.params import ParamSpec
 from m2n_async._proto.plan import TransferPlan
@@ -56,7 +52,6 @@ __all__ = [
     "PreflightOutcome",
     "phase_deadline",
     "run_preflight",
-    "share_unique_id",
 ]
 
 DEFAULT_PER_PARAM_TIMEOUT = 1e-4
@@ -162,58 +157,6 @@ async def run_preflight(group: ControlGroup, inputs: PreflightInputs, *, phase_t
                             plan=agreed.plan, digest=agreed.digest, transport=agreed.transport,
                             reason=agreed.reason, seconds=seconds,
                             predicted_seconds=agreed.predicted_seconds)
-
-
-async def share_unique_id(group: ControlGroup, generation: int,
-                          create: Callable[[], bytes] | None, *, phase_timeout: float
-                          ) -> bytes:
-    """Rank 0's communicator unique id on every rank, after ``run_preflight`` succeeded.
-
-    Rank 0 passes ``create`` (e.g. ``lambda: bytes(nccl.get_unique_id().as_bytes)``), the
-    others ``None``. The id travels with its SHA-256 and the generation; every rank checks
-    both. If ``create`` raises on rank 0, every rank raises the same
-    ``PreflightError("connected", {0: ...})`` instead of waiting for an id that never comes.
-    ``TimeoutError``/``PeerLostError`` as in ``run_preflight``.
-
-    Cancellation: propagates; rank 0's id may already be visible to the others, which then
-    time out. Nothing is created here except the id bytes themselves.
-    """
-    if (group.rank == 0) != (create is not None):
-        raise ValueError("share_unique_id: rank 0, and only rank 0, passes `create`")
-    if not phase_timeout > 0:
-        raise ValueError(f"share_unique_id phase_timeout must be > 0, got {phase_timeout}")
-    phase = Phase.CONNECTED.value
-    payload = b""
-    if create is not None:
-        try:
-            uid = bytes(create())
-            env: msgspec.Struct = CommunicatorId(PROTO_VERSION, generation,
-                                                 hashlib.sha256(uid).hexdigest(), uid)
-        except Exception as exc:  # reported to every rank, below
-            env = PhaseFailure(PROTO_VERSION, generation, 0, phase,
-                               f"{type(exc).__name__}: {exc}")
-        payload = Handshake.encode(env)
-
-    async def produce() -> bytes:
-        return payload
-
-    raw = await _gather(group, phase, generation, phase_timeout, produce, None)
-    try:
-        got = msgspec.msgpack.decode(raw[0], type=CommunicatorId | PhaseFailure)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise PreflightError(phase, {0: f"sent an invalid unique-id envelope: {exc}"},
-                             generation=generation) from None
-    if isinstance(got, PhaseFailure):
-        raise PreflightError(phase, {0: f"could not create the unique id: {got.error}"},
-                             generation=generation)
-    if got.proto_version != PROTO_VERSION or got.generation != generation:
-        raise PreflightError(phase, {0: f"unique id of protocol {got.proto_version}, generation "
-                                        f"{got.generation}; expected {PROTO_VERSION}, "
-                                        f"{generation}"}, generation=generation)
-    if hashlib.sha256(got.unique_id).hexdigest() != got.digest:
-        raise PreflightError(phase, {0: "unique id does not match its SHA-256 (corrupted)"},
-                             generation=generation)
-    return got.unique_id
 
 
 # -- machinery ------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import msgspec
 
+from m2n_async._proto import lanes
 from m2n_async._proto.cost import DEFAULT_LANES, cost_inputs, pick, predict
 from m2n_async._proto.errors import PlanError
 from m2n_async._proto.layout import REPLICATE, Layout, Mesh
@@ -47,7 +48,7 @@ from m2n_async._proto.params import ParamSpec, ParamTransfer
 from m2n_async._proto.plan import (
     MAX_BUCKET_PARAMS,
     TransferPlan,
-    check_plan_limits,
+    carry_problem,
     complete_plan_digest,
     split_buckets,
 )
@@ -65,9 +66,6 @@ __all__ = [
     "plan_from_file",
     "summarize",
 ]
-
-TRANSPORT_ORDER = ("m2n", "nccl", "gloo")
-DEFAULT_BUCKET_BYTES = 512 << 20
 
 PlacementEntry = int | str
 PlacementsField = str | list[PlacementEntry] | None
@@ -301,9 +299,12 @@ def load_plan_file(path: str | Path) -> tuple[TransferPlan, int | None]:
     return plan_from_file(spec)
 
 
-def summarize(plan: TransferPlan, *, source: str = "", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+def summarize(plan: TransferPlan, *, source: str = "", bucket_bytes: int | None = None,
               bandwidth_bytes_per_second: float = 50e9) -> PlanSummary:
-    """Everything ``m2n-async plan`` reports about ``plan``."""
+    """Everything ``m2n-async plan`` reports about ``plan``.
+
+    ``bucket_bytes`` None: each transport's default, as an engine whose config leaves it None
+    runs; the buckets reported are then those of the transport ``auto`` would choose."""
     dtypes: dict[str, int] = {}
     best_in, best_out = Extreme(0, ""), Extreme(0, "")
     for i, p in enumerate(plan.params):
@@ -313,22 +314,16 @@ def summarize(plan: TransferPlan, *, source: str = "", bucket_bytes: int = DEFAU
             best_in = Extreme(fi, p.name)
         if fo > best_out.value:
             best_out = Extreme(fo, p.name)
-    # What the engine runs: byte-budget buckets cut into runs of at most MAX_BUCKET_PARAMS.
-    buckets = split_buckets(plan, plan.buckets(bucket_bytes), MAX_BUCKET_PARAMS)
-    transports: dict[str, str] = {}
-    for t in TRANSPORT_ORDER:
-        try:
-            plan.validate(t)
-            check_plan_limits(plan, t)
-        except PlanError as e:
-            transports[t] = str(e)
-        else:
-            transports[t] = "ok"
-    ok = [t for t in TRANSPORT_ORDER if transports[t] == "ok"]
-    costs = cost_inputs(DEFAULT_LANES, dict.fromkeys(DEFAULT_LANES, bucket_bytes),
-                        COALESCE_BELOW_BYTES)
+    transports = {t: carry_problem(plan, t) or "ok" for t in lanes.LANES}
+    ok = [t for t in lanes.LANES if transports[t] == "ok"]
+    sizes = {t: lanes.bucket_bytes(t, bucket_bytes) for t in DEFAULT_LANES}
+    costs = cost_inputs(DEFAULT_LANES, sizes, COALESCE_BELOW_BYTES)
     predicted = predict(plan, costs, ok)
     auto = pick(predicted, ok)[0] if ok else "none"
+    # What the engine runs: byte-budget buckets cut into runs of at most MAX_BUCKET_PARAMS,
+    # at the size of the transport it would run (auto's choice; else the first lane).
+    size = lanes.bucket_bytes(auto if ok else lanes.LANES[0], bucket_bytes)
+    buckets = split_buckets(plan, plan.buckets(size), MAX_BUCKET_PARAMS)
     ranks = [RankLoad(r, "trainer" if r < plan.trainer_ranks else "worker",
                       plan.send_bytes(r), plan.recv_bytes(r)) for r in range(plan.world_size)]
     return PlanSummary(
@@ -342,7 +337,7 @@ def summarize(plan: TransferPlan, *, source: str = "", bucket_bytes: int = DEFAU
         digest=complete_plan_digest(plan),
         fan_in=best_in,
         fan_out=best_out,
-        bucket_bytes=bucket_bytes,
+        bucket_bytes=size,
         buckets=len(buckets),
         largest_bucket_bytes=max((b.nbytes for b in buckets), default=0),
         ranks=ranks,
@@ -417,9 +412,11 @@ def add_plan_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument("--bandwidth", type=float, default=50.0, metavar="GB_PER_S",
                    help="link bandwidth per rank and direction in GB/s for the lower bound "
                         "(default 50, a 400G NIC; NVLink4 is about 370)")
+    defaults = ", ".join(f"{human_bytes(n)} on {t}" for t, n in lanes.DEFAULT_BUCKET_BYTES.items())
     p.add_argument("--bucket-bytes", default=None, metavar="SIZE",
-                   help="bucket size, e.g. 512MiB (default: the file's, else 512MiB)")
-    p.add_argument("--require", choices=TRANSPORT_ORDER, default=None,
+                   help=f"bucket size, e.g. 512MiB (default: the file's, else the engine's "
+                        f"default of the transport auto picks: {defaults})")
+    p.add_argument("--require", choices=lanes.LANES, default=None,
                    help="exit 1 unless this transport can carry the plan")
     p.add_argument("--all-ranks", action="store_true", help="list every rank")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -437,7 +434,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
         return 1
     try:
         bucket = (parse_size(args.bucket_bytes, "--bucket-bytes")
-                  if args.bucket_bytes is not None else file_bucket or DEFAULT_BUCKET_BYTES)
+                  if args.bucket_bytes is not None else file_bucket)
         if not args.bandwidth > 0:
             raise PlanError(f"--bandwidth must be > 0 GB/s, got {args.bandwidth}")
         summary = summarize(plan, source=str(args.spec), bucket_bytes=bucket,

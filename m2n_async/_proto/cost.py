@@ -33,11 +33,11 @@ from typing import Final, NamedTuple
 import msgspec
 
 from m2n_async._proto.errors import PlanError
+from m2n_async._proto.lanes import LANE_NAMES, PREFERENCE
 from m2n_async._proto.messages import CostInputs, LaneCost
 from m2n_async._proto.plan import (
     M2N_MAX_CALL_BYTES,
     MAX_BUCKET_PARAMS,
-    TRANSPORTS,
     TransferPlan,
     split_buckets,
 )
@@ -98,9 +98,9 @@ def cost_inputs(lanes: Mapping[str, tuple[float, float, float]],
     """Validated ``CostInputs`` from per-lane terms and each lane's bucket size."""
     out = []
     for lane in sorted(lanes):
-        if lane not in TRANSPORTS:
+        if lane not in LANE_NAMES:
             raise PlanError(f"cost terms for unknown transport {lane!r} (known: "
-                            f"{', '.join(sorted(TRANSPORTS))})")
+                            f"{', '.join(sorted(LANE_NAMES))})")
         terms = lanes[lane]
         if len(terms) != 3 or not all(isinstance(x, int | float) and not isinstance(x, bool)
                                       and math.isfinite(x) and x >= 0 for x in terms):
@@ -161,6 +161,6 @@ def pick(predicted: Mapping[str, Prediction], preference: Sequence[str]) -> tupl
     cheapest = min(cands, key=lambda t: predicted[t].seconds)  # the first of equals
     if predicted[cheapest].seconds * AUTO_MARGIN < predicted[first].seconds:
         return cheapest, (f"predicted over {AUTO_MARGIN:g}x faster than {first!r}, the first "
-                          f"of m2n > nccl > gloo")
-    return first, (f"the first of m2n > nccl > gloo, as none is predicted {AUTO_MARGIN:g}x "
+                          f"of {PREFERENCE}")
+    return first, (f"the first of {PREFERENCE}, as none is predicted {AUTO_MARGIN:g}x "
                    f"faster")

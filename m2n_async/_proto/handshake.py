@@ -42,17 +42,24 @@ from __future__ import annotations
 import enum
 import hashlib
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final, NoReturn, TypeAlias, TypeVar
 
 import msgspec
 
 from m2n_async._proto.cost import Prediction, pick, predict
-from m2n_async._proto.errors import LocalProtocolError, PlanError, PreflightError
+from m2n_async._proto.errors import (
+    LocalProtocolError,
+    PlanError,
+    PreflightError,
+    RemoteProtocolError,
+)
+from m2n_async._proto.lanes import AUTO, LANE_NAMES, LANES, PREFERENCE, REQUESTABLE
 from m2n_async._proto.layout import Layout, Mesh, show_placements
 from m2n_async._proto.messages import (
     PROTO_VERSION,
+    CommunicatorId,
     CostInputs,
     DataPlaneIdentity,
     DataPlaneReport,
@@ -66,29 +73,25 @@ from m2n_async._proto.messages import (
 from m2n_async._proto.params import ParamSpec, ParamTransfer
 from m2n_async._proto.plan import (
     TransferPlan,
-    check_plan_limits,
+    carry_problem,
     complete_plan_digest,
     source_plan_digest,
     validate_source_specs,
 )
 
 __all__ = [
-    "DIAGNOSTIC_NCCL_VARIABLES",
     "ENVELOPE_OF",
-    "KNOWN_TRANSPORTS",
-    "MATCHED_NCCL_VARIABLES",
-    "REQUESTABLE_TRANSPORTS",
     "TRANSITIONS",
-    "TRANSPORT_PREFERENCE",
     "Event",
     "Handshake",
     "Phase",
     "PreflightPlan",
     "choose_transport",
+    "communicator_id",
     "mermaid",
-    "nccl_environment",
     "phases_doc",
     "placements_digest",
+    "read_communicator_id",
 ]
 
 
@@ -157,22 +160,6 @@ _PHASE_DOC: Final[Mapping[Phase, str]] = {
                   "nothing of the data plane was created by the handshake",
 }
 
-KNOWN_TRANSPORTS: Final[frozenset[str]] = frozenset({"m2n", "nccl", "gloo"})
-REQUESTABLE_TRANSPORTS: Final[frozenset[str]] = KNOWN_TRANSPORTS | {"auto"}
-TRANSPORT_PREFERENCE: Final[tuple[str, ...]] = ("m2n", "nccl", "gloo")
-
-"""``transport="auto"`` takes the first of these every rank can run and that fits the plan."""
-
-# NCCL M2N reads these only for logs and traces, so ranks may differ (REFERENCE §1).
-DIAGNOSTIC_NCCL_VARIABLES: Final[frozenset[str]] = frozenset({
-    "NCCL_RESHARD_LOG_LEVEL", "NCCL_RESHARD_SPLIT_KERNEL_TRACE",
-})
-# Outside NCCL_RESHARD_*: a rank that enables multi-rank-per-GPU (or NVLS) while its peers do
-# not fails communicator init, or hangs in it; cheaper to name the variable now.
-MATCHED_NCCL_VARIABLES: Final[frozenset[str]] = frozenset({
-    "NCCL_MULTI_RANK_GPU_ENABLE", "NCCL_NVLS_ENABLE",
-})
-
 # A PhaseFailure carries a local exception's text; bound it so one rank's huge message (a
 # repr of a tensor, say) cannot bloat every rank's gather.
 _MAX_ERROR_CHARS: Final[int] = 2000
@@ -183,6 +170,7 @@ _HandshakeEnvelope: TypeAlias = (Hello | SourcePlan | DestinationPlan | DataPlan
                                  | RuntimeReady | PhaseFailure)
 _DECODER: Final = msgspec.msgpack.Decoder(_HandshakeEnvelope)
 _RECORDS_DECODER: Final = msgspec.msgpack.Decoder(DiffRecords | PhaseFailure)
+_COMMUNICATOR_ID_DECODER: Final = msgspec.msgpack.Decoder(CommunicatorId)
 
 
 class _Header(msgspec.Struct):
@@ -300,18 +288,38 @@ def placements_digest(mesh_dims: tuple[int, int],
     return hashlib.sha256(b"m2n-placements\0" + body).hexdigest()
 
 
-def nccl_environment(environ: Mapping[str, str],
-                     also: Iterable[str] = MATCHED_NCCL_VARIABLES) -> tuple[tuple[str, str], ...]:
-    """The NCCL variables that must be equal on every rank, sorted ``(name, value)``.
+# -- connected: the communicator's unique id ------------------------------------------------
+# It exists only after every phase passed, so no phase can compare it: rank 0 publishes it
+# with its SHA-256 and the generation, and every rank checks both on receipt. Bytes damaged
+# or replaced in the store then fail the connect naming rank 0, instead of NCCL joining a
+# communicator that never forms (a hang until the connect deadline).
 
-    Every ``NCCL_RESHARD_*`` variable except the diagnostic ones, plus the names in ``also``.
-    Takes the environment as an argument (the core reads no process state).
-    """
-    wanted = set(also)
-    return tuple(sorted(
-        (k, v) for k, v in environ.items()
-        if (k.startswith("NCCL_RESHARD_") and k not in DIAGNOSTIC_NCCL_VARIABLES)
-        or k in wanted))
+
+def communicator_id(generation: int, unique_id: bytes) -> bytes:
+    """What rank 0 publishes for the ``connected`` phase: the encoded ``CommunicatorId`` of
+    its NCCL unique id (the id, its SHA-256 and the generation)."""
+    uid = bytes(unique_id)
+    return _ENCODER.encode(CommunicatorId(PROTO_VERSION, generation,
+                                          hashlib.sha256(uid).hexdigest(), uid))
+
+
+def read_communicator_id(raw: bytes, generation: int) -> bytes:
+    """The unique id in rank 0's ``communicator_id`` bytes, checked against its SHA-256, the
+    protocol version and ``generation``; ``RemoteProtocolError`` naming rank 0 otherwise."""
+    try:
+        got = _COMMUNICATOR_ID_DECODER.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise RemoteProtocolError(f"phase 'connected' (generation {generation}): rank 0 sent "
+                                  f"an invalid unique-id envelope: {exc}") from None
+    if got.proto_version != PROTO_VERSION or got.generation != generation:
+        raise RemoteProtocolError(
+            f"phase 'connected' (generation {generation}): rank 0's unique id is of protocol "
+            f"{got.proto_version}, generation {got.generation}; expected {PROTO_VERSION}, "
+            f"{generation}")
+    if hashlib.sha256(got.unique_id).hexdigest() != got.digest:
+        raise RemoteProtocolError(f"phase 'connected' (generation {generation}): rank 0's "
+                                  "unique id does not match its SHA-256 (corrupted)")
+    return got.unique_id
 
 
 _H = TypeVar("_H", bound=Hashable)
@@ -366,13 +374,13 @@ def choose_transport(plan: TransferPlan, requested: str,
     """The transport for ``plan``, why, and its predicted round; or ``{rank: message}`` when
     none can be used.
 
-    ``auto``: of the transports every rank can run and that can carry the whole plan (dtypes,
-    tensor rank, fan-in/out limits), the first of ``TRANSPORT_PREFERENCE`` — unless another
-    is predicted ``AUTO_MARGIN`` times faster (``_proto.cost.pick``), then the fastest; lanes
-    without terms are not predicted; without ``costs``, the first of
-    ``TRANSPORT_PREFERENCE``. An explicit transport must be runnable
-    on every rank (else the ranks that cannot are named) and carry the plan (else every rank
-    is named, with the parameter: the plan is everybody's).
+    ``auto``: of the transports every rank can run and that can carry the whole plan
+    (``plan.carry_problem``: dtypes, tensor rank, fan-in/out limits), the first in the order
+    of ``lanes.LANES`` — unless another is predicted ``AUTO_MARGIN`` times faster
+    (``_proto.cost.pick``), then the fastest; lanes without terms are not predicted; without
+    ``costs``, the first. An explicit transport must be runnable on every rank (else the
+    ranks that cannot are named) and carry the plan (else every rank is named, with the
+    parameter: the plan is everybody's).
     """
     ranks = sorted(capabilities)
 
@@ -380,19 +388,14 @@ def choose_transport(plan: TransferPlan, requested: str,
         lacking = [r for r in ranks if t not in capabilities[r]]
         if lacking:
             return lacking, None
-        try:
-            plan.validate(t)
-            check_plan_limits(plan, t)
-        except PlanError as e:
-            return [], str(e)
-        return [], None
+        return [], carry_problem(plan, t)
 
-    if requested == "auto":
+    if requested == AUTO:
         notes: list[str] = []
         per_rank: dict[int, list[str]] = {}
         global_notes: list[str] = []
         usable: list[str] = []
-        for t in TRANSPORT_PREFERENCE:
+        for t in LANES:
             lacking, problem = blocked(t)
             if not lacking and problem is None:
                 usable.append(t)
@@ -431,7 +434,7 @@ def _cheapest(plan: TransferPlan, usable: Sequence[str], costs: CostInputs | Non
     predicted = predict(plan, costs, usable) if costs is not None else {}
     if not predicted:
         t = usable[0]
-        return (t, f"auto chose {t!r}: the first of m2n > nccl > gloo that every rank can run "
+        return (t, f"auto chose {t!r}: the first of {PREFERENCE} that every rank can run "
                    f"and that can carry the whole plan{extra}", None)
     best, why = pick(predicted, usable)
     ranked = ", ".join(predicted[t].describe() for t in usable if t in predicted)
@@ -758,9 +761,9 @@ class Handshake:
         for r, h in hellos.items():
             if h.role not in _ROLES:
                 _add(failures, r, f"role {h.role!r} is neither 'trainer' nor 'worker'")
-            if h.transport not in REQUESTABLE_TRANSPORTS:
+            if h.transport not in REQUESTABLE:
                 _add(failures, r, f"requested transport {h.transport!r} is not one of "
-                                  f"{sorted(REQUESTABLE_TRANSPORTS)}")
+                                  f"{sorted(REQUESTABLE)}")
         topo, odd = _outliers({r: (h.world_size, h.trainer_ranks) for r, h in hellos.items()})
         for r, note in odd.items():
             h = hellos[r]
@@ -837,10 +840,10 @@ class Handshake:
         dests = {r: e for r, e in envs.items() if isinstance(e, DestinationPlan)}
         specs = self._agreed_specs()
         for r, d in dests.items():
-            unknown = [c for c in d.capabilities if c not in KNOWN_TRANSPORTS]
+            unknown = [c for c in d.capabilities if c not in LANE_NAMES]
             if unknown or len(set(d.capabilities)) != len(d.capabilities):
                 _add(failures, r, f"capabilities {list(d.capabilities)} must be distinct names "
-                                  f"from {sorted(KNOWN_TRANSPORTS)}")
+                                  f"from {sorted(LANE_NAMES)}")
             if r < t:
                 if (d.mesh_dims, d.placements_digest, d.placements) != (None, None, None):
                     _add(failures, r, "a trainer sent destination placements (only workers "

@@ -43,6 +43,7 @@ from typing import Final, NamedTuple, Protocol
 import msgspec
 
 from m2n_async._proto.errors import PlanError
+from m2n_async._proto.lanes import check_lane
 from m2n_async._proto.layout import Box, Layout, show_placements
 from m2n_async._proto.messages import (
     PLAN_SCHEMA_VERSION,
@@ -64,12 +65,12 @@ __all__ = [
     "M2N_MAX_FAN_IN",
     "M2N_MAX_FAN_OUT",
     "MIN_PIECE_BYTES",
-    "TRANSPORTS",
     "Bucket",
     "ParamTransfer",
     "Piece",
     "CAST_DTYPES",
     "TransferPlan",
+    "carry_problem",
     "cast_problem",
     "check_plan_limits",
     "check_source_dtype",
@@ -80,7 +81,6 @@ __all__ = [
     "validate_source_specs",
 ]
 
-TRANSPORTS: Final[frozenset[str]] = frozenset({"m2n", "nccl", "gloo"})
 M2N_MAX_FAN_IN: Final[int] = 16
 #: Most bytes one M2N reshard may pack on one rank with NCCL's default PACK staging (4 slots of
 #: 2 GiB; REFERENCE §1): a bigger one fails at run time unless ``NCCL_RESHARD_PACK_BUFFSIZES``
@@ -301,12 +301,6 @@ def _m2n_problem(spec: ParamSpec) -> str | None:
     return None
 
 
-def _check_transport(transport: str) -> None:
-    if transport not in TRANSPORTS:
-        raise PlanError(f"unknown transport {transport!r} (expected one of "
-                        f"{', '.join(sorted(TRANSPORTS))})")
-
-
 def _check_mesh(spec_name: str, layout: Layout, side: str, start: int, size: int) -> None:
     m = layout.mesh
     if m.start_rank != start or m.size != size:
@@ -326,7 +320,7 @@ def validate_source_specs(specs: Sequence[ParamSpec], trainer_ranks: int,
     if type(trainer_ranks) is not int or trainer_ranks < 1:
         raise PlanError(f"trainer_ranks must be an int >= 1, got {trainer_ranks!r}")
     if transport is not None:
-        _check_transport(transport)
+        check_lane(transport)
     seen: dict[str, int] = {}
     checked: set[Layout] = set()
     for i, spec in enumerate(specs):
@@ -586,7 +580,7 @@ def check_plan_limits(plan: TransferPlan, transport: str) -> None:
     PACK staging; ``auto`` then picks ``nccl``, which has no such limit). ``nccl``/``gloo``:
     no limits.
     """
-    _check_transport(transport)
+    check_lane(transport)
     if transport != "m2n":
         return
     gids = plan._geo_index()
@@ -610,6 +604,18 @@ def check_plan_limits(plan: TransferPlan, transport: str) -> None:
             raise PlanError(
                 f"parameter {p.name!r}: fan-out {g.fan_out} destination shards from one source "
                 f"shard exceeds the M2N limit {M2N_MAX_FAN_OUT} ({_sides(p)})")
+
+
+def carry_problem(plan: TransferPlan, transport: str) -> str | None:
+    """Why ``transport`` cannot carry the whole of ``plan`` (dtypes, tensor rank, M2N's
+    fan-in/out and size limits), naming the parameter; None when it can. What ``auto``
+    rules lanes out by, and what ``m2n-async plan`` reports per lane."""
+    try:
+        plan.validate(transport)
+        check_plan_limits(plan, transport)
+    except PlanError as e:
+        return str(e)
+    return None
 
 
 # -- digests --------------------------------------------------------------------------------

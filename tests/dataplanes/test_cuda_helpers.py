@@ -10,10 +10,9 @@ import anyio
 import pytest
 
 from m2n_async._data import _cuda
-from m2n_async._data._transport import TransportSettings, select_transport
+from m2n_async._data._transport import TransportSettings, transport_class
 from m2n_async._proto.errors import LocalProtocolError
-
-from ._world import R, make_plan
+from m2n_async._proto.lanes import GPU_LANES, LANES
 
 SETTINGS = TransportSettings(bucket_bytes=1 << 20, max_inflight=2)
 
@@ -46,46 +45,33 @@ def test_new_libnccl_imports_m2n(fake_world):
 def test_cpu_host_cannot_run_gpu_transports(fake_world):
     if _cuda._torch().cuda.is_available():  # pragma: no cover - GPU hosts
         pytest.skip("this host has CUDA")
-    for name in ("m2n", "nccl"):
+    for name in GPU_LANES:
         reason = _cuda.gpu_unavailable_reason(name, SETTINGS)
         assert reason is not None and "CUDA is not available" in reason
-    assert _cuda.capabilities(SETTINGS) == ["gloo"]
     reason = _cuda.gpu_unavailable_reason("nccl", TransportSettings(1, 1, device="cpu"))
     assert reason is not None and "not a CUDA device" in reason
 
 
-def test_auto_never_picks_a_gpu_transport_without_cuda(fake_world):
+def test_only_gloo_is_usable_without_cuda(fake_world):
+    # What the engine's capabilities ask each lane; auto then never picks a GPU lane.
     if _cuda._torch().cuda.is_available():  # pragma: no cover - GPU hosts
         pytest.skip("this host has CUDA")
-    plan = make_plan([("w", (8, 4), "bfloat16", (R, 0), (R, 1))], (1, 2), (1, 2))
-    try:
-        cls, reason = select_transport("auto", plan, SETTINGS)
-    except LocalProtocolError as exc:  # gloo may not be built yet by its owner
-        assert "m2n" in str(exc) and "CUDA is not available" in str(exc)
-        return
-    assert cls.name == "gloo"
-    assert "m2n: " in reason and "nccl: " in reason and "CUDA is not available" in reason
-    with pytest.raises(LocalProtocolError, match="CUDA is not available"):
-        select_transport("m2n", plan, SETTINGS)
+    reasons = {name: transport_class(name).unavailable_reason(SETTINGS) for name in LANES}
+    assert reasons["gloo"] is None
+    assert all("CUDA is not available" in (reasons[name] or "") for name in GPU_LANES)
 
 
 def test_identity_matches_the_handshake_filter(fake_world, monkeypatch):
     monkeypatch.setenv("NCCL_RESHARD_NUM_CTAS", "8")
     monkeypatch.setenv("NCCL_RESHARD_LOG_LEVEL", "DEBUG")  # diagnostic: may differ
     monkeypatch.setenv(_cuda.GROUPING_ENV, "off")
-    ident = _cuda.data_plane_identity("m2n", TransportSettings(1, 1, max_cta=4))
-    env = dict(ident.env)
-    assert ident.libnccl_version == "2.30.7" and ident.max_cta == 4
-    assert env["NCCL_RESHARD_NUM_CTAS"] == "8" and env[_cuda.GROUPING_ENV] == "off"
-    assert "NCCL_RESHARD_LOG_LEVEL" not in env
-    assert list(ident.env) == sorted(ident.env)
-    from m2n_async._data.m2n import M2NTransport
-
-    d = M2NTransport.identity(TransportSettings(1, 1, max_cta=4))
+    d = transport_class("m2n").identity(TransportSettings(1, 1, max_cta=4))
     assert d["libnccl_version"] == "2.30.7" and d["max_cta"] == "4"
-    assert d[_cuda.GROUPING_ENV] == "off"
-    gloo = _cuda.data_plane_identity("gloo", TransportSettings(1, 1))
-    assert gloo.libnccl_version is None
+    assert d["NCCL_RESHARD_NUM_CTAS"] == "8" and d[_cuda.GROUPING_ENV] == "off"
+    assert "NCCL_RESHARD_LOG_LEVEL" not in d
+    nccl = transport_class("nccl").identity(TransportSettings(1, 1))
+    assert nccl["NCCL_RESHARD_NUM_CTAS"] == "8" and _cuda.GROUPING_ENV not in nccl
+    assert "libnccl_version" not in transport_class("gloo").identity(TransportSettings(1, 1))
 
 
 def test_grouping_mode_rejects_typos(monkeypatch):

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from m2n_async import EngineConfig, TrainerEngine
-from m2n_async._data._transport import transport_class
 from m2n_async._proto.errors import PlanError
+from m2n_async._proto.lanes import DEFAULT_BUCKET_BYTES, LANES
 
 
 def _resolve(cfg: EngineConfig, transport: str) -> int:
@@ -21,8 +21,7 @@ def test_default_bucket_bytes_follow_the_transport() -> None:
     assert cfg.bucket_bytes is None
     assert _resolve(cfg, "gloo") == 64 << 20
     assert _resolve(cfg, "nccl") == _resolve(cfg, "m2n") == 256 << 20
-    assert all(_resolve(cfg, t) == transport_class(t).default_bucket_bytes
-               for t in ("gloo", "nccl", "m2n"))
+    assert all(_resolve(cfg, t) == DEFAULT_BUCKET_BYTES[t] for t in LANES)
 
 
 def test_explicit_bucket_bytes_win_everywhere() -> None:

@@ -25,7 +25,6 @@ from m2n_async._engine._preflight import (
     PreflightInputs,
     PreflightOutcome,
     run_preflight,
-    share_unique_id,
 )
 from m2n_async._proto.handshake import Handshake, PreflightPlan
 from m2n_async._proto.layout import REPLICATE, Layout, Mesh
@@ -458,37 +457,3 @@ async def test_explicit_transport_nobody_can_run_names_every_rank() -> None:
         assert sorted(e.failures) == [0, 1, 2]
         assert "cannot run the requested transport 'nccl'" in e.failures[1]
     assert log0.prepared == [] and log.prepared == []
-
-
-@pytest.mark.asyncio
-@pytest.mark.parametrize("broken", [False, True])
-async def test_share_unique_id(broken: bool) -> None:
-    root = MemoryStore()
-    w = 3
-    groups = [ControlGroup(root.session(), r, w, "job/1/uid") for r in range(w)]
-    results: dict[int, bytes | BaseException] = {}
-
-    def create() -> bytes:
-        if broken:
-            raise OSError("no GPU")
-        return b"\x01" * 128
-
-    async def one(r: int) -> None:
-        await groups[r].join()
-        try:
-            results[r] = await share_unique_id(groups[r], 1, create if r == 0 else None,
-                                               phase_timeout=5.0)
-        except Exception as e:
-            results[r] = e
-
-    with anyio.fail_after(10):
-        async with anyio.create_task_group() as tg:
-            for r in range(w):
-                tg.start_soon(one, r)
-    if not broken:
-        assert results == {r: b"\x01" * 128 for r in range(w)}
-    else:
-        for r in range(w):
-            e = results[r]
-            assert isinstance(e, PreflightError) and e.phase == "connected"
-            assert e.failures == {0: "could not create the unique id: OSError: no GPU"}

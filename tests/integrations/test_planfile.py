@@ -254,6 +254,38 @@ shape = [64, 64]
     assert summary.buckets == 3, summary.buckets
 
 
+def test_without_a_bucket_size_the_engines_default_is_counted(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Neither the file nor the command line sets a bucket size: the summary counts the buckets
+    # an engine with EngineConfig.bucket_bytes=None runs on the transport auto picks.
+    from types import SimpleNamespace
+
+    from m2n_async import EngineConfig, TrainerEngine
+
+    text = """
+trainer_mesh = [1]
+worker_mesh = [1]
+
+[[params]]
+name = "layers.{i}.w"
+repeat = 6
+dtype = "bfloat16"
+shape = [51200, 1024]
+"""
+    path = _write(tmp_path, text)
+    plan, bucket = load_plan_file(path)
+    assert bucket is None
+    summary = summarize(plan)
+    engine = TrainerEngine._bucket_bytes(SimpleNamespace(config=EngineConfig()),  # type: ignore[arg-type]
+                                         summary.auto)
+    assert (summary.auto, summary.bucket_bytes) == ("m2n", engine)
+    assert summary.buckets == 3  # 100 MiB params, two to a 256 MiB bucket
+    rc, out, _ = _run(capsys, str(path), "--json")
+    assert rc == 0 and (json.loads(out)["bucket_bytes"], json.loads(out)["buckets"]) == (engine, 3)
+    rc, out, _ = _run(capsys, str(path), "--json", "--bucket-bytes", "512MiB")
+    assert rc == 0 and json.loads(out)["buckets"] == 2
+
+
 def test_a_duplicate_name_names_both_entries(tmp_path: Path) -> None:
     text = """
 trainer_mesh = [2]

@@ -26,9 +26,9 @@ from m2n_async._proto.handshake import (
     Phase,
     choose_transport,
     mermaid,
-    nccl_environment,
     phases_doc,
 )
+from m2n_async._proto.lanes import nccl_environment
 from m2n_async._proto.layout import REPLICATE, Layout, Mesh
 from m2n_async._proto.messages import (
     PROTO_VERSION,
