@@ -2,15 +2,17 @@
 
 See DESIGN.md §4. ``_core`` holds the sans-IO semantics; ``_server``/``_client`` and
 ``m2n_async.testing.MemoryStore`` are drivers over it; ``_group`` builds collectives on the
-``Store`` protocol (``_api``); ``_namespace`` scopes keys per job generation; ``_claims``
-fences a job name to one live holder per rank.
+``Store`` protocol (``_api``) and the departure rule its gathers apply (``drop_departed``,
+``gather_past_departures``: the round outcome applies it too); ``_namespace`` scopes keys per
+job generation; ``_claims`` fences a job name to one live holder per rank; ``_sockets`` is what
+the server and the client share (addresses, socket options, the loop).
 """
 
 from m2n_async._store._api import Store, SupportsExchange
 from m2n_async._store._claims import Claim, JobClaim, JobClaimedError, claim_rank
 from m2n_async._store._client import StoreClient
 from m2n_async._store._core import StaleGenerationError, StoreLimitError, generation_key
-from m2n_async._store._group import ControlGroup
+from m2n_async._store._group import ControlGroup, drop_departed, gather_past_departures
 from m2n_async._store._namespace import (
     current_generation,
     generation_namespace,
@@ -31,6 +33,8 @@ __all__ = [
     "SupportsExchange",
     "claim_rank",
     "current_generation",
+    "drop_departed",
+    "gather_past_departures",
     "generation_key",
     "generation_namespace",
     "next_generation",

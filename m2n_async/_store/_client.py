@@ -42,7 +42,7 @@ from m2n_async._proto.errors import (
 )
 from m2n_async._store import _auth
 from m2n_async._store._core import StaleGenerationError, StoreLimitError
-from m2n_async._store._server import running_loop, tune_socket
+from m2n_async._store._sockets import parse_address, running_loop, tune_socket
 from m2n_async._store._wire import (
     DEFAULT_MAX_FRAME,
     STORE_PROTO_VERSION,
@@ -82,27 +82,6 @@ MAX_UNACKED: Final[int] = 1024
 _CORK_LIMIT = 64 * 1024  # held-back unacknowledged sets are written once they reach this
 
 R = TypeVar("R", bound=ServerMessage)
-
-
-def parse_address(address: str | tuple[str, int]) -> tuple[str, int]:
-    """``"host:port"``, ``"[v6]:port"`` or ``(host, port)`` → ``(host, port)``."""
-    if isinstance(address, tuple):
-        host, port = address
-    else:
-        text = address.strip()
-        if text.startswith("["):
-            host, sep, rest = text[1:].partition("]:")
-            port_text = rest if sep else ""
-        else:
-            host, _, port_text = text.rpartition(":")
-        try:
-            port = int(port_text)
-        except ValueError:
-            raise ValueError(f"store address must be 'host:port', got {address!r}") from None
-    if not host or not 0 < int(port) <= 65535:
-        raise ValueError(f"store address must be 'host:port' with a port in [1, 65535], "
-                         f"got {address!r}")
-    return str(host), int(port)
 
 
 _RECV_SIZE = 256 * 1024  # one read takes a 64-rank all-gather of 1 KB envelopes whole

@@ -79,6 +79,7 @@ from m2n_async._store._core import (
     StoreLimitError,
     Waiter,
 )
+from m2n_async._store._sockets import format_address, running_loop, tune_socket
 from m2n_async._store._wire import (
     DEFAULT_MAX_FRAME,
     STORE_PROTO_VERSION,
@@ -110,7 +111,7 @@ from m2n_async._store._wire import (
     encode_frame,
 )
 
-__all__ = ["DEFAULT_MAX_PARTIAL_BYTES", "StoreServer", "format_address", "tune_socket"]
+__all__ = ["DEFAULT_MAX_PARTIAL_BYTES", "StoreServer"]
 
 _log = logging.getLogger("m2n_async.store")
 _CLOSE_GRACE = 5.0  # seconds a failed connection gets to flush its error frame
@@ -168,41 +169,6 @@ class _Throttled:
         more = f" ({held} more like it in the last {_LOG_EVERY:g} s)" if held else ""
         _log.warning("%s%s", message, more)
         self._next[kind] = now + _LOG_EVERY
-
-
-def format_address(host: str, port: int) -> str:
-    """``host:port``, with IPv6 hosts bracketed (``[::1]:port``)."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-# TCP keepalive: a peer whose host dies (power, kernel panic, cable) sends no FIN or RST, and an
-# idle session would then live on forever, its ephemeral keys with it, so nobody watching them
-# would ever hear of the loss. Probing an idle connection after 10 s, every 2 s, 5 times, ends
-# such a session about 20 s after the host went silent.
-_KEEPALIVE = (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 2), ("TCP_KEEPCNT", 5))
-
-
-def tune_socket(sock: socket.socket) -> None:
-    """No Nagle delay (requests are small and latency-bound) and keepalive probes (above)."""
-    for level, name, value in ((socket.IPPROTO_TCP, "TCP_NODELAY", 1),
-                               (socket.SOL_SOCKET, "SO_KEEPALIVE", 1),
-                               *((socket.IPPROTO_TCP, n, v) for n, v in _KEEPALIVE)):
-        option = getattr(socket, name, None)
-        if option is None:  # e.g. TCP_KEEPIDLE on macOS: the system default applies
-            continue
-        try:
-            sock.setsockopt(level, option, value)
-        except OSError:
-            pass
-
-
-def running_loop(who: str) -> asyncio.AbstractEventLoop:
-    """The running asyncio loop, or a clear error under another anyio backend."""
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        raise StoreError(f"{who} runs on asyncio (anyio's default backend); no asyncio event "
-                         "loop is running here") from None
 
 
 class StoreServer:
