@@ -22,6 +22,12 @@ from m2n_async._proto.stacking import COALESCE_BELOW_BYTES
 
 __all__ = ["EngineConfig", "EngineState", "SyncResult"]
 
+#: ``SyncResult.summary()`` shows ``loop_stall_seconds`` from this fraction of the round's
+#: ``seconds`` on (and at least ``_STALL_SHOWN_S``): a healthy loop's figure is a few
+#: milliseconds at most (the engine's own steps on it, short GIL waits behind its copy
+#: threads), a tenth of the round is something else in the process.
+_STALL_SHOWN_FRACTION = 0.1
+_STALL_SHOWN_S = 0.01
 
 
 class EngineState(enum.Enum):
@@ -146,6 +152,14 @@ class SyncResult:
     many of ``bytes`` this rank produced by casting a source to the wire dtype while packing
     (fp32 master weights, bf16 on the wire); 0 when every source already had the wire dtype,
     and on a worker.
+    ``loop_stall_seconds`` is how long this rank's event loop was not available to the
+    engine during the round: a probe beside the round sleeps 10 ms at a time and sums how
+    late it woke (each wake-up later than 2 ms, counted whole). A loop is late when a task
+    runs synchronous work on it (a blocking call, ``bytes(t.untyped_storage())`` of a large
+    tensor) or another thread of the process holds the GIL; the engine's own steps on that
+    loop waited that long. Near 0 in a healthy round; ``summary()`` shows it once it is
+    significant — at least a tenth of ``seconds`` and at least 10 ms — and
+    ``docs/troubleshooting.md`` ("The event loop stalled") says how to read it.
     """
 
     version: int
@@ -163,6 +177,8 @@ class SyncResult:
     cast_bytes: int = 0
     #: the round time ``_proto.cost`` predicted for this plan on this transport at connect
     predicted_seconds: float | None = None
+    #: seconds this rank's event loop was not available to the engine during the round
+    loop_stall_seconds: float = 0.0
 
     @property
     def gbps(self) -> float:
@@ -195,4 +211,10 @@ class SyncResult:
             lines.append(f"  peak staging {self.peak_extra_bytes / 1e6:.1f} MB"
                          + (f", cast {self.cast_bytes / 1e6:.1f} MB" if self.cast_bytes
                             else ""))
+        if self.loop_stall_seconds >= max(_STALL_SHOWN_S,
+                                          _STALL_SHOWN_FRACTION * self.seconds):
+            share = self.loop_stall_seconds / self.seconds if self.seconds > 0 else 1.0
+            lines.append(f"  event loop stalled {self.loop_stall_seconds:.3f} s "
+                         f"({min(share, 1.0):.0%} of the round): blocking or GIL-heavy work "
+                         f"in this process held up the engine (docs/troubleshooting.md)")
         return "\n".join(lines)

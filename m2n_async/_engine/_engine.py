@@ -452,7 +452,8 @@ class _Engine:
                           peak_extra_bytes=stats.peak_extra_bytes, transport=self.transport,
                           reason=self.transport_reason, cast_bytes=stats.cast_bytes,
                           predicted_seconds=(self._outcome.predicted_seconds
-                                             if self._outcome is not None else None))
+                                             if self._outcome is not None else None),
+                          loop_stall_seconds=outcome.loop_stall_seconds)
 
     # -- close -----------------------------------------------------------------------------
 

@@ -25,6 +25,11 @@ in the round.
    that rank's ``done`` as ``late`` and the ``abort`` record (both compare-and-set), and reads
    back whichever record won.
 
+A third task beside them, the loop probe (``_LoopProbe``), sleeps a short period in a loop
+and sums how late it wakes: how long the event loop was not available to the engine during
+the round (``SyncResult.loop_stall_seconds``; a GIL-heavy or blocking task of the caller's in
+the same process shows there).
+
 Failure translation at this boundary: everything a caller sees from a round is the core's
 ``TransferError`` (its ``rank`` the cause, its ``cause`` which); a ``StoreError`` from any
 request means the store was lost (``cause="store"``, ``rank=None``), a
@@ -70,6 +75,14 @@ _LEFT_POLL_S = 1.0
 _ATTRIBUTE_S = 1.0
 
 
+#: The loop probe's period: one wake-up per period per round, a few microseconds of the loop
+#: each (well under 1% of a core), short enough that a stall is caught within 10 ms of it.
+_PROBE_PERIOD_S = 0.01
+#: Lateness of one wake-up up to this is the timer's and the scheduler's jitter (libuv rounds
+#: timers to whole milliseconds; a busy host adds some), not a stall: it is not counted.
+_PROBE_SLACK_S = 0.002
+
+
 class JobEnded(Exception):
     """Raised by ``wait_start``: no more rounds in this generation (trainer rank 0 closed
     the job, or opened a newer generation). Not a failure; the engine translates it."""
@@ -86,6 +99,8 @@ class RoundOutcome:
     stats: PipelineStats
     pipeline_seconds: float
     commit_seconds: float
+    #: seconds the event loop was not available to the engine during the round (``_LoopProbe``)
+    loop_stall_seconds: float = 0.0
 
 
 class _Watchdog:
@@ -142,6 +157,41 @@ class _Watchdog:
             return core.superseded(exc.current)
         except M2NError:
             return core.store_lost()
+
+
+class _LoopProbe:
+    """How long the event loop was not available during a round: a sleep of
+    ``_PROBE_PERIOD_S`` in a loop, each wake-up's lateness beyond ``_PROBE_SLACK_S`` summed in
+    ``stalled`` (seconds). A wake-up is late when the loop was blocked (a synchronous call in
+    some task, the GIL held by another thread) at the moment it was due, so the sum is about
+    the time the engine's own steps could not run. Stopped by ``stop``."""
+
+    def __init__(self) -> None:
+        self.stalled = 0.0
+        self._scope = anyio.CancelScope()
+        # From now, not from the task's first step: a block before that step counts too.
+        self._due = anyio.current_time() + _PROBE_PERIOD_S
+
+    def stop(self) -> None:
+        self._scope.cancel()
+
+    def _count(self, late: float) -> None:
+        if late > _PROBE_SLACK_S:
+            self.stalled += late
+
+    async def run(self) -> None:
+        with self._scope:
+            due = self._due
+            try:
+                while True:
+                    await anyio.sleep_until(due)
+                    now = anyio.current_time()
+                    self._count(now - due)
+                    due = now + _PROBE_PERIOD_S
+            finally:
+                # The wake-up that the stop cut short: a block that ran into the round's end
+                # is late already (not late: a negative figure, not counted).
+                self._count(anyio.current_time() - due)
 
 
 class RoundDriver:
@@ -265,6 +315,7 @@ class RoundDriver:
         deadline = anyio.current_time() + timeout
         transport.begin_round(start.round, time.monotonic() + timeout)
         dog = _Watchdog(self, core, transport)
+        probe = _LoopProbe()
         t0 = time.perf_counter()
         decided = False
         verdict: Failure | None = None
@@ -273,6 +324,7 @@ class RoundDriver:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(dog.run)
+                tg.start_soon(probe.run)
                 if self.rank == 0 and start.round > _KEEP_ROUNDS:
                     # Beside the transfer, not after the commit: its round trip would be a
                     # fixed cost of every round on the caller's critical path.
@@ -298,6 +350,7 @@ class RoundDriver:
                             on_poison(err)
                 finally:
                     dog.stop()
+                    probe.stop()
         except anyio.get_cancelled_exc_class():
             if not decided:
                 with anyio.CancelScope(shield=True):
@@ -308,7 +361,8 @@ class RoundDriver:
             raise
         if verdict is None:
             assert stats is not None
-            return RoundOutcome(stats, pipeline_s, time.perf_counter() - t_commit)
+            return RoundOutcome(stats, pipeline_s, time.perf_counter() - t_commit,
+                                probe.stalled)
         assert err is not None
         if local is not None:
             raise err from local
