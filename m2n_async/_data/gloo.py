@@ -1258,5 +1258,6 @@ class GlooTransport(Transport):
         self._parts.clear()
         self._recv_cache.clear()
         self._unpack_cache.clear()
+        self._unpack_sinks = None  # the caller's targets: a closed transport keeps none alive
         self._pg = None
         self._adapter = None

@@ -1,0 +1,252 @@
+"""The ``Transport`` contract as one set of checks every lane must pass (``_data/_transport``).
+
+Each check is a coroutine ``check(rank, transport)`` that every rank of a world runs on its
+own transport, prepared and connected over the world's store; it raises on a breach. The
+checks create their tensors on the transport's device (``settings.device``: CPU for gloo and
+the fake runtime, CUDA on a GPU host) and drive buckets the way the engine does (``drive``:
+stage → transfer → wait → unpack → release, ``max_inflight`` in flight), so one suite covers
+every lane on every runtime: ``tests/dataplanes/test_conformance.py`` runs it on gloo and on
+the nccl and m2n lanes over the fake runtime, ``tests/gpu/test_gpu_conformance.py`` on the
+real one.
+
+What they hold a lane to: a round moves every byte of the plan bit-exact for every layout
+pair (and counts exactly the plan's bytes); ``abort`` wakes a completion that waits on peers
+who never come, from another thread, with ``TransferError`` naming the reason, and nothing is
+usable afterwards; ``close`` is idempotent and lets go of every tensor it was handed; later
+rounds reuse what the first one cached (views, descriptors, arenas) only where it is still
+right — new source tensors, sources updated in place, a new sinks mapping with new targets.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import weakref
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import torch
+
+from m2n_async._data._transport import Transport
+from m2n_async._proto.errors import TransferError
+from m2n_async._proto.plan import TransferPlan
+
+from ._world import R, drive, expected, make_plan, sources
+
+Check = Callable[[int, Transport], Awaitable[None]]
+
+#: (src dims, dst dims, [(src placements, dst placements)]): a few layout pairs per topology.
+LAYOUTS: dict[str, tuple[tuple[int, int], tuple[int, int], list[tuple[Any, Any]]]] = {
+    "1+1": ((1, 1), (1, 1), [(None, None), ((R, 0), (R, 0))]),
+    "2+2": ((1, 2), (1, 2), [((R, 0), (R, 1)), ((R, 1), (R, 1)), (None, (R, 0)),
+                            ((R, 0), None)]),
+    "2+3": ((2, 1), (3, 1), [((0, R), (1, R)), ((0, R), None), (None, (1, R))]),
+}
+#: Every layout pair in these (M2N carries them all), 2-D and 3-D.
+DTYPES = (torch.bfloat16, torch.float32, torch.int8)
+#: A few parameters per bucket, several buckets per round.
+BUCKET_BYTES = 2048
+MAX_INFLIGHT = 2
+#: What every target byte holds before a round: a byte the round did not write shows.
+SENTINEL = 0xA5
+#: How long the ranks that stay out of ``abort_wakes_a_pending_completion`` keep their
+#: transports open: well past the abort (0.3 s) and its bound (5 s are allowed below).
+QUIET_S = 3.0
+
+
+def plan_for(layout: str) -> TransferPlan:
+    src, dst, pairs = LAYOUTS[layout]
+    defs = [(f"p{k}.{str(dt).split('.')[-1]}", (12, 6, 4) if j % 2 else (24, 12), dt, sp, dp)
+            for k, (sp, dp) in enumerate(pairs) for j, dt in enumerate(DTYPES)]
+    return make_plan(defs, src, dst)
+
+
+def topology(layout: str) -> tuple[int, int]:
+    """(trainer ranks, world size) of ``layout``."""
+    src, dst, _ = LAYOUTS[layout]
+    t = src[0] * src[1]
+    return t, t + dst[0] * dst[1]
+
+
+# -- helpers --------------------------------------------------------------------------------
+
+
+def _device(t: Transport) -> torch.device:
+    return torch.device(t.ctx.settings.device or "cpu")
+
+
+def _sync(t: Transport) -> None:
+    if _device(t).type == "cuda":
+        torch.cuda.synchronize(_device(t))
+
+
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().reshape(-1).view(torch.uint8).cpu()
+
+
+def _sources(t: Transport, version: int) -> dict[str, torch.Tensor]:
+    return {k: v.to(_device(t)) for k, v in sources(t.ctx.plan, t.ctx.rank, version).items()}
+
+
+def _targets(t: Transport) -> dict[str, torch.Tensor]:
+    plan, rank = t.ctx.plan, t.ctx.rank
+    out = {}
+    for p in plan.params:
+        x = torch.empty(p.dst.local_shape(p.spec.shape, rank), dtype=getattr(torch, p.spec.dtype),
+                        device=_device(t))
+        x.view(torch.uint8).fill_(SENTINEL)
+        out[p.spec.name] = x
+    return out
+
+
+def _refill(targets: Mapping[str, torch.Tensor]) -> None:
+    for x in targets.values():
+        x.view(torch.uint8).fill_(SENTINEL)
+
+
+def _check_landed(t: Transport, got: Mapping[str, torch.Tensor], version: int,
+                  what: str) -> None:
+    _sync(t)
+    want = expected(t.ctx.plan, t.ctx.rank, version)
+    bad = [k for k, v in want.items() if not torch.equal(_bytes(got[k]), _bytes(v))]
+    assert not bad, f"{t.name} rank {t.ctx.rank} {what}: wrong bytes in {bad}"
+
+
+def _plan_bytes(t: Transport) -> int:
+    plan, rank = t.ctx.plan, t.ctx.rank
+    return plan.send_bytes(rank) if rank < plan.trainer_ranks else plan.recv_bytes(rank)
+
+
+async def _round(t: Transport, round: int, *, sources: Mapping[str, Any] | None = None,
+                 sinks: Mapping[str, Any] | None = None) -> int:
+    return await drive(t, round=round, deadline=time.monotonic() + 60.0, sources=sources,
+                       sinks=sinks, max_inflight=MAX_INFLIGHT)
+
+
+# -- the checks -----------------------------------------------------------------------------
+
+
+async def moves_bytes_bit_exact(rank: int, t: Transport) -> None:
+    """One round moves every byte of the plan into the targets, bit-exact, and counts exactly
+    the bytes the plan says this rank sends or receives."""
+    if rank < t.ctx.trainer_ranks:
+        moved = await _round(t, 0, sources=_sources(t, 0))
+    else:
+        targets = _targets(t)
+        moved = await _round(t, 0, sinks=targets)
+        _check_landed(t, targets, 0, "round 0")
+    assert moved == _plan_bytes(t), (t.name, rank, moved, _plan_bytes(t))
+
+
+async def abort_wakes_a_pending_completion(rank: int, t: Transport) -> None:
+    """The first worker submits a bucket that no peer takes part in; ``abort`` from another
+    thread wakes its completion with ``TransferError`` naming the reason, promptly; abort is
+    idempotent and the transport is never usable again. The other ranks stay out of the
+    round with their transports open."""
+    if rank != t.ctx.trainer_ranks:
+        await anyio.sleep(QUIET_S)
+        return
+    reason = "conformance: a peer was lost"
+    t.begin_round(0, time.monotonic() + 60.0)
+    staging = await t.stage(t.ctx.buckets[0], sinks=_targets(t))
+    completion = t.transfer(staging)
+    t0 = time.monotonic()
+    async with anyio.create_task_group() as tg:
+        async def watchdog() -> None:
+            await anyio.sleep(0.3)
+            await anyio.to_thread.run_sync(t.abort, reason)  # any thread may abort
+
+        tg.start_soon(watchdog)
+        try:
+            with anyio.fail_after(10.0):  # a breach fails the check, not the whole run
+                await completion.wait()
+        except TransferError as exc:
+            assert reason in str(exc), exc
+        else:
+            raise AssertionError(f"{t.name}: a completion nobody could finish returned")
+    assert time.monotonic() - t0 < 5.0, time.monotonic() - t0
+    assert completion.done() and t.aborted and t.abort_reason == reason
+    t.abort("a second abort")  # idempotent: no error, the first reason stays
+    assert t.abort_reason == reason
+    t.release(staging)
+    t.end_round()
+    for attempt in (t.check_usable, lambda: t.begin_round(1, time.monotonic() + 60.0)):
+        try:
+            attempt()
+        except TransferError as exc:
+            assert reason in str(exc), exc
+        else:
+            raise AssertionError(f"{t.name}: an aborted transport is usable again")
+
+
+async def close_is_idempotent_and_releases(rank: int, t: Transport) -> None:
+    """After a round, ``close`` (twice: the second returns at once) drops every tensor the
+    transport was handed: sources, targets, and what it cached from them."""
+    handed: list[weakref.ref[torch.Tensor]] = []
+    if rank < t.ctx.trainer_ranks:
+        src = _sources(t, 0)
+        handed += [weakref.ref(x) for x in src.values()]
+        await _round(t, 0, sources=src)
+        del src
+    else:
+        targets = _targets(t)
+        handed += [weakref.ref(x) for x in targets.values()]
+        await _round(t, 0, sinks=targets)
+        _check_landed(t, targets, 0, "round 0")
+        del targets
+    await t.close()
+    t0 = time.monotonic()
+    await t.close()
+    assert time.monotonic() - t0 < 1.0, "a second close did work again"
+    gc.collect()
+    alive = [ref() for ref in handed if ref() is not None]
+    assert not alive, (f"{t.name} rank {rank}: {len(alive)} of {len(handed)} tensors are still "
+                       "referenced after close")
+
+
+async def second_round_reuses_state(rank: int, t: Transport) -> None:
+    """Rounds after the first reuse the cached per-bucket state only where it still holds:
+    new source tensors, the same ones updated in place, a load callback beside tensor
+    targets, then a new sinks mapping of new targets (the old ones are not written)."""
+    plan = t.ctx.plan
+    if rank < t.ctx.trainer_ranks:
+        await _round(t, 0, sources=_sources(t, 0))
+        src = _sources(t, 1)  # new tensor objects
+        await _round(t, 1, sources=src)
+        for rnd in (2, 3):  # the same objects, updated in place
+            for k, v in _sources(t, rnd).items():
+                src[k].copy_(v)
+            await _round(t, rnd, sources=src)
+        return
+    called = plan.params[len(plan.params) // 2].spec.name
+    loaded: dict[str, torch.Tensor] = {}
+
+    def load(name: str, tensor: torch.Tensor) -> None:
+        loaded[name] = tensor.detach().clone()  # valid only during the call
+
+    first = _targets(t)
+    sinks: dict[str, Any] = {**first, called: load}
+    for rnd in range(3):
+        _refill(first)
+        loaded.clear()
+        await _round(t, rnd, sinks=sinks)
+        _check_landed(t, {**first, **loaded}, rnd, f"round {rnd}")
+        assert list(loaded) == [called], (t.name, rank, list(loaded))
+    second = _targets(t)  # a new mapping of new targets: cached views must not be reused
+    _refill(first)
+    await _round(t, 3, sinks=second)
+    _check_landed(t, second, 3, "round 3 (new targets)")
+    _sync(t)
+    stale = [k for k, x in first.items()
+             if k != called and not bool((_bytes(x) == SENTINEL).all())]
+    assert not stale, f"{t.name} rank {rank}: round 3 wrote the old targets of {stale}"
+
+
+CHECKS: dict[str, Check] = {
+    "bit_exact": moves_bytes_bit_exact,
+    "abort": abort_wakes_a_pending_completion,
+    "close": close_is_idempotent_and_releases,
+    "reuse": second_round_reuses_state,
+}
