@@ -76,7 +76,7 @@ if TYPE_CHECKING:
     import torch
 
     from m2n_async._data._transport import Rendezvous, TransportContext
-    from m2n_async._proto.plan import Bucket, TransferPlan
+    from m2n_async._proto.plan import Bucket
 
 __all__ = ["GATE_BYTES", "GROUP_MAX_BYTES", "M2NStaging", "M2NTransport"]
 
@@ -266,10 +266,6 @@ class M2NTransport(GpuTransportBase):
         self._tables: dict[tuple[int, int, int], Any] = {}  # stack member pointer tables
         #: (bucket, call) -> (the sources' addresses, their device pointer table)
         self._src_tables: dict[tuple[int, int], tuple[list[int], Any]] = {}
-
-    @classmethod
-    def check_plan(cls, plan: TransferPlan) -> None:
-        plan.validate("m2n")
 
     @classmethod
     def identity(cls, settings: TransportSettings) -> dict[str, str]:

@@ -58,8 +58,7 @@ from m2n_async._proto.round import (
     Round,
     Status,
 )
-from m2n_async._store import ControlGroup, StaleGenerationError, Store
-from m2n_async._store._group import drop_departed
+from m2n_async._store import ControlGroup, StaleGenerationError, Store, drop_departed
 
 __all__ = ["JobEnded", "RoundDriver", "RoundOutcome"]
 
