@@ -25,7 +25,8 @@ the previous round, so a round's time measures the transfer, not the verificatio
 report to the parent as msgspec-encoded events, each child on its own pipe (typed; no pickle
 at all): a child that dies mid-write can only garble its own pipe, where a shared
 ``multiprocessing.Queue`` would keep its lock forever and silence every other child. The
-parent draws the progress bar on stderr, prints per-round time and GB/s, and exits non-zero
+parent shows each round's progress on stderr when it is a terminal (tqdm's bar with the
+``demo`` extra, plain lines without), prints per-round time and GB/s, and exits non-zero
 naming the rank on any mismatch, error, dead child or deadline. Children are always reaped:
 on failure the survivors get a grace period (``_FAIL_GRACE``) to report, then are killed.
 """
@@ -288,8 +289,10 @@ class Ready(msgspec.Struct, tag=True, frozen=True):
     transport: str
     reason: str
     local_bytes: int
-    #: seconds this rank spent in ``connect`` (the handshake), apart from process start
-    handshake_seconds: float = 0.0
+    #: wall clock (``time.time()``: one clock for every process of the host) when this rank
+    #: called ``connect``, its process started and its shards built, and when it returned
+    connecting_at: float
+    connected_at: float
 
 
 class Progress(msgspec.Struct, tag=True, frozen=True):
@@ -448,13 +451,13 @@ async def _trainer(args: DemoArgs, rank: int, params: Sequence[DemoParam], plan:
     # This rank's shards at round 0; each round rewrites them in place (mask r-1 -> r).
     shards = {p.name: shard_content(p, t.spec.layout.box(p.shape, rank), 0)
               for p, t in zip(params, plan.params, strict=True)}
-    t_connect = time.monotonic()
+    t_connect = time.time()
     engine = await TrainerEngine.connect(store=store, rank=rank, trainer_ranks=args.trainers,
                                          world_size=args.world, params=plan.source_specs(),
                                          config=config, timeout=args.phase_timeout * 6)
     try:
         send(Ready(rank, engine.generation, engine.transport, engine.transport_reason,
-                   plan.send_bytes(rank), time.monotonic() - t_connect))
+                   plan.send_bytes(rank), t_connect, time.time()))
         # The engine's liveness keys of the workers: a worker that dies while verifying
         # fails this wait at once instead of after the deadline.
         group = ControlGroup(store, rank, args.world,
@@ -491,7 +494,7 @@ async def _worker(args: DemoArgs, rank: int, params: Sequence[DemoParam], plan: 
             for p, box in zip(params, boxes, strict=True)}
     scratch = torch.empty(max(t.numel() * t.element_size() for t in targets.values()),
                           dtype=torch.uint8)
-    t_connect = time.monotonic()
+    t_connect = time.time()
     engine = await WorkerEngine.connect(
         store=store, rank=rank, trainer_ranks=args.trainers, world_size=args.world,
         mesh_dims=(1, args.workers), config=config, timeout=args.phase_timeout * 6,
@@ -499,7 +502,7 @@ async def _worker(args: DemoArgs, rank: int, params: Sequence[DemoParam], plan: 
                  for p, t in zip(params, plan.params, strict=True)})
     try:
         send(Ready(rank, engine.generation, engine.transport, engine.transport_reason,
-                   plan.recv_bytes(rank), time.monotonic() - t_connect))
+                   plan.recv_bytes(rank), t_connect, time.time()))
         for r in range(1, args.rounds + 1):
             fault = _fault(rank, r)
             res = await engine.receive(timeout=args.round_timeout,
@@ -536,35 +539,85 @@ def mismatches(params: Sequence[DemoParam], targets: dict[str, torch.Tensor],
 # -- the parent ------------------------------------------------------------------------------
 
 
-class _Bar:
-    """A one-line progress bar on stderr (redrawn with ``\\r`` on a terminal only); ``line``
-    clears it and prints a line on ``out`` (stdout), so the two streams never interleave."""
+class _Display:
+    """Where a person watches: result lines on ``out`` (stdout), each round's progress on
+    ``err`` (stderr). This base shows no progress — ``err`` is not a terminal (a log, a
+    pipe, a test), where redrawn bars would be noise; ``_display`` picks the kind."""
 
-    def __init__(self, stream: Any, out: Any) -> None:
-        self.stream = stream
+    def __init__(self, out: Any) -> None:
         self.out = out
-        self.tty = bool(getattr(stream, "isatty", lambda: False)())
-        self.shown = False
-        self._last = 0.0
 
-    def draw(self, label: str, frac: float) -> None:
-        now = time.monotonic()
-        if not self.tty or (now - self._last < 0.05 and frac < 1):
-            return
-        self._last = now
-        width = 30
-        fill = round(width * min(max(frac, 0.0), 1.0))
-        self.stream.write(f"\r{label} [{'#' * fill}{'.' * (width - fill)}] {frac:6.1%}")
-        self.stream.flush()
-        self.shown = True
+    def progress(self, round_: int, rounds: int, done: int, total: int) -> None:
+        """``done`` of the ``total`` bytes the workers receive in round ``round_``."""
+
+    def end_progress(self) -> None:
+        """Before a line: the progress of the round so far leaves the screen."""
 
     def line(self, text: str) -> None:
-        if self.shown:
-            self.stream.write("\r\x1b[K")
-            self.stream.flush()
-            self.shown = False
+        self.end_progress()
         self.out.write(text + "\n")
         self.out.flush()
+
+
+class _TqdmDisplay(_Display):
+    """One tqdm bar per round on ``err`` (bytes, MB by 10^6 like every figure here), removed
+    when the round's line is printed."""
+
+    def __init__(self, tqdm: Any, err: Any, out: Any) -> None:
+        super().__init__(out)
+        self._tqdm, self._err = tqdm, err
+        self._bar: Any = None
+        self._round = 0
+
+    def progress(self, round_: int, rounds: int, done: int, total: int) -> None:
+        if self._bar is None or self._round != round_:
+            self.end_progress()
+            self._round = round_
+            self._bar = self._tqdm(total=total, desc=f"round {round_}/{rounds}", unit="B",
+                                   unit_scale=True, file=self._err, leave=False,
+                                   dynamic_ncols=True)
+        self._bar.update(done - self._bar.n)
+
+    def end_progress(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+class _LineDisplay(_Display):
+    """Without tqdm: a plain line on ``err`` at most every ``every`` seconds of a round
+    (a round shorter than that prints none; its result line follows anyway)."""
+
+    def __init__(self, err: Any, out: Any, every: float = 2.0) -> None:
+        super().__init__(out)
+        self._err, self.every = err, every
+        self._round = 0
+        self._last = 0.0
+
+    def progress(self, round_: int, rounds: int, done: int, total: int) -> None:
+        now = time.monotonic()
+        if round_ != self._round:
+            self._round, self._last = round_, now
+        if now - self._last < self.every or done >= total:
+            return
+        self._last = now
+        self._err.write(f"round {round_}/{rounds}: {done / _MB:.1f} of {total / _MB:.1f} MB "
+                        f"received ({done / total:.0%})\n")
+        self._err.flush()
+
+
+def _display(err: Any, out: Any) -> _Display:
+    """tqdm's bar when ``err`` is a terminal and tqdm is installed (``pip install
+    m2n_async[demo]``; ``tox -e demo`` has it), plain lines on a terminal without it, no
+    progress elsewhere."""
+    if not getattr(err, "isatty", lambda: False)():
+        return _Display(out)
+    try:
+        # Untyped, and absent where the extra is not installed (the types env): either is fine.
+        from tqdm import tqdm  # type: ignore[import-untyped, import-not-found, unused-ignore]
+    except ImportError:
+        return _LineDisplay(err, out)
+    return _TqdmDisplay(tqdm, err, out)
 
 
 class DemoFailed(Exception):
@@ -576,7 +629,7 @@ def run_demo(*, trainers: int = 2, workers: int = 2, rounds: int = 3, size_mb: f
              bucket_mb: float = 64.0, out: Any = None, err: Any = None) -> int:
     """Run the demo (see the module docstring); return 0 when every round verified.
 
-    ``out`` receives the summary lines, ``err`` the progress bar and errors (default stdout /
+    ``out`` receives the summary lines, ``err`` the progress and errors (default stdout /
     stderr). ``timeout`` bounds the whole run (default: three handshake phases plus
     ``round_timeout`` per round); every child is reaped before this returns.
     """
@@ -629,12 +682,13 @@ async def _parent(trainers: int, workers: int, rounds: int, size_mb: float, tran
         pipes = [ctx.Pipe(duplex=False) for _ in range(args.world)]
         procs = [ctx.Process(target=_child, args=(args, r, pipes[r][1]), daemon=True,
                              name=f"m2n-demo-rank{r}") for r in range(args.world)]
+        spawned_at = time.time()  # the children's Ready events are on this clock
         try:
             for p, (_, writer) in zip(procs, pipes, strict=True):
                 p.start()
                 writer.close()  # the child holds its own copy; EOF here once the child is gone
             await _monitor(args, procs, [reader for reader, _ in pipes], total, limit_s,
-                           _Bar(err, out))
+                           _display(err, out), spawned_at)
         except DemoFailed as exc:
             return str(exc)
         finally:
@@ -673,7 +727,7 @@ def _reap(procs: Sequence[Any]) -> None:
 
 
 async def _monitor(args: DemoArgs, procs: Sequence[Any], readers: list[Connection],
-                   total: int, limit_s: float, bar: _Bar) -> None:
+                   total: int, limit_s: float, bar: _Display, spawned_at: float) -> None:
     started = time.monotonic()
     deadline = started + limit_s
     ready: dict[int, Ready] = {}
@@ -728,19 +782,11 @@ async def _monitor(args: DemoArgs, procs: Sequence[Any], readers: list[Connectio
             elif isinstance(ev, Ready):
                 ready[ev.rank] = ev
                 if len(ready) == args.world:
-                    t = ready[0]
-                    # Process start (spawn, imports, building the model) and the handshake
-                    # are reported apart: the first dominates on a small host.
-                    took = time.monotonic() - started
-                    shake = max(r.handshake_seconds for r in ready.values())
-                    bar.line(f"connected in {took:.1f} s (processes started in "
-                             f"{max(took - shake, 0.0):.1f} s, handshake {shake:.1f} s): "
-                             f"generation {t.generation}, transport {t.transport} "
-                             f"({t.reason})")
+                    bar.line(_connected_line(ready, spawned_at))
             elif isinstance(ev, Progress) and ev.rank >= args.trainers and ev.round == current:
                 progress.setdefault(ev.round, {})[ev.rank] = ev.done
                 done = sum(progress[ev.round].values())
-                bar.draw(f"round {ev.round}/{args.rounds}", done / total if total else 1.0)
+                bar.progress(ev.round, args.rounds, done, total)
             elif isinstance(ev, RoundReport):
                 reports.setdefault(ev.round, {})[ev.rank] = ev
                 if ev.mismatched:
@@ -764,8 +810,30 @@ async def _monitor(args: DemoArgs, procs: Sequence[Any], readers: list[Connectio
         raise DemoFailed("\n  " + "\n  ".join(lines))
     if current <= args.rounds:
         raise DemoFailed(f"only {current - 1} of {args.rounds} rounds were reported")
-    bar.line(f"OK: {args.rounds} round{'s' if args.rounds > 1 else ''}, every tensor on all "
-             f"{args.workers} workers bit-exact ({time.monotonic() - started:.1f} s in all)")
+    bar.line(f"OK: {args.rounds} round{'s' if args.rounds > 1 else ''}, "
+             f"{_per_worker(args)}: every tensor bit-exact every round "
+             f"({time.monotonic() - started:.1f} s in all)")
+
+
+def _per_worker(args: DemoArgs) -> str:
+    """``"per worker rank (2, 3)"``: each worker checks its own shards, so every count the
+    demo prints is one worker's, not a sum."""
+    ranks = ", ".join(map(str, range(args.trainers, args.world)))
+    return f"worker rank {ranks}" if args.workers == 1 else f"per worker rank ({ranks})"
+
+
+def _connected_line(ready: dict[int, Ready], spawned_at: float) -> str:
+    """Process start and the handshake apart (the first dominates on a small host): the
+    processes are up once the last one called ``connect`` (spawned, torch imported, its
+    shards built); the handshake runs from then until the last ``connect`` returned (a rank
+    that called earlier waited in it for the others to start, which is not the handshake's
+    time)."""
+    up = max(r.connecting_at for r in ready.values())
+    done = max(r.connected_at for r in ready.values())
+    t = ready[0]
+    return (f"connected: processes up in {max(up - spawned_at, 0.0):.1f} s (spawn, import "
+            f"torch, build shards), handshake {max(done - up, 0.0):.1f} s; generation "
+            f"{t.generation}, transport {t.transport} ({t.reason})")
 
 
 def _ranks(ranks: Sequence[int], trainers: int) -> str:
@@ -776,7 +844,8 @@ def _ranks(ranks: Sequence[int], trainers: int) -> str:
     return f"ranks {', '.join(map(str, ranks))} ({role})"
 
 
-def _print_round(args: DemoArgs, reps: dict[int, RoundReport], total: int, bar: _Bar) -> None:
+def _print_round(args: DemoArgs, reps: dict[int, RoundReport], total: int,
+                 bar: _Display) -> None:
     k = next(iter(reps.values())).round
     workers = [reps[r] for r in range(args.trainers, args.world)]
     got = sum(w.bytes for w in workers)
@@ -785,12 +854,10 @@ def _print_round(args: DemoArgs, reps: dict[int, RoundReport], total: int, bar: 
     seconds = max(r.seconds for r in reps.values())
     versions = {r.version for r in reps.values()}
     counts = [w.checked - len(w.mismatched) for w in workers]
-    # Each worker checks its own shard of every tensor: say so, instead of a sum of counts
-    # that reads like one tensor list split in parts.
-    who = "the worker" if len(workers) == 1 else f"each of {len(workers)} workers"
-    verified = (f"{who} verified its {counts[0]} tensors bit-exact"
-                if len(set(counts)) == 1 else
-                "tensors verified bit-exact per worker: " + ", ".join(
+    # Each worker checks its own shard of every tensor: one count per worker rank, never a
+    # sum that reads like one tensor list split in parts.
+    verified = (f"{_per_worker(args)}: {counts[0]} tensors bit-exact" if len(set(counts)) == 1
+                else "tensors bit-exact per worker rank: " + ", ".join(
                     f"rank {w.rank} {c}" for w, c in zip(workers, counts, strict=True)))
     bar.line(f"round {k}/{args.rounds}: version {min(versions)}, {got / _MB:7.1f} MB in "
              f"{seconds:6.2f} s = {got / seconds / 1e9:5.2f} GB/s; {verified}")

@@ -21,7 +21,12 @@ import torch
 
 from m2n_async._demo import (
     DemoParam,
+    Ready,
     _bytes_2d,
+    _connected_line,
+    _Display,
+    _display,
+    _LineDisplay,
     base_content,
     demo_model,
     demo_plan,
@@ -141,8 +146,56 @@ def test_demo_cli_end_to_end() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "round 1/2: version 1" in out and "round 2/2: version 2" in out, out
-    assert "GB/s" in out and "OK: 2 rounds" in out and "bit-exact" in out, out
+    assert "GB/s" in out and "OK: 2 rounds" in out, out
+    # What is verified, per worker rank (not a sum over the workers), and process start
+    # apart from the handshake.
+    n = len(demo_model(2, 1, 2))
+    assert f"per worker rank (1, 2): {n} tensors bit-exact" in out, out
+    assert "connected: processes up in " in out and ", handshake " in out, out
     assert time.monotonic() - t0 < 240
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_is_tqdm_on_a_terminal_and_absent_in_a_log() -> None:
+    pytest.importorskip("tqdm")  # in the test and demo extras
+    err, out = _Terminal(), io.StringIO()
+    shown = _display(err, out)
+    shown.progress(1, 2, 1_000_000, 5_000_000)
+    shown.line("round 1/2: version 1")
+    assert "round 1/2:" in err.getvalue() and "5.00M" in err.getvalue(), err.getvalue()
+    assert out.getvalue() == "round 1/2: version 1\n"
+    err, out = io.StringIO(), io.StringIO()  # a log or a pipe: result lines only
+    quiet = _display(err, out)
+    quiet.progress(1, 2, 1_000_000, 5_000_000)
+    quiet.line("x")
+    assert (err.getvalue(), out.getvalue()) == ("", "x\n")
+
+
+def test_progress_without_tqdm_is_plain_lines(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm raises ImportError
+    err, out = _Terminal(), io.StringIO()
+    shown = _display(err, out)
+    assert isinstance(shown, _LineDisplay) and type(_display(io.StringIO(), out)) is _Display
+    shown.every = 0.0
+    shown.progress(1, 2, 2_000_000, 5_000_000)
+    shown.progress(1, 2, 5_000_000, 5_000_000)  # the round's own line follows: none here
+    shown.line("round 1/2: version 1")
+    assert err.getvalue() == "round 1/2: 2.0 of 5.0 MB received (40%)\n", err.getvalue()
+    assert out.getvalue() == "round 1/2: version 1\n"
+
+
+def test_connect_time_separates_process_start_from_the_handshake() -> None:
+    # Rank 0 was up early and waited in connect for rank 1: that wait is process start (the
+    # last rank's), not the handshake, which runs from rank 1's call to the last return.
+    ready = {0: Ready(0, 1, "gloo", "why", 10, connecting_at=101.0, connected_at=110.0),
+             1: Ready(1, 1, "gloo", "why", 10, connecting_at=108.0, connected_at=110.5)}
+    line = _connected_line(ready, spawned_at=100.0)
+    assert line.startswith("connected: processes up in 8.0 s (spawn, import torch, build "
+                           "shards), handshake 2.5 s; generation 1, transport gloo (why)"), line
 
 
 @pytest.mark.parametrize("trainers,workers,fault,expect", [

@@ -33,7 +33,7 @@ def test_the_demo_says_each_worker_verified_its_tensors() -> None:
     reps = {r: RoundReport(r, 1, 1, 50 if r else 0, 0.5, checked=633 if r else 0)
             for r in range(3)}
     _print_round(args, reps, 100, Bar())  # type: ignore[arg-type]
-    assert "each of 2 workers verified its 633 tensors bit-exact" in lines[0], lines
+    assert "per worker rank (1, 2): 633 tensors bit-exact" in lines[0], lines
 
 
 def test_sync_result_summary_labels_wall_and_busy_time() -> None:
