@@ -13,7 +13,11 @@ What it shows:
   reading the live model never sees a half-written tensor; a committed update is copied
   into the live model under a lock;
 - verification: the trainer records, per version, a digest of each worker's expected shards;
-  every output's weights digest must equal the digest of the version it is tagged with.
+  every output's weights digest must equal the digest of the version it is tagged with;
+- the generation task shares the worker's event loop with the engine, so its forward and
+  digests run in a thread (torch and hashing release the GIL): each round's
+  ``SyncResult.loop_stall_seconds`` says how long the loop was held up anyway, and the
+  example prints the largest (``docs/troubleshooting.md``, "The event loop stalled").
 
 In a real job the rollouts flow back to the trainer through the framework's data path; here
 the trainer trains on synthetic batches so the example stays about the weight sync.
@@ -102,6 +106,7 @@ def worker(index: int, tp: int, address: str, token: str, out: Path) -> None:
     shadow = Policy(tp)         # what the engine writes, only inside the update loop
     targets = targets_from_module(shadow, TP_PLAN)
     outputs: list[dict[str, Any]] = []
+    stalls: list[float] = []  # each round's SyncResult.loop_stall_seconds
 
     async def loop() -> None:
         engine = await WorkerEngine.connect(address, token=token, rank=1 + index,
@@ -126,6 +131,7 @@ def worker(index: int, tp: int, address: str, token: str, out: Path) -> None:
                                                       shadow.named_parameters(), strict=True):
                             dst.copy_(src)
                     version = update.version
+                stalls.append(update.loop_stall_seconds)
                 first.set()
             # The iteration ends when trainer rank 0 closes the job: no more versions.
             done.set()
@@ -150,6 +156,7 @@ def worker(index: int, tp: int, address: str, token: str, out: Path) -> None:
 
     anyio.run(loop)
     write_json(out / f"worker{1 + index}.json", outputs)
+    write_json(out / f"worker{1 + index}-stalls.json", stalls)
 
 
 # -- the launcher ----------------------------------------------------------------------------
@@ -179,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         if sorted(int(v) for v in expected) != list(range(1, args.steps + 1)):
             return fail(f"trainer committed versions {sorted(expected)}, expected 1..{args.steps}")
         per_worker = {}
+        stalled = 0.0
         for i in range(args.tp):
             w = 1 + i
             outputs = json.loads((out / f"worker{w}.json").read_text())
@@ -191,9 +199,13 @@ def main(argv: list[str] | None = None) -> int:
                     return fail(f"worker rank {w}, output #{n}: generated with weights that "
                                 f"are not version {o['version']}'s")
             per_worker[w] = dict(sorted(Counter(versions).items()))
+            stalled = max([stalled, *json.loads((out / f"worker{w}-stalls.json").read_text())])
     print(f"verified: {args.steps} versions synced to {args.tp} TP workers while they kept "
           f"generating; every output's weights match its version tag "
           f"(outputs per version, by worker rank: {per_worker})")
+    # Not a check: how long generation beside the engine held up the workers' loops.
+    print(f"the workers' event loops stalled at most {stalled * 1e3:.1f} ms in a round "
+          f"(SyncResult.loop_stall_seconds)")
     return 0
 
 
