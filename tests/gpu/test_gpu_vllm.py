@@ -1,10 +1,14 @@
 """The ``m2n_async`` vLLM backend on the GPU lanes: 2 trainer ranks (fp32 masters on CUDA,
 ``Shard(0)``) and 2 vLLM worker ranks (TP = 2, the Llama-shaped bf16 model of
-``tests/integrations/_vllm_world.py`` on CUDA), every rank a thread of this process on one
-GPU, driven as vLLM 0.33's GPU worker drives the backend. Three rounds on ``m2n`` and on
+``tests/integrations/_vllm_world.py`` on CUDA), every rank a thread of this process on a GPU
+of its own, driven as vLLM 0.33's GPU worker drives the backend. Three rounds on ``m2n`` and on
 ``nccl``: bit-exact, the in-place parameters keep their storage, the fused and vocab-parallel
 ones arrive through ``load_weights``. The CPU suite runs the same job over Gloo
 (``tests/integrations/test_vllm_backend.py``); this is the data plane vLLM users get.
+
+One GPU per rank: with the four ranks as threads of one process on one GPU (one CUDA
+context), the first m2n round hung until its deadline on the H200 (the ranks' collective
+kernels wait on each other inside the context), so on fewer than four GPUs the test skips.
 """
 
 from __future__ import annotations
@@ -74,22 +78,26 @@ def test_backend_rounds_bit_exact_on_gpu(world: Any, transport: str) -> None:
     reason = gpu_skip_reason(transport, T + TP)
     if reason is not None:
         pytest.skip(reason)
+    if torch.cuda.device_count() < T + TP:
+        pytest.skip(f"needs a GPU per rank ({T + TP}); {torch.cuda.device_count()} here "
+                    f"(module docstring)")
     from m2n_async.integrations import vllm as backend
 
-    dev = torch.device("cuda", 0)
-    models = [world.TinyLlama(r, TP).to(dev) for r in range(TP)]
-    backends = [backend.VLLMWorkerBackend(object(), world.vllm_config(r, TP), dev, models[r])
-                for r in range(TP)]
+    devs = [torch.device("cuda", r) for r in range(T + TP)]  # trainers first, then workers
+    models = [world.TinyLlama(r, TP).to(devs[T + r]) for r in range(TP)]
+    backends = [backend.VLLMWorkerBackend(object(), world.vllm_config(r, TP), devs[T + r],
+                                          models[r]) for r in range(TP)]
     workers = [world.GPUWorker(b, r, world.vllm_config(r, TP)) for r, b in enumerate(backends)]
     client = world.FanOutClient(workers)
     inner = [world.ShardedSource(r, T) for r in range(T)]
-    sources = [_CudaSource(s, dev) for s in inner]
+    sources = [_CudaSource(s, devs[r]) for r, s in enumerate(inner)]
     port = _free_port()
 
     def init(r: int) -> Any:
         info = backend.TrainerInitInfo(rank=r, trainer_ranks=T, world_size=T + TP,
                                        store_port=port, job=f"vllm-gpu-{transport}",
-                                       dtype="bfloat16", transport=transport, device=str(dev),
+                                       dtype="bfloat16", transport=transport,
+                                       device=str(devs[r]),
                                        phase_timeout=60, round_timeout=60)
         return backend.VLLMTrainerEngine.trainer_init(info, client=client, source=sources[r])
 
