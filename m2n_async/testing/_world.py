@@ -145,6 +145,7 @@ class RankPool:
         self._events: list[Any] = [None] * size  # parent ends of the event pipes
         self._pending: list[tuple[str, int, Any]] = []  # events read but not yet waited for
         self._notes: dict[int, list[tuple[str, Any]]] = {}  # slot -> commit/fault events
+        self._early: list[tuple[int, int, str, Any]] = []  # results read by a failed wait
         self._job_id = 0
         for i in range(size):
             self._start(i)
@@ -271,7 +272,8 @@ class RankPool:
                 raise WorldHangError(f"ranks {missing} did not finish within {timeout} s; "
                                      f"their stacks:\n{text}", stacks)
             try:
-                jid, index, kind, value = self.results.get(timeout=min(left, 0.2))
+                jid, index, kind, value = (self._early.pop(0) if self._early
+                                           else self.results.get(timeout=min(left, 0.2)))
             except queue.Empty:
                 for i in range(n):
                     if i not in out and not self.alive(i):
@@ -301,12 +303,13 @@ class RankPool:
             time.sleep(0.02)
 
     def _peek_results(self) -> list[Any]:
-        out = []
+        """The results that arrived so far, for a message; kept for ``collect`` (a wait
+        that failed must not lose them)."""
         while True:
             try:
-                out.append(self.results.get_nowait())
+                self._early.append(self.results.get_nowait())
             except queue.Empty:
-                return out
+                return list(self._early)
 
     def close(self) -> None:
         for i, p in enumerate(self._procs):

@@ -49,3 +49,11 @@ def test_a_function_the_ranks_cannot_import_is_an_error_not_a_dead_pool(
     res = world.run("no_such_module_here:fn", timeout=20)
     assert {r.status for r in res} == {"error"}
     assert all(isinstance(r.error, ModuleNotFoundError) for r in res)
+
+
+def test_a_wait_for_an_event_that_never_comes_keeps_the_results(m2n_world: World) -> None:
+    world = m2n_world(1, 1)
+    run = world.start(returns_rank)
+    with pytest.raises(AssertionError, match="no 'never' event"):
+        world.wait_event("never", timeout=3.0)  # the results arrive meanwhile, and are shown
+    assert world.collect(run, timeout=20).values == [0, 1]  # and still collected
