@@ -502,9 +502,6 @@ class GpuTransportBase(Transport):
     """What ``nccl`` and ``m2n`` share: device and streams, the communicator (unique id via
     the rendezvous, init on the native thread), completions, bounded fail-stop abort."""
 
-    #: Seconds ``close``/``abort`` give the communicator abort before leaving it behind.
-    ABORT_TIMEOUT = 10.0
-
     def __init__(self, ctx: Any) -> None:
         super().__init__(ctx)
         self.device: torch.device | None = None
@@ -728,7 +725,8 @@ class GpuTransportBase(Transport):
     def abort(self, reason: str) -> None:
         """Fail-stop: wake every waiter with ``TransferError``, then abort the communicator
         on a separate daemon thread (never the loop, never the possibly-blocked native
-        thread). Returns at once; ``close`` waits for the abort at most ``ABORT_TIMEOUT``."""
+        thread). Returns at once; ``close`` waits for the abort at most the settings'
+        ``close_timeout``."""
         with self._pending_lock:
             if self._abort_reason is None:
                 self._abort_reason = reason
@@ -779,19 +777,26 @@ class GpuTransportBase(Transport):
         for sig in pending:
             sig.fire(TransferError(f"{self.name} transport closed at {self.ctx.where()}",
                                    rank=self.ctx.rank))
-        if self.streams is not None and self.streams.cuda and self._abort_reason is None:
-            # Clean close: let queued GPU work finish before the communicator goes (bounded).
-            ev = self.streams.record(self.streams.transfer)
-            with anyio.move_on_after(self.ABORT_TIMEOUT):
-                await poll_until(ev.query, maximum=5e-3)
-        th = self._start_teardown(abort=self._abort_reason is not None)
-        if th is not None:
-            with anyio.move_on_after(self.ABORT_TIMEOUT):
-                await poll_until(lambda: not th.is_alive(), maximum=20e-3)
-        self._torn_down = True
-        if self._watcher is not None:
-            self._watcher.close(timeout=0.0)
-            self._watcher = None
+        # One bound for the whole close (the settings' close_timeout: the engine's
+        # abort_grace), and the watcher is stopped whatever happens to the waits: a close cut
+        # short by its caller must not leave the watcher thread behind.
+        deadline = anyio.current_time() + self.ctx.settings.close_timeout
+        try:
+            if (self.streams is not None and self.streams.cuda
+                    and self._abort_reason is None):
+                # Clean close: let queued GPU work finish before the communicator goes.
+                ev = self.streams.record(self.streams.transfer)
+                with anyio.move_on_after(max(deadline - anyio.current_time(), 0.0)):
+                    await poll_until(ev.query, maximum=5e-3)
+            th = self._start_teardown(abort=self._abort_reason is not None)
+            if th is not None:
+                with anyio.move_on_after(max(deadline - anyio.current_time(), 0.0)):
+                    await poll_until(lambda: not th.is_alive(), maximum=20e-3)
+        finally:
+            self._torn_down = True
+            if self._watcher is not None:
+                self._watcher.close(timeout=0.0)
+                self._watcher = None
 
     @property
     def teardown_finished(self) -> bool:

@@ -126,6 +126,9 @@ class TransportSettings:
     device: str | None = None
     #: Seconds allowed to create the communicator in ``connect``.
     connect_timeout: float = 60.0
+    #: Seconds ``close`` may wait, in all, for queued GPU work and the communicator's abort
+    #: (the engine's ``abort_grace``): past it the abort is left to finish on its own thread.
+    close_timeout: float = 10.0
     #: Address the CPU data plane binds and advertises (gloo). None: 127.0.0.1 when the
     #: store is on loopback, else torch's default (hostname / ``GLOO_SOCKET_IFNAME``).
     host: str | None = None

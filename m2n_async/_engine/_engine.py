@@ -219,6 +219,7 @@ class _Engine:
                                  max_inflight=c.max_inflight,
                                  max_cta=c.max_cta, device=c.device,
                                  connect_timeout=c.phase_timeout, host=host,
+                                 close_timeout=c.abort_grace,
                                  coalesce=c.coalesce, coalesce_below=c.coalesce_below)
 
     def _costs(self) -> CostInputs:

@@ -146,14 +146,15 @@ async def run_world(name: str, plan: TransferPlan, *, bucket_bytes: int = 1 << 1
                     body: Callable[[int, Transport], Any] | None = None,
                     deadline: float = 30.0, coalesce: bool = True,
                     coalesce_below: int | None = None,
-                    host: str | None = None) -> list[RankResult]:
+                    host: str | None = None, close_timeout: float = 10.0
+                    ) -> list[RankResult]:
     """Run ``rounds`` rounds on every rank; returns per-rank results (errors captured).
     ``host``: where gloo binds (its ranks here share one process, so 127.0.0.1)."""
     store = MemoryStore()
     extra = {} if coalesce_below is None else {"coalesce_below": coalesce_below}
     settings = TransportSettings(bucket_bytes=bucket_bytes, max_inflight=max_inflight,
                                  device=device, connect_timeout=20.0, coalesce=coalesce,
-                                 host=host, **extra)
+                                 host=host, close_timeout=close_timeout, **extra)
     buckets = plan.buckets(bucket_bytes)
     results = [RankResult(r) for r in range(plan.world_size)]
     tsinks: dict[int, Mapping[str, Any]] = {}

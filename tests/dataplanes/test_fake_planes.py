@@ -523,3 +523,29 @@ async def test_a_communicator_created_after_connect_gave_up_is_aborted(
     while len(fake_world.comms) < 2 or any(c.valid for c in fake_world.comms):
         assert time.monotonic() < deadline, [(c.rank, c.valid) for c in fake_world.comms]
         await anyio.sleep(0.01)
+
+
+@pytest.mark.parametrize("name", ["m2n", "nccl"])
+async def test_close_is_bounded_by_close_timeout_when_the_abort_hangs(
+        fake_world: fake_nccl.FakeWorld, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """A communicator abort that never returns (a peer died inside a kernel) holds ``close``
+    for the settings' ``close_timeout`` (the engine's ``abort_grace``) and no longer: the
+    abort is left on its thread (``teardown_finished`` False), the transport is torn down."""
+    import threading
+
+    release = threading.Event()
+    monkeypatch.setattr(fake_nccl.Comm, "abort", lambda self: release.wait(30))
+    plan = make_plan([("w", (16, 8), torch.float32, (R, 0), (R, 1))], (1, 1), (1, 1))
+
+    async def body(rank: int, t: Transport) -> None:
+        t.abort("a peer died")
+
+    try:
+        # A hang guard well under the 10 s the close used to wait whatever its caller allowed.
+        with anyio.fail_after(6):
+            results = await run_world(name, plan, body=body, close_timeout=0.5)
+        raise_first(results)
+        assert all(res.transport._torn_down for res in results)
+        assert not any(res.transport.teardown_finished for res in results)
+    finally:
+        release.set()
