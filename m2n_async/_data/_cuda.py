@@ -220,7 +220,8 @@ def _torch() -> Any:
 
 
 def is_tensor(x: object) -> bool:
-    """Duck-typed tensor test: sinks are tensors or load callbacks, and torch stays lazy."""
+    """Duck-typed tensor test (torch stays lazy). Worker targets are not tested this way:
+    their ``Sink.in_place`` says it, decided once per target."""
     return hasattr(x, "data_ptr") and hasattr(x, "is_contiguous")
 
 
@@ -569,7 +570,7 @@ class GpuTransportBase(Transport):
         """Create the communicator over all ``world_size`` ranks: rank 0 makes the unique id,
         the rendezvous broadcasts it with its SHA-256 and the generation (every rank checks
         both: ``RemoteProtocolError`` naming rank 0), every rank runs ``Communicator.init``
-        on the native thread, bounded by ``settings.connect_timeout``.
+        on the native thread, bounded by ``rendezvous.timeout`` (as every step of connect).
 
         Cancellation: the init keeps running on the native thread; a communicator it creates
         after this returned (cancelled or timed out), or after the transport was aborted, is
@@ -589,13 +590,13 @@ class GpuTransportBase(Transport):
 
         call = self.ctx.native.submit(init, description="nccl Communicator.init")
         try:
-            with anyio.fail_after(self.ctx.settings.connect_timeout):
+            with anyio.fail_after(rendezvous.timeout):
                 comm = await call.wait()
         except TimeoutError:
             call.add_done_callback(self._adopt_late)
             raise TimeoutError(
                 f"{self.name}: NCCL communicator init did not finish within "
-                f"{self.ctx.settings.connect_timeout}s at {self.ctx.where()} (a peer did not "
+                f"{rendezvous.timeout}s at {self.ctx.where()} (a peer did not "
                 f"join, or NCCL_* settings differ)") from None
         except Exception as exc:
             raise self.translate(exc, "communicator init") from exc
@@ -772,6 +773,7 @@ class GpuTransportBase(Transport):
         if self._closed:
             return
         self._closed = True
+        self._sink_cache = None  # the caller's targets: a closed transport keeps none alive
         with self._pending_lock:
             pending, self._pending = self._pending, set()
         for sig in pending:

@@ -60,7 +60,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeAlias
 
 import anyio
 
@@ -82,11 +82,14 @@ __all__ = [
     "Rendezvous",
     "Role",
     "Sink",
+    "SinkLike",
+    "SinkMap",
     "Staging",
     "Transport",
     "TransportContext",
     "TransportSettings",
     "create_transport",
+    "sink_map",
     "transport_class",
 ]
 
@@ -99,8 +102,64 @@ Role = Literal["trainer", "worker"]
 #: one at a time, in plan order.
 LoadCallback: TypeAlias = Callable[[str, "torch.Tensor"], None]
 
-#: Where a worker's destination shard goes: a tensor written in place, or a load callback.
-Sink: TypeAlias = "torch.Tensor | LoadCallback"
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Sink:
+    """Where a worker's destination shard of one parameter goes, decided once per target:
+    ``target`` is a tensor written in place (``in_place``) or a ``LoadCallback`` fed from
+    staging. The engine builds one per name at connect (its ``SinkMap``); the lanes read
+    ``in_place`` instead of asking the target's type again for every bucket."""
+
+    target: torch.Tensor | LoadCallback
+    in_place: bool
+    #: The target's placements on the worker mesh (what the destination phase sends).
+    placements: tuple[int, int] | None = None
+    #: What the engine checks against the plan (``validate_local_buffer``): the tensor
+    #: itself, or the declaration a callback came with (a ``LoadTarget``: shape, dtype,
+    #: device). None: the target. Whatever the caller passed: validation says what is wrong.
+    declared: Any = None
+
+    @classmethod
+    def of(cls, target: torch.Tensor | LoadCallback, *,
+           placements: tuple[int, int] | None = None, declared: Any = None) -> Sink:
+        """The record of ``target``: written in place when it is a tensor."""
+        import torch  # here, not at import: ``import m2n_async`` stays torch-free
+
+        return cls(target, isinstance(target, torch.Tensor), placements,
+                   target if declared is None else declared)
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """``target`` as the tensor it is when ``in_place`` (check that first)."""
+        return self.target  # type: ignore[return-value]
+
+    @property
+    def load(self) -> LoadCallback:
+        """``target`` as the load callback it is when not ``in_place`` (check that first)."""
+        return self.target  # type: ignore[return-value]
+
+
+class SinkMap(dict[str, Sink]):
+    """name -> ``Sink``, built once (the engine's, at connect). A transport takes it as it
+    is; any other mapping handed to ``stage``/``unpack`` goes through ``sink_map`` first."""
+
+
+#: A worker target as ``stage``/``unpack`` accept it: a ``Sink``, or (tests and benches that
+#: drive a transport directly) the bare tensor or load callback.
+SinkLike: TypeAlias = "Sink | torch.Tensor | LoadCallback"
+
+
+def sink_map(sinks: Mapping[str, SinkLike]) -> SinkMap:
+    """``sinks`` as records: a ``SinkMap`` as it is, any other mapping converted (a value of
+    None counts as no sink, as a missing name does)."""
+    if isinstance(sinks, SinkMap):
+        return sinks
+    import torch  # once per mapping, not per target
+
+    return SinkMap({name: s if isinstance(s, Sink) else
+                    Sink(s, isinstance(s, torch.Tensor), None, s)
+                    for name, s in sinks.items() if s is not None})
+
 
 #: lane name (``_proto.lanes.LANES``) -> import path of its class. Imported lazily: importing
 #: ``nccl.m2n`` without a GPU runtime fails, and a CPU job must not pay for (or trip over) it.
@@ -114,18 +173,16 @@ TRANSPORTS: dict[str, str] = {
 @dataclass(frozen=True, slots=True)
 class TransportSettings:
     """The part of ``EngineConfig`` the data plane reads. Identical on every rank where it
-    matters (``max_cta`` is compared in the data_plane phase; bucket boundaries come from the
-    plan and ``bucket_bytes``, which the handshake agrees)."""
+    matters (``max_cta`` is compared in the data_plane phase). Bucket boundaries are not
+    here but in ``TransportContext.buckets``, and the bound on creating the communicator is
+    ``Rendezvous.timeout``: each reaches a lane one way only."""
 
-    #: The size the agreed buckets (``TransportContext.buckets``) were cut at. No lane reads
-    #: it: they take the boundaries from the context, so none can cut them differently.
-    bucket_bytes: int
+    #: Buckets between ``stage`` and ``release`` at once: the lanes keep this many staging
+    #: arenas, and the engine's pipeline admits this many (it reads it from here).
     max_inflight: int
     max_cta: int | None = None
     #: "cpu", "cuda", "cuda:N", or None (gloo: cpu; GPU transports: current CUDA device).
     device: str | None = None
-    #: Seconds allowed to create the communicator in ``connect``.
-    connect_timeout: float = 60.0
     #: Seconds ``close`` may wait, in all, for queued GPU work and the communicator's abort
     #: (the engine's ``abort_grace``): past it the abort is left to finish on its own thread.
     close_timeout: float = 10.0
@@ -142,8 +199,6 @@ class TransportSettings:
     def __post_init__(self) -> None:
         if self.coalesce_below < 0:
             raise PlanError(f"coalesce_below must be >= 0, got {self.coalesce_below}")
-        if self.bucket_bytes <= 0:
-            raise PlanError(f"bucket_bytes must be > 0, got {self.bucket_bytes}")
         if self.max_inflight < 1:
             raise PlanError(f"max_inflight must be >= 1, got {self.max_inflight}")
         if self.max_cta is not None and self.max_cta < 1:
@@ -160,13 +215,14 @@ class TransportContext:
     settings: TransportSettings
     #: The engine's native-call thread: every native call of this transport runs on it.
     native: NativeThread
-    #: The agreed bucket boundaries (``plan.buckets(settings.bucket_bytes)``), identical on
-    #: every rank; passed in so that the transport never recomputes them differently.
+    #: The agreed bucket boundaries (the plan cut at the agreed ``bucket_bytes``), identical
+    #: on every rank; passed in so that the transport never recomputes them differently.
+    #: The engine's pipeline walks these very buckets.
     buckets: tuple[Bucket, ...]
     job: str = "m2n"
     #: Worker only: indices of the parameters whose target is a tensor (a message for them
-    #: can land in place); the others are load callbacks, fed from staging. None: unknown,
-    #: so a transport must size staging as if nothing lands in place.
+    #: can land in place: their ``Sink.in_place``); the others are load callbacks, fed from
+    #: staging. None: unknown, so a transport must size staging as if nothing lands in place.
     in_place: frozenset[int] | None = None
 
     @property
@@ -369,6 +425,10 @@ class Transport(ABC):
         self._abort_reason: str | None = None
         self._round: int | None = None
         self._deadline: float | None = None
+        #: (mapping as passed, its records): one ``sink_map`` per mapping object and round.
+        #: One attribute, so that a reader on another thread never pairs a mapping with the
+        #: records of another.
+        self._sink_cache: tuple[Mapping[str, SinkLike], SinkMap] | None = None
 
     @property
     def aborted(self) -> bool:
@@ -434,16 +494,31 @@ class Transport(ABC):
     def end_round(self) -> None:
         """The round's buckets are all released (successfully or not)."""
         self._deadline = None
+        self._sink_cache = None  # the caller's targets: not kept alive past the round
+
+    def sink_records(self, sinks: Mapping[str, SinkLike]) -> SinkMap:
+        """``sinks`` as ``Sink`` records: the engine's ``SinkMap`` as it is; any other
+        mapping (name -> tensor or load callback) converted once per mapping object and
+        round, cached by identity until ``end_round``. Any thread."""
+        if isinstance(sinks, SinkMap):
+            return sinks
+        cached = self._sink_cache
+        if cached is not None and cached[0] is sinks:
+            return cached[1]
+        records = sink_map(sinks)
+        self._sink_cache = (sinks, records)
+        return records
 
     @abstractmethod
     async def stage(self, bucket: Bucket, *,
                     sources: Mapping[str, torch.Tensor] | None = None,
-                    sinks: Mapping[str, Sink] | None = None) -> Staging:
+                    sinks: Mapping[str, SinkLike] | None = None) -> Staging:
         """Trainer: pack this rank's outgoing pieces of ``bucket`` from ``sources`` (name ->
         local shard, validated by the engine, covering at least the bucket's params).
-        Worker: allocate the receive staging; ``sinks`` (name -> target tensor or load
-        callback, the same mapping ``unpack`` gets) lets a transport receive straight into a
-        target tensor where the bytes arrive contiguous (zero-copy).
+        Worker: allocate the receive staging; ``sinks`` (name -> ``Sink``, or a bare target
+        tensor or load callback: ``sink_records``; the same mapping ``unpack`` gets) lets a
+        transport receive straight into a target tensor where the bytes arrive contiguous
+        (zero-copy).
 
         Returns once the staging is ordered before any later ``transfer`` of it (a CUDA
         transport may return after enqueueing and recording an event).
@@ -456,9 +531,10 @@ class Transport(ABC):
         """Submit the bucket's sends (trainer) or receives (worker) to the native thread in
         plan order and return at once. The completion keeps ``staging``'s buffers alive."""
 
-    async def unpack(self, staging: Staging, sinks: Mapping[str, Sink]) -> None:
+    async def unpack(self, staging: Staging, sinks: Mapping[str, SinkLike]) -> None:
         """Worker, after ``wait()``: write every received piece into its sink (name -> target
-        tensor, written in place, or load callback). Returns when the targets hold the bytes.
+        tensor, written in place, or load callback; as ``stage``). Returns when the targets
+        hold the bytes.
         Trainer: nothing to do (default). A transport may cache per-bucket views of the
         targets keyed by the ``sinks`` mapping object (the engine passes the same one every
         round): pass a new mapping when the targets change, never mutate one in place.

@@ -90,7 +90,8 @@ from m2n_async._data._transport import (
     Completion,
     NativeCompletion,
     Rendezvous,
-    Sink,
+    SinkLike,
+    SinkMap,
     Staging,
     Transport,
     TransportContext,
@@ -437,7 +438,9 @@ class GlooTransport(Transport):
         self._pack_thread: NativeThread | None = None
         self._waiter: NativeThread | None = None
         self._unpack_thread: NativeThread | None = None
-        self._unpack_sinks: Mapping[str, Sink] | None = None
+        #: The sinks mapping the caches below were built for (as passed), and its records.
+        self._unpack_sinks: Mapping[str, SinkLike] | None = None
+        self._unpack_records: SinkMap = SinkMap()
         self._unpack_cache: dict[int, _UnpackPlan] = {}
         self._recv_cache: dict[int, tuple[list[tuple[int, Message, torch.Tensor | None]],
                                           int]] = {}
@@ -588,7 +591,7 @@ class GlooTransport(Transport):
 
     async def stage(self, bucket: Bucket, *,
                     sources: Mapping[str, torch.Tensor] | None = None,
-                    sinks: Mapping[str, Sink] | None = None) -> Staging:
+                    sinks: Mapping[str, SinkLike] | None = None) -> Staging:
         self.check_usable()
         bp = self.packing(bucket)
         if self.ctx.role == "trainer":
@@ -878,12 +881,12 @@ class GlooTransport(Transport):
         staged.seconds["pack"] = time.perf_counter() - t0
         return staged
 
-    def _recv_plan(self, bp: BucketPacking, sinks: Mapping[str, Sink]
+    def _recv_plan(self, bp: BucketPacking, sinks: Mapping[str, SinkLike]
                    ) -> tuple[list[tuple[int, Message, torch.Tensor | None]], int]:
         """Per message of ``bp``: (peer, message, the target bytes it lands in directly or
         None), and the staging needed for the others; cached with the unpack plan (the
         worker's targets are fixed), so no view is built per round."""
-        self._check_sinks(sinks)
+        records = self._check_sinks(sinks)
         got = self._recv_cache.get(bp.bucket.index)
         if got is not None:
             return got
@@ -893,17 +896,17 @@ class GlooTransport(Transport):
         for peer in bp.peers:
             for msg in peer.messages:
                 seg = msg.direct
-                target = sinks.get(names[seg.param]) if seg is not None else None
-                if seg is not None and isinstance(target, torch.Tensor):
+                target = records.get(names[seg.param]) if seg is not None else None
+                if seg is not None and target is not None and target.in_place:
                     a, b = seg.span  # type: ignore[misc]
-                    out.append((peer.peer, msg, byte_view(target).view(-1)[a:b]))
+                    out.append((peer.peer, msg, byte_view(target.tensor).view(-1)[a:b]))
                 else:  # a load callback gets its shard from staging
                     out.append((peer.peer, msg, None))
                     need += msg.nbytes
         self._recv_cache[bp.bucket.index] = (out, need)
         return out, need
 
-    def _alloc_recv(self, bp: BucketPacking, sinks: Mapping[str, Sink]) -> GlooStaging:
+    def _alloc_recv(self, bp: BucketPacking, sinks: Mapping[str, SinkLike]) -> GlooStaging:
         staged = GlooStaging(bp.bucket, packing=bp, nbytes_moved=bp.nbytes)
         plan, need = self._recv_plan(bp, sinks)
         arena = self._acquire(staged, need)
@@ -1041,7 +1044,7 @@ class GlooTransport(Transport):
         return TransferError(f"gloo {op} failed at {where}: {text}", rank=self.ctx.rank,
                              round=self.round)
 
-    async def unpack(self, staging: Staging, sinks: Mapping[str, Sink]) -> None:
+    async def unpack(self, staging: Staging, sinks: Mapping[str, SinkLike]) -> None:
         """Scatter into targets / call load callbacks on the unpack thread, in plan order.
 
         Cancellation: the unpack thread finishes the bucket; the engine aborts the round.
@@ -1056,15 +1059,15 @@ class GlooTransport(Transport):
             # Everything landed in place; only load callbacks would still need work.
             bp = staging.packing
             assert bp is not None
-            if not any(callable(sinks.get(self._names[i])) and
-                       not isinstance(sinks.get(self._names[i]), torch.Tensor)
+            records = self._check_sinks(sinks)
+            if not any((s := records.get(self._names[i])) is not None and not s.in_place
                        for i in bp.params):
                 staging.seconds["unpack"] = 0.0
                 return
         await thread.run(self._unpack, staging, sinks,
                          description=f"unpack bucket {staging.bucket.index}")
 
-    def _unpack(self, staged: GlooStaging, sinks: Mapping[str, Sink]) -> None:
+    def _unpack(self, staged: GlooStaging, sinks: Mapping[str, SinkLike]) -> None:
         t0 = time.perf_counter()
         bp = staged.packing
         assert bp is not None
@@ -1112,16 +1115,23 @@ class GlooTransport(Transport):
             self._run_callbacks(staged, up.callbacks)
         staged.seconds["unpack"] = time.perf_counter() - t0
 
-    def _check_sinks(self, sinks: Mapping[str, Sink]) -> None:
+    def _check_sinks(self, sinks: Mapping[str, SinkLike]) -> SinkMap:
+        """The records of ``sinks``; a mapping other than last time's resets the caches
+        built from it. The records live as long as those caches (converted once per
+        mapping, not per round: these caches hold the mapping anyway)."""
         if self._unpack_sinks is not sinks:
+            # The mapping changes between rounds only, no bucket in flight: no other thread
+            # is in here then to pair one mapping with the other's records.
+            self._unpack_records = self.sink_records(sinks)
             self._unpack_sinks, self._unpack_cache, self._recv_cache = sinks, {}, {}
             self._parts.clear()
+        return self._unpack_records
 
-    def _unpack_plan(self, bp: BucketPacking, sinks: Mapping[str, Sink]) -> _UnpackPlan:
+    def _unpack_plan(self, bp: BucketPacking, sinks: Mapping[str, SinkLike]) -> _UnpackPlan:
         """How to unpack ``bp`` into ``sinks``: built once per bucket and sinks mapping (a
         worker's targets are fixed for its lifetime), not every round. The cache holds the
         mapping itself, so a new mapping can never be mistaken for a cached one."""
-        self._check_sinks(sinks)
+        records = self._check_sinks(sinks)
         up = self._unpack_cache.get(bp.bucket.index)
         if up is not None:
             return up
@@ -1130,15 +1140,15 @@ class GlooTransport(Transport):
         shaped: dict[int, torch.Tensor] = {}
         callbacks: dict[int, Callable[[str, torch.Tensor], None]] = {}
         for i in bp.params:
-            sink = sinks.get(names[i])
+            sink = records.get(names[i])
             if sink is None:
                 raise PlanError(f"parameter {names[i]!r}: no target or load callback on "
                                 f"rank {self.ctx.rank}")
-            if isinstance(sink, torch.Tensor):
-                shaped[i] = byte_view(sink)
+            if sink.in_place:
+                shaped[i] = byte_view(sink.tensor)
                 flat[i] = shaped[i].view(-1)
             else:
-                callbacks[i] = sink
+                callbacks[i] = sink.load
         scatters: dict[int, list[torch.Tensor]] = {}
         views: dict[int, torch.Tensor] = {}
         for peer in bp.peers:
@@ -1259,5 +1269,7 @@ class GlooTransport(Transport):
         self._recv_cache.clear()
         self._unpack_cache.clear()
         self._unpack_sinks = None  # the caller's targets: a closed transport keeps none alive
+        self._unpack_records = SinkMap()
+        self._sink_cache = None
         self._pg = None
         self._adapter = None

@@ -67,7 +67,7 @@ from m2n_async._data._cuda import (
 )
 from m2n_async._data._kernels import MIN_PIECES, copy_many, pointer_table, uniform_pieces
 from m2n_async._data._kernels import available as kernels_available
-from m2n_async._data._transport import Completion, Sink, Staging, TransportSettings
+from m2n_async._data._transport import Completion, SinkLike, Staging, TransportSettings
 from m2n_async._proto.errors import LocalProtocolError, PlanError, TransferError
 from m2n_async._proto.plan import M2N_MAX_CALL_BYTES
 from m2n_async._proto.stacking import bucket_calls, stacked_placement
@@ -360,7 +360,7 @@ class M2NTransport(GpuTransportBase):
             self.grouping_reason = "off (M2N_ASYNC_M2N_GROUPING=off): ordered single reshards"
             return
         try:
-            with anyio.fail_after(self.ctx.settings.connect_timeout):
+            with anyio.fail_after(rendezvous.timeout):
                 ok, error, keep = await self.ctx.native.run(
                     self._probe_group, description="nccl.m2n grouping probe")
                 votes = await rendezvous.all_gather(
@@ -369,14 +369,14 @@ class M2NTransport(GpuTransportBase):
             self.abort("M2N grouping probe timed out")
             raise TimeoutError(
                 f"m2n: the grouping probe did not finish within "
-                f"{self.ctx.settings.connect_timeout}s at {self.ctx.where()}; set "
+                f"{rendezvous.timeout}s at {self.ctx.where()}; set "
                 f"M2N_ASYNC_M2N_GROUPING=off on every rank to skip it") from None
         failed = {r: v.decode(errors="replace") for r, v in enumerate(votes) if v != b"1"}
         if not failed:
             # Every rank launched the probe group; wait for it (bounded) so the communicator
             # is quiet before the first round.
             completion = self.completion_of(keep["event"], keep, "grouping probe")
-            with anyio.fail_after(self.ctx.settings.connect_timeout):
+            with anyio.fail_after(rendezvous.timeout):
                 await completion.wait()
             if keep["check"] is not None and not keep["check"]():
                 self.abort("M2N grouping probe delivered wrong bytes")
@@ -457,12 +457,13 @@ class M2NTransport(GpuTransportBase):
     # -- rounds -----------------------------------------------------------------------------
 
     def _zero_copy_ok(self, t: Any, p: _Param, shape: tuple[int, ...]) -> bool:
-        return (is_tensor(t) and t.device == self.device and t.dtype == p.dtype
+        """Tensor ``t`` can be the call's buffer itself (the caller knows it is a tensor)."""
+        return (t.device == self.device and t.dtype == p.dtype
                 and t.is_contiguous() and tuple(t.shape) == shape)
 
     async def stage(self, bucket: Bucket, *,
                     sources: Mapping[str, torch.Tensor] | None = None,
-                    sinks: Mapping[str, Sink] | None = None) -> Staging:
+                    sinks: Mapping[str, SinkLike] | None = None) -> Staging:
         """See ``Transport.stage``: per call, zero-copy sources/targets where possible, else a
         cast or staging tensor on the pack stream; a stacked call packs its members with one
         multi-tensor copy (``torch._foreach_copy_``, the cast included). Records the events
@@ -488,6 +489,7 @@ class M2NTransport(GpuTransportBase):
         else:
             if sinks is None:
                 raise LocalProtocolError(f"m2n: worker stage without sinks at {where}")
+            records = self.sink_records(sinks)
             torch = _torch()
             with streams.on(streams.pack):
                 stacks = self._stacks(st)
@@ -495,8 +497,8 @@ class M2NTransport(GpuTransportBase):
                     p = call.geo
                     if call.stacked:
                         for m in call.members:  # a missing target fails before the transfer
-                            if m.name not in sinks:
-                                lookup_tensor(sinks, m.name, where)
+                            if m.name not in records:
+                                lookup_tensor(records, m.name, where)
                         buf = stacks[k][0]
                         st.buffers.append(buf)
                         st.persistent.append(st.arena_slot is not None)
@@ -504,9 +506,9 @@ class M2NTransport(GpuTransportBase):
                         st.stacked_params += len(call.members)
                         st.nbytes += buf.numel() * buf.element_size()
                         continue
-                    sink = lookup_tensor(sinks, p.name, where)
-                    if self._zero_copy_ok(sink, p, p.dst_shape):
-                        st.buffers.append(sink)
+                    sink = lookup_tensor(records, p.name, where)
+                    if sink.in_place and self._zero_copy_ok(sink.target, p, p.dst_shape):
+                        st.buffers.append(sink.target)
                         st.persistent.append(True)
                         st.zero_copy += 1
                         continue
@@ -633,7 +635,7 @@ class M2NTransport(GpuTransportBase):
                 st.persistent.append(st.arena_slot is not None)
             else:
                 t = lookup_tensor(sources, p.name, where)
-                if self._zero_copy_ok(t, p, p.src_shape):
+                if is_tensor(t) and self._zero_copy_ok(t, p, p.src_shape):
                     st.buffers.append(t)
                     st.persistent.append(True)
                     st.zero_copy += 1
@@ -764,7 +766,7 @@ class M2NTransport(GpuTransportBase):
 
         return self.submit(run, st, f"bucket {st.bucket.index} transfer")
 
-    async def unpack(self, staging: Staging, sinks: Mapping[str, Sink]) -> None:
+    async def unpack(self, staging: Staging, sinks: Mapping[str, SinkLike]) -> None:
         """Worker: copy staged tensors into their targets with one multi-tensor copy (unpack
         stream, after the transfer event) and call load callbacks in plan order once the
         bytes are in place; a stacked call's members reach callbacks as views of the stack
@@ -796,7 +798,7 @@ class M2NTransport(GpuTransportBase):
                         torch._foreach_copy_(g.dsts, g.srcs, non_blocking=True)
         await self.finish_unpack(st, bool(groups), callbacks)
 
-    def _scatter_lists(self, st: M2NStaging, sinks: Mapping[str, Sink]
+    def _scatter_lists(self, st: M2NStaging, sinks: Mapping[str, SinkLike]
                        ) -> tuple[list[_Scatter], list[tuple[str, Any, Any]]]:
         """Worker: the bucket's copies (grouped by shape and dtypes: each group one
         multi-tensor copy) and load callbacks. When the bucket's buffers are all arena
@@ -810,6 +812,7 @@ class M2NTransport(GpuTransportBase):
             if hit is not None and hit[0] is sinks and hit[1] == st.buffers[st.staged[0]]\
                     .data_ptr():
                 return hit[2], hit[3]
+        records = self.sink_records(sinks)
         callbacks: list[tuple[str, Any, Any]] = []
         groups: dict[tuple[Any, ...], _Scatter] = {}
         for k in st.staged:
@@ -818,16 +821,17 @@ class M2NTransport(GpuTransportBase):
             parts = self._views[key].views[k][1] if call.stacked and st.persistent[k] else (
                 buf.unbind(0) if call.stacked else (buf,))
             for m, part in zip(call.members, parts, strict=True):
-                sink = sinks[m.name]
-                if is_tensor(sink):
-                    gkey = (tuple(part.shape), part.dtype, sink.dtype)  # type: ignore[union-attr]
+                sink = records[m.name]
+                if sink.in_place:
+                    dst = sink.tensor
+                    gkey = (tuple(part.shape), part.dtype, dst.dtype)
                     g = groups.get(gkey)
                     if g is None:
                         g = groups[gkey] = _Scatter([], [], reusable)
-                    g.dsts.append(sink)
+                    g.dsts.append(dst)
                     g.srcs.append(part)
                 else:
-                    callbacks.append((m.name, sink, part))
+                    callbacks.append((m.name, sink.target, part))
         # Callbacks run in plan order (the LoadCallback contract): calls are sorted by their
         # first member, but a stack's later members interleave with other calls.
         if len(callbacks) > 1:

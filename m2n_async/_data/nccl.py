@@ -43,7 +43,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from m2n_async._data._cuda import (
     GpuTransportBase,
     _torch,
-    is_tensor,
     lookup_tensor,
     torch_dtype,
 )
@@ -55,7 +54,7 @@ from m2n_async._data._packing import (
     plan_bucket,
     unpack_pair,
 )
-from m2n_async._data._transport import Completion, Sink, Staging
+from m2n_async._data._transport import Completion, SinkLike, Staging
 from m2n_async._proto.errors import LocalProtocolError, PlanError, TransferError
 
 if TYPE_CHECKING:
@@ -117,7 +116,7 @@ class NcclTransport(GpuTransportBase):
 
     async def stage(self, bucket: Bucket, *,
                     sources: Mapping[str, torch.Tensor] | None = None,
-                    sinks: Mapping[str, Sink] | None = None) -> Staging:
+                    sinks: Mapping[str, SinkLike] | None = None) -> Staging:
         """See ``Transport.stage`` (module docstring: zero-copy, arena, casts).
 
         Cancellation: nothing was submitted; the staging is dropped with the round.
@@ -192,20 +191,22 @@ class NcclTransport(GpuTransportBase):
             return st
         if sinks is None:
             raise LocalProtocolError(f"nccl: worker stage without sinks at {where}")
+        records = self.sink_records(sinks)
         with streams.on(streams.pack):
             for i in pk.params:
                 p = plan.params[i]
                 spec = p.spec
                 shape = tuple(p.dst.shard_shape(tuple(spec.shape)))
-                sink = lookup_tensor(sinks, spec.name, where)
+                sink = lookup_tensor(records, spec.name, where)
                 dtype = torch_dtype(spec.dtype)
-                if (is_tensor(sink) and sink.device == self.device and sink.dtype == dtype
-                        and sink.is_contiguous() and tuple(sink.shape) == shape):
-                    st.dst_bytes[i] = byte_view(sink)
+                target: Any = sink.target  # a tensor when in_place (checked first)
+                if (sink.in_place and target.device == self.device and target.dtype == dtype
+                        and target.is_contiguous() and tuple(target.shape) == shape):
+                    st.dst_bytes[i] = byte_view(target)
                 else:
-                    if is_tensor(sink) and tuple(sink.shape) != shape:
+                    if sink.in_place and tuple(target.shape) != shape:
                         raise PlanError(f"parameter {spec.name!r}: target shape "
-                                        f"{tuple(sink.shape)} but the plan says {shape} at "
+                                        f"{tuple(target.shape)} but the plan says {shape} at "
                                         f"{where}")
                     tmp = torch.empty(shape, dtype=dtype, device=self.device)
                     st.temps.append((i, tmp))
@@ -265,7 +266,7 @@ class NcclTransport(GpuTransportBase):
 
         return self.submit(run, st, f"bucket {st.bucket.index} transfer")
 
-    async def unpack(self, staging: Staging, sinks: Mapping[str, Sink]) -> None:
+    async def unpack(self, staging: Staging, sinks: Mapping[str, SinkLike]) -> None:
         """Worker: scatter arena segments (unpack stream, after the transfer event), copy
         temporary shards into their targets, then call load callbacks in plan order.
 
@@ -279,6 +280,7 @@ class NcclTransport(GpuTransportBase):
         streams = self.streams
         assert pk is not None and streams is not None
         plan = self.ctx.plan
+        records = self.sink_records(sinks)
         callbacks: list[tuple[str, Any, Any]] = []
         streams.wait(streams.unpack, st.transferred)
         with streams.on(streams.unpack):
@@ -298,12 +300,12 @@ class NcclTransport(GpuTransportBase):
             temps: list[Any] = []
             for i, tmp in st.temps:
                 name = plan.params[i].spec.name
-                sink = sinks[name]
-                if is_tensor(sink):
-                    into.append(sink)
+                sink = records[name]
+                if sink.in_place:
+                    into.append(sink.target)
                     temps.append(tmp)
                 else:
-                    callbacks.append((name, sink, tmp))
+                    callbacks.append((name, sink.target, tmp))
             if into:  # targets that cannot take bytes (strided, another device): one more
                 foreach_copy(into, temps, non_blocking=True)
         await self.finish_unpack(st, bool(st.scatter or st.temps), callbacks)

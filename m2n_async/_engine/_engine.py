@@ -35,7 +35,7 @@ from collections.abc import (
     Sequence,
 )
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Literal, Self
+from typing import Any, Literal, Self
 
 import anyio
 import anyio.lowlevel
@@ -45,6 +45,7 @@ from m2n_async._data._native import NativeThread
 from m2n_async._data._transport import (
     Rendezvous,
     Sink,
+    SinkMap,
     Transport,
     TransportContext,
     TransportSettings,
@@ -93,14 +94,10 @@ from m2n_async._store import (
     generation_namespace,
 )
 
-if TYPE_CHECKING:
-    from m2n_async._proto.plan import Bucket
-
 __all__ = ["TrainerEngine", "WorkerEngine"]
 
 log = logging.getLogger("m2n_async")
 
-Placements = tuple[int, int] | None
 Progress = Callable[[int, int], None]
 
 
@@ -124,7 +121,6 @@ class _Engine:
         self._transport: Transport | None = None
         self._outcome: PreflightOutcome | None = None
         self._plan: TransferPlan | None = None
-        self._buckets: tuple[Bucket, ...] = ()
         self._generation = 0
         self._namespace = ""
         self._watch: tuple[str, ...] = ()
@@ -215,10 +211,10 @@ class _Engine:
             # host name resolves to (often every interface, or a loopback alias). The data
             # plane is unauthenticated (docs/security.md): bind as narrowly as works.
             host = self._store.local_host
-        return TransportSettings(bucket_bytes=self._bucket_bytes(transport),
-                                 max_inflight=c.max_inflight,
-                                 max_cta=c.max_cta, device=c.device,
-                                 connect_timeout=c.phase_timeout, host=host,
+        # Not here: the bucket boundaries (TransportContext.buckets) and the connect bound
+        # (Rendezvous.timeout, the phase timeout): one route each into the data plane.
+        return TransportSettings(max_inflight=c.max_inflight,
+                                 max_cta=c.max_cta, device=c.device, host=host,
                                  close_timeout=c.abort_grace,
                                  coalesce=c.coalesce, coalesce_below=c.coalesce_below)
 
@@ -265,12 +261,12 @@ class _Engine:
         assert self._native is not None
         plan = agreed.plan
         self._plan = plan
-        self._buckets = split_buckets(plan, plan.buckets(self._bucket_bytes(agreed.transport)),
-                                      MAX_BUCKET_PARAMS)
+        buckets = split_buckets(plan, plan.buckets(self._bucket_bytes(agreed.transport)),
+                                MAX_BUCKET_PARAMS)
         self._check_local(plan)
         ctx = TransportContext(plan, self.rank, self._generation,
                                self._settings(agreed.transport),
-                               self._native, self._buckets, self.config.job,
+                               self._native, buckets, self.config.job,
                                in_place=self._in_place(plan))
         self._transport = create_transport(agreed.transport, ctx)
         await self._transport.prepare()
@@ -716,9 +712,12 @@ class TrainerEngine(_Engine):
                 self._poison_with(err)
                 raise err from None
         async def work() -> PipelineStats:
-            stats = await run_pipeline(transport, self._buckets,
-                                       max_inflight=self.config.max_inflight, sources=sources,
-                                       progress=progress, total_bytes=plan.send_bytes(rank))
+            # Buckets and depth from the transport's context: the lane sized its arenas for
+            # these very buckets and that many in flight.
+            stats = await run_pipeline(transport, transport.ctx.buckets,
+                                       max_inflight=transport.ctx.settings.max_inflight,
+                                       sources=sources, progress=progress,
+                                       total_bytes=plan.send_bytes(rank))
             _check_bytes(stats, plan.send_bytes(rank), "sent", rank)
             return stats
 
@@ -743,14 +742,10 @@ class WorkerEngine(_Engine):
                  **kw: Any) -> None:
         super().__init__(**kw)
         self._mesh_dims = mesh_dims
-        self._targets: dict[str, Any] = {}
-        self._placements: dict[str, Placements] = {}
-        self._sinks: dict[str, Sink] = {}
-        for name, target in targets.items():
-            placements, sink, tensor_like = _split_target(name, target)
-            self._placements[name] = placements
-            self._sinks[name] = sink
-            self._targets[name] = tensor_like
+        # Each target read once, here: its record says where the shard goes, its placements
+        # and what the plan checks; the lanes get this very mapping every bucket.
+        self._sinks = SinkMap((name, _sink_of(name, target))
+                              for name, target in targets.items())
 
     @classmethod
     async def connect(cls, address: str | tuple[str, int] | None = None, *,
@@ -789,7 +784,8 @@ class WorkerEngine(_Engine):
         return PreflightInputs(
             role="worker", rank=self.rank, world_size=self.world_size,
             trainer_ranks=self.trainer_ranks, generation=self._generation, params=None,
-            mesh_dims=self._mesh_dims, dst_placements=self._placements,
+            mesh_dims=self._mesh_dims,
+            dst_placements={name: s.placements for name, s in self._sinks.items()},
             transport=self.config.transport, capabilities=self._capabilities,
             data_plane_identity=self._identity, prepare_runtime=self._prepare_runtime,
             costs=self._costs())
@@ -797,16 +793,14 @@ class WorkerEngine(_Engine):
     def _in_place(self, plan: TransferPlan) -> frozenset[int] | None:
         # Targets given as tensors take their messages in place; load callbacks need staging.
         # Lets Gloo size its receive arenas for what is really staged, not the whole bucket.
-        import torch
-
         return frozenset(i for i, p in enumerate(plan.params)
-                         if isinstance(self._sinks.get(p.spec.name), torch.Tensor))
+                         if (s := self._sinks.get(p.spec.name)) is not None and s.in_place)
 
     def _check_local(self, plan: TransferPlan) -> None:
         device = self.config.device or "cpu"
         for p in plan.params:
-            validate_local_buffer(p, self._targets[p.spec.name], self.rank, "destination",
-                                  device=device)
+            validate_local_buffer(p, self._sinks[p.spec.name].declared, self.rank,
+                                  "destination", device=device)
 
     async def receive(self, *, timeout: float | None = None,  # noqa: ASYNC109 - DESIGN §3
                       progress: Progress | None = None) -> SyncResult:
@@ -860,9 +854,10 @@ class WorkerEngine(_Engine):
         plan, transport, rank = self._plan, self._transport, self.rank
 
         async def work() -> PipelineStats:
-            stats = await run_pipeline(transport, self._buckets,
-                                       max_inflight=self.config.max_inflight, sinks=self._sinks,
-                                       progress=progress, total_bytes=plan.recv_bytes(rank))
+            stats = await run_pipeline(transport, transport.ctx.buckets,
+                                       max_inflight=transport.ctx.settings.max_inflight,
+                                       sinks=self._sinks, progress=progress,
+                                       total_bytes=plan.recv_bytes(rank))
             _check_bytes(stats, plan.recv_bytes(rank), "received", rank)
             return stats
 
@@ -885,16 +880,19 @@ class WorkerEngine(_Engine):
                 raise
 
 
-def _split_target(name: str, target: Any) -> tuple[Placements, Sink, Any]:
-    """(placements, unpack sink, tensor-like for validation) of one worker target."""
+def _sink_of(name: str, target: Any) -> Sink:
+    """The record of one worker target: where its shard goes (the tensor, written in place,
+    or a ``LoadTarget``'s callback), its placements, and what the plan checks (the tensor, or
+    the ``LoadTarget``'s declared shape, dtype and device)."""
     from m2n_async._integrations.targets import LoadTarget
 
     if isinstance(target, LoadTarget):
-        return target.placements, target.load, target
+        return Sink(target.load, in_place=False, placements=target.placements,
+                    declared=target)
     if isinstance(target, tuple) and len(target) == 2:
         tensor, placements = target
         if placements is not None:
             placements = tuple(placements)
-        return placements, tensor, tensor
+        return Sink.of(tensor, placements=placements)
     raise LocalProtocolError(f"target for parameter {name!r} must be (tensor, placements) or a "
                              f"LoadTarget, got {type(target).__name__}")

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from m2n_async._data._transport import Completion, Sink, Staging, Transport
+from m2n_async._data._transport import Completion, SinkLike, Staging, Transport
 from m2n_async._engine import _faults
 
 if TYPE_CHECKING:
@@ -77,13 +77,14 @@ def unwrap_group(exc: BaseException) -> BaseException:
 
 async def run_pipeline(transport: Transport, buckets: Sequence[Bucket], *, max_inflight: int,
                        sources: SourceResolver | None = None,
-                       sinks: Mapping[str, Sink] | None = None,
+                       sinks: Mapping[str, SinkLike] | None = None,
                        progress: Progress | None = None,
                        total_bytes: int = 0) -> PipelineStats:
     """Move every bucket through ``transport`` (see module docstring); return the stats.
 
     Trainer: pass ``sources`` (called once per bucket, in order, for its local shards).
-    Worker: pass ``sinks`` (name -> target tensor or load callback).
+    Worker: pass ``sinks`` (name -> ``Sink``: the engine's, built at connect; or a bare
+    target tensor or load callback, as ``Transport.stage`` accepts).
     ``progress(bytes_done, total_bytes)`` is called on the event loop after each bucket.
 
     Cancellation: stops at once; buckets in flight stay with the transport, which the caller

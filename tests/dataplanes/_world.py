@@ -152,8 +152,7 @@ async def run_world(name: str, plan: TransferPlan, *, bucket_bytes: int = 1 << 1
     ``host``: where gloo binds (its ranks here share one process, so 127.0.0.1)."""
     store = MemoryStore()
     extra = {} if coalesce_below is None else {"coalesce_below": coalesce_below}
-    settings = TransportSettings(bucket_bytes=bucket_bytes, max_inflight=max_inflight,
-                                 device=device, connect_timeout=20.0, coalesce=coalesce,
+    settings = TransportSettings(max_inflight=max_inflight, device=device, coalesce=coalesce,
                                  host=host, close_timeout=close_timeout, **extra)
     buckets = plan.buckets(bucket_bytes)
     results = [RankResult(r) for r in range(plan.world_size)]

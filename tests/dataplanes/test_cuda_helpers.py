@@ -14,7 +14,7 @@ from m2n_async._data._transport import TransportSettings, transport_class
 from m2n_async._proto.errors import LocalProtocolError
 from m2n_async._proto.lanes import GPU_LANES, LANES
 
-SETTINGS = TransportSettings(bucket_bytes=1 << 20, max_inflight=2)
+SETTINGS = TransportSettings(max_inflight=2)
 
 
 def test_missing_nccl4py_says_what_to_install(monkeypatch):
@@ -48,7 +48,7 @@ def test_cpu_host_cannot_run_gpu_transports(fake_world):
     for name in GPU_LANES:
         reason = _cuda.gpu_unavailable_reason(name, SETTINGS)
         assert reason is not None and "CUDA is not available" in reason
-    reason = _cuda.gpu_unavailable_reason("nccl", TransportSettings(1, 1, device="cpu"))
+    reason = _cuda.gpu_unavailable_reason("nccl", TransportSettings(max_inflight=1, device="cpu"))
     assert reason is not None and "not a CUDA device" in reason
 
 
@@ -65,13 +65,14 @@ def test_identity_matches_the_handshake_filter(fake_world, monkeypatch):
     monkeypatch.setenv("NCCL_RESHARD_NUM_CTAS", "8")
     monkeypatch.setenv("NCCL_RESHARD_LOG_LEVEL", "DEBUG")  # diagnostic: may differ
     monkeypatch.setenv(_cuda.GROUPING_ENV, "off")
-    d = transport_class("m2n").identity(TransportSettings(1, 1, max_cta=4))
+    d = transport_class("m2n").identity(TransportSettings(max_inflight=1, max_cta=4))
     assert d["libnccl_version"] == "2.30.7" and d["max_cta"] == "4"
     assert d["NCCL_RESHARD_NUM_CTAS"] == "8" and d[_cuda.GROUPING_ENV] == "off"
     assert "NCCL_RESHARD_LOG_LEVEL" not in d
-    nccl = transport_class("nccl").identity(TransportSettings(1, 1))
+    nccl = transport_class("nccl").identity(TransportSettings(max_inflight=1))
     assert nccl["NCCL_RESHARD_NUM_CTAS"] == "8" and _cuda.GROUPING_ENV not in nccl
-    assert "libnccl_version" not in transport_class("gloo").identity(TransportSettings(1, 1))
+    gloo = transport_class("gloo").identity(TransportSettings(max_inflight=1))
+    assert "libnccl_version" not in gloo
 
 
 def test_grouping_mode_rejects_typos(monkeypatch):

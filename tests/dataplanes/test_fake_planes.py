@@ -436,7 +436,7 @@ async def test_trainer_staging_keeps_its_sources_alive(fake_world: fake_nccl.Fak
     plan = make_plan([("a", (64, 8), torch.bfloat16, (R, 0), (R, 0)),
                       ("b", (64, 8), torch.bfloat16, (R, 0), (R, 0))], (1, 1), (1, 1))
     native = NativeThread("r0")
-    settings = TransportSettings(bucket_bytes=1 << 20, max_inflight=3, device="cpu")
+    settings = TransportSettings(max_inflight=3, device="cpu")
     buckets = plan.buckets(1 << 20)
     t = create_transport(name, TransportContext(plan=plan, rank=0, generation=1,
                                                 settings=settings, native=native,
@@ -482,8 +482,7 @@ async def test_a_communicator_created_after_connect_gave_up_is_aborted(
     monkeypatch.setattr(fake_nccl.Comm, "init", classmethod(slow_init))
     plan = make_plan([("w", (8,), torch.float32, (R, 0), (R, 0))], (1, 1), (1, 1))
     timeout = 0.2 if case == "connect timed out" else 30.0
-    settings = TransportSettings(bucket_bytes=1 << 20, max_inflight=1, device="cpu",
-                                 connect_timeout=timeout)
+    settings = TransportSettings(max_inflight=1, device="cpu")
     store = MemoryStore()
     raised: dict[int, BaseException] = {}
     transports: dict[int, Transport] = {}
@@ -495,8 +494,9 @@ async def test_a_communicator_created_after_connect_gave_up_is_aborted(
                                      native=native, buckets=plan.buckets(1 << 20)))
         await t.prepare()
         try:
+            # the connect's one bound, the communicator init's included
             await t.connect(Rendezvous(store.session(), "j/1/data/", rank=r, world_size=2,
-                                       timeout=10))
+                                       timeout=timeout))
         except Exception as exc:
             raised[r] = exc
         released.set()

@@ -42,8 +42,7 @@ class _Tampering:
 
 async def _connect_all(tamper: bool) -> dict[int, BaseException | None]:
     plan = make_plan([("w", (8,), torch.float32, (R, 0), (R, 0))], (1, 1), (1, 1))
-    settings = TransportSettings(bucket_bytes=1 << 20, max_inflight=1, device="cpu",
-                                 connect_timeout=10.0)
+    settings = TransportSettings(max_inflight=1, device="cpu")
     store = MemoryStore()
     outcome: dict[int, BaseException | None] = {}
 

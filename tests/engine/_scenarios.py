@@ -49,8 +49,7 @@ async def transport_rounds(*, address: str, job: str, rank: int, defs: Sequence[
     group = ControlGroup(store, rank, world, ns)
     await group.join()
     native = NativeThread(f"test-r{rank}")
-    settings = TransportSettings(bucket_bytes=bucket_bytes, max_inflight=max_inflight,
-                                 host="127.0.0.1")
+    settings = TransportSettings(max_inflight=max_inflight, host="127.0.0.1")
     ctx = TransportContext(plan, rank, 1, settings, native, plan.buckets(bucket_bytes), job)
     transport = GlooTransport(ctx)
     out: dict[str, Any] = {"bad": [], "bytes": [], "peak": [], "static": 0}

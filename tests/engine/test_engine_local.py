@@ -105,7 +105,7 @@ def _check(plan: TransferPlan, workers: Sequence[WorkerEngine], version: int,
     for e in workers:
         for name, want in expected_shards(plan, e.rank, version).items():
             if name not in skip:
-                assert _same(e._targets[name], want), (e.rank, name)
+                assert _same(e._sinks[name].tensor, want), (e.rank, name)
 
 
 @pytest.mark.asyncio

@@ -37,7 +37,7 @@ class _World:
         for r in range(plan.world_size):
             th = NativeThread(f"test-r{r}")
             self.threads.append(th)
-            ctx = TransportContext(plan, r, 1, TransportSettings(bucket_bytes, max_inflight),
+            ctx = TransportContext(plan, r, 1, TransportSettings(max_inflight),
                                    th, self.buckets)
             t = GlooTransport(ctx)
             t._arenas = _Arenas(max(t._plan_all(), 1), max_inflight)

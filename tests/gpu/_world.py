@@ -227,9 +227,8 @@ async def open_transport(ctx: RankCtx, name: str, plan: Any, *, bucket_bytes: in
     extra: dict[str, Any] = {"coalesce": coalesce}
     if coalesce_below is not None:
         extra["coalesce_below"] = coalesce_below
-    settings = TransportSettings(bucket_bytes=bucket_bytes, max_inflight=max_inflight,
-                                 max_cta=max_cta, device=str(ctx.device), connect_timeout=60.0,
-                                 **extra)
+    settings = TransportSettings(max_inflight=max_inflight, max_cta=max_cta,
+                                 device=str(ctx.device), **extra)
     native = NativeThread(f"{tag}-r{ctx.rank}")
     tctx = TransportContext(plan=plan, rank=ctx.rank, generation=1, settings=settings,
                             native=native, buckets=plan.buckets(bucket_bytes))

@@ -22,7 +22,7 @@ def gpu_skip_reason(transport: str = "m2n", world_size: int = 1) -> str | None:
     from m2n_async._data import _cuda
     from m2n_async._data._transport import TransportSettings
 
-    reason = _cuda.gpu_unavailable_reason(transport, TransportSettings(1 << 20, 1))
+    reason = _cuda.gpu_unavailable_reason(transport, TransportSettings(max_inflight=1))
     if reason is not None:
         return f"GPU stack incomplete for {transport}: {reason}"
     gpus = torch.cuda.device_count()
