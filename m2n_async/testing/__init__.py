@@ -11,6 +11,7 @@ from m2n_async.testing._memory import MemoryStore
 from m2n_async.testing._world import (
     LocalWorld,
     RankContext,
+    RankEvent,
     RankPool,
     RankResult,
     WorldHangError,
@@ -24,6 +25,7 @@ __all__: list[str] = [
     "LocalWorld",
     "MemoryStore",
     "RankContext",
+    "RankEvent",
     "RankPool",
     "RankResult",
     "WorldHangError",

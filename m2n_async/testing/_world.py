@@ -10,19 +10,32 @@ exception; a process that died is replaced before the next job. ``LocalWorld`` p
 (its rank, role, the store's address and token, a fresh job name) to connect with.
 
 Every rank process arms ``m2n_async._engine._faults`` for the job: the faults the test
-asked for, plus an observer that sends each committed version to the parent at once (over
-the process's own pipe, synchronously, so a rank killed right after a commit still counts).
-Outside a world the points cost one global read.
+asked for, plus an observer that sends each committed version to the parent at once.
 
-Hangs: ``collect`` waits at most ``timeout`` seconds; a rank that has not reported by then is
-asked for its stacks (``faulthandler`` on ``SIGUSR1``, every thread), then killed so the pool
-stays usable, and ``WorldHangError`` carries every missing rank's stacks. A rank that froze
-itself through a ``freeze`` fault is not a hang: once every other rank reported, it is killed
-and reported as ``"frozen"``.
+Isolation: each process talks to the parent over a pipe of its own, which carries its
+events and then its job's result, in the order it wrote them. A write is synchronous (a rank
+killed right after a commit or an event still counts), and a process killed halfway through
+a message garbles only its own pipe: the parent reads every pipe without blocking, so a half
+written message waits there and goes with the process. (A ``multiprocessing.Queue`` shared
+by every process has one lock; a writer killed while holding it silences all the others.)
+The parent learns of a death from the pipe's end and the process's exit code.
 
-multiprocessing pickles jobs and results here: that is the test harness, not the library's
-wire. Exceptions cross as themselves when they pickle (every ``M2NError`` does), otherwise as
-a ``RuntimeError`` carrying their ``repr``.
+Watching a run: ``LocalWorld.events`` yields every ``ctx.event`` as it arrives, until every
+rank ended; ``collect`` then returns every rank's ``RankResult`` (a dead one with its
+``exitcode``). Hangs: ``collect`` waits at most ``timeout`` seconds; a rank that has not
+reported by then is asked for its stacks (``faulthandler`` on ``SIGUSR1``, every thread),
+then killed so the pool stays usable, and ``WorldHangError`` carries every missing rank's
+stacks and every rank's result. With ``fail_grace``, once a rank raised or died (or the test
+called ``mark_failed``), the others get that many seconds to end; then they are killed the
+same way and reported as ``"killed"``, with their stacks. A rank that froze itself through a
+``freeze`` fault is not a hang: once every other rank reported, it is killed and reported as
+``"frozen"``.
+
+Pickling: jobs cross through each process's own ``multiprocessing`` queue; events and
+results as plain pickles (by value: a tensor is copied, not shared). Exceptions cross as
+themselves when they pickle and unpickle (every ``M2NError`` does), otherwise as a
+``RuntimeError`` carrying their ``repr``; a return value that does not pickle is the rank's
+error.
 """
 
 from __future__ import annotations
@@ -35,14 +48,18 @@ import os
 import pickle
 import queue
 import secrets
+import shutil
 import signal
+import struct
 import tempfile
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from multiprocessing.connection import wait as wait_readable
 from typing import Any, Literal
 
 import anyio
@@ -52,32 +69,100 @@ import anyio.lowlevel
 from m2n_async._engine import _faults
 from m2n_async._engine._faults import Fault
 
-__all__ = ["LocalWorld", "RankContext", "RankPool", "RankResult", "WorldHangError",
-           "WorldResult", "store_thread"]
+__all__ = ["LocalWorld", "RankContext", "RankEvent", "RankPool", "RankResult",
+           "WorldHangError", "WorldResult", "store_thread"]
 
 Target = str | Callable[..., Any]
-Status = Literal["ok", "error", "dead", "frozen"]
+Status = Literal["ok", "error", "dead", "frozen", "killed"]
+_FRAME = struct.Struct("!Q")  # each message on a pipe: its length, then its pickle
+_NOTES = ("commit", "fault")  # event names the pool keeps per process instead of queueing
 
 
 class WorldHangError(AssertionError):
-    """Ranks did not finish in time; ``stacks`` maps each to its threads' stacks."""
+    """Ranks did not finish in time; ``stacks`` maps each to its threads' stacks.
 
-    def __init__(self, message: str, stacks: Mapping[int, str]) -> None:
+    ``results``: every rank's result as far as it got — from ``LocalWorld`` a
+    ``WorldResult`` (the missing ranks ``"killed"``), from ``RankPool`` its result tuples.
+    """
+
+    def __init__(self, message: str, stacks: Mapping[int, str],
+                 results: Sequence[Any] = ()) -> None:
         super().__init__(message)
         self.stacks = dict(stacks)
+        self.results = results
 
 
 class _Events:
-    """The child's end of its event pipe, with the ``put`` of a queue (scenarios call it).
+    """The child's end of its pipe, with the ``put`` of a queue (scenarios call it).
 
-    A pipe, not a queue: ``send`` writes before it returns, so an event sent just before the
-    process stops or kills itself reaches the parent (a queue's feeder thread might not)."""
+    Each message is one framed write, made before ``put`` returns: an event sent just before
+    the process stops or kills itself reaches the parent (a queue's feeder thread might not).
+    The job's result goes the same way, after every event of the job.
+    """
 
     def __init__(self, conn: Any) -> None:
         self._conn = conn
+        self._lock = threading.Lock()  # a rank may send from several threads: whole frames
+        self.job = 0  # the job running now: the parent drops what an earlier one sends late
 
     def put(self, item: tuple[str, int, Any]) -> None:
-        self._conn.send(item)
+        name, index, payload = item
+        self._send(("event", self.job, index, name, pickle.dumps(payload)))
+
+    def result(self, index: int, kind: str, body: bytes) -> None:
+        self._send(("result", self.job, index, kind, body))
+
+    def fileno(self) -> int:
+        return int(self._conn.fileno())
+
+    def _send(self, message: tuple[str, int, int, str, bytes]) -> None:
+        data = pickle.dumps(message)
+        frame = memoryview(_FRAME.pack(len(data)) + data)
+        with self._lock:
+            while frame:
+                frame = frame[os.write(self.fileno(), frame):]
+
+
+class _Reader:
+    """The parent's end of one process's pipe, read without ever blocking: a message that a
+    stopped or killed process left half written waits in ``buf`` instead of wedging the
+    test process."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        os.set_blocking(conn.fileno(), False)
+        self.buf = bytearray()
+        self.closed = False  # the pipe's end: the process is gone
+
+    def fileno(self) -> int:
+        return int(self.conn.fileno())
+
+    def frames(self) -> list[bytes]:
+        """Every whole message that arrived since the last call."""
+        for _ in range(64):  # a process that writes without pause must not keep us here
+            try:
+                chunk = os.read(self.fileno(), 1 << 20)
+            except BlockingIOError:
+                break
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self.closed = True
+                break
+            self.buf += chunk
+        out, pos = [], 0
+        while len(self.buf) - pos >= _FRAME.size:
+            (n,) = _FRAME.unpack_from(self.buf, pos)
+            if len(self.buf) - pos - _FRAME.size < n:
+                break
+            out.append(bytes(self.buf[pos + _FRAME.size:pos + _FRAME.size + n]))
+            pos += _FRAME.size + n
+        del self.buf[:pos]
+        return out
+
+    def close(self) -> None:
+        self.conn.close()
+        self.closed = True
 
 
 def _resolve(target: Target) -> Callable[..., Any]:
@@ -89,19 +174,39 @@ def _resolve(target: Target) -> Callable[..., Any]:
     return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
 
 
-def _child(index: int, jobs: Any, results: Any, events_conn: Any, stacks_path: str) -> None:
+def _error_pickle(exc: BaseException, tb: str) -> bytes:
+    """``(exc, tb)`` pickled; a ``RuntimeError`` with its ``repr`` for an exception that
+    does not pickle or does not unpickle (an ``__init__`` whose arguments differ from
+    ``args`` fails only there: better here, with the text, than in the parent, without)."""
+    try:
+        data = pickle.dumps((exc, tb))
+        pickle.loads(data)
+        return data
+    except Exception:
+        return pickle.dumps((RuntimeError(repr(exc)), tb))
+
+
+def _child(index: int, jobs: Any, conn: Any, stacks_path: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     stacks = open(stacks_path, "w")  # lives as long as the process
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
-    import torch
+    with warnings.catch_warnings():
+        # torch warns at import where NumPy is absent (a lean env, such as the demo's);
+        # the pool imports it on every rank's behalf, so the warning would be every rank's.
+        warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+        import torch
 
     torch.set_num_threads(1)
-    events = _Events(events_conn)
+    events = _Events(conn)
     while True:
-        job = jobs.get()
+        try:
+            job = jobs.get()
+        except KeyboardInterrupt:  # Ctrl-C reaches the terminal's whole process group:
+            return                 # an idle rank just ends (the pool replaces it)
         if job is None:
             return
         job_id, payload, faults = job
+        events.job = job_id
 
         def observe(point: str, where: Mapping[str, Any], fault: Fault | None) -> None:
             if point == "round.commit":
@@ -116,15 +221,18 @@ def _child(index: int, jobs: Any, results: Any, events_conn: Any, stacks_path: s
             fn = _resolve(target)
             call = functools.partial(fn, **dict(kwargs, _events=events, _index=index))
             value = anyio.run(call)
-            results.put((job_id, index, "ok", value))
+            events.result(index, "ok", pickle.dumps(value))  # one that does not pickle: err
         except BaseException as exc:
-            tb = traceback.format_exc()
-            try:
-                results.put((job_id, index, "err", (exc, tb)))
-            except Exception:  # unpicklable: send the text
-                results.put((job_id, index, "err", (RuntimeError(repr(exc)), tb)))
+            events.result(index, "err", _error_pickle(exc, traceback.format_exc()))
         finally:
             _faults.disarm()
+
+
+def _unpickle(body: bytes, what: str) -> Any:
+    try:
+        return pickle.loads(body)
+    except Exception as exc:
+        return RuntimeError(f"{what} did not unpickle in the test process: {exc!r}")
 
 
 class RankPool:
@@ -132,21 +240,25 @@ class RankPool:
 
     A job is ``(target, kwargs)``: ``target`` a module-level coroutine function or its
     ``"module:name"``; it is called with ``kwargs`` plus ``_events`` (``.put((name, index,
-    payload))`` tells the parent, see ``wait_event``) and ``_index`` (the process's slot).
+    payload))`` tells the parent, see ``wait_event`` and ``events``) and ``_index`` (the
+    process's slot). One job runs at a time: ``submit`` makes it the current one.
     """
 
     def __init__(self, size: int) -> None:
         self.size = size
         self._ctx = mp.get_context("spawn")
-        self.results = self._ctx.Queue()
         self._dir = tempfile.mkdtemp(prefix="m2n-world-")
         self._procs: list[Any] = [None] * size
         self._jobs: list[Any] = [None] * size
-        self._events: list[Any] = [None] * size  # parent ends of the event pipes
-        self._pending: list[tuple[str, int, Any]] = []  # events read but not yet waited for
-        self._notes: dict[int, list[tuple[str, Any]]] = {}  # slot -> commit/fault events
-        self._early: list[tuple[int, int, str, Any]] = []  # results read by a failed wait
+        self._readers: list[_Reader | None] = [None] * size  # parent ends of the pipes
+        self._busy = [0] * size  # jobs sent to each process and not answered yet
+        # The current job:
         self._job_id = 0
+        self._n = 0  # its processes: slots 0 .. n-1
+        self._pending: list[tuple[str, int, Any]] = []  # events not yet yielded or waited for
+        self._notes: dict[int, list[tuple[str, Any]]] = {}  # slot -> commit/fault events
+        self._outcomes: dict[int, tuple[str, Any]] = {}  # slot -> how it ended, as collected
+        self._failed_at: float | None = None  # when the first failure was seen
         for i in range(size):
             self._start(i)
 
@@ -154,14 +266,21 @@ class RankPool:
         return os.path.join(self._dir, f"stacks-{i}.txt")
 
     def _start(self, i: int) -> None:
+        old_reader, old_jobs = self._readers[i], self._jobs[i]
+        if old_reader is not None:
+            old_reader.close()
+        if old_jobs is not None:  # its reader is gone: nothing in it will be read
+            old_jobs.cancel_join_thread()
+            old_jobs.close()
         self._jobs[i] = self._ctx.Queue()
         parent, child = self._ctx.Pipe(duplex=False)
-        self._events[i] = parent
-        p = self._ctx.Process(target=_child, args=(i, self._jobs[i], self.results, child,
+        p = self._ctx.Process(target=_child, args=(i, self._jobs[i], child,
                                                     self._stacks_path(i)), daemon=True)
         p.start()
-        child.close()
+        child.close()  # the child's copy is the only writer: its end is the pipe's end
+        self._readers[i] = _Reader(parent)
         self._procs[i] = p
+        self._busy[i] = 0
 
     def pid(self, i: int) -> int:
         return int(self._procs[i].pid)
@@ -193,8 +312,10 @@ class RankPool:
         path = self._stacks_path(i)
         try:
             before = os.path.getsize(path)
-            os.kill(self.pid(i), signal.SIGCONT)  # a stopped process cannot dump
+            # Pending before the process runs again: a stopped one dumps where it stopped
+            # (the kernel delivers it on resuming, before the process's own next step).
             os.kill(self.pid(i), signal.SIGUSR1)
+            os.kill(self.pid(i), signal.SIGCONT)  # a stopped process cannot dump
         except (OSError, ProcessLookupError) as exc:
             return f"(no stacks: {exc})"
         deadline = time.monotonic() + wait
@@ -212,14 +333,18 @@ class RankPool:
         """Start one job per process (job k on process k); return the job's id."""
         if len(jobs) > self.size:
             raise ValueError(f"{len(jobs)} jobs for a pool of {self.size} processes")
+        self._pump()  # what earlier jobs left: a dead process's last words, late answers
         self.ensure_alive()
-        self._pump()
+        self._job_id += 1
+        self._n = len(jobs)
         self._pending.clear()
         self._notes.clear()
-        self._job_id += 1
+        self._outcomes.clear()
+        self._failed_at = None
         for i, (target, kwargs) in enumerate(jobs):
             payload = pickle.dumps((target, dict(kwargs)))
             self._jobs[i].put((self._job_id, payload, tuple(faults)))
+            self._busy[i] += 1
         return self._job_id
 
     def notes(self, i: int) -> list[tuple[str, Any]]:
@@ -228,99 +353,200 @@ class RankPool:
         self._pump()
         return list(self._notes.get(i, ()))
 
-    def _pump(self) -> None:
-        for conn in self._events:
+    def mark_failed(self) -> None:
+        """Count the current job as failed from now (if nothing failed yet): ``fail_grace``
+        then runs from here, as from a rank's error. For a failure only the test sees, such
+        as a wrong value in an event."""
+        if self._failed_at is None:
+            self._failed_at = time.monotonic()
+
+    # -- reading the pipes --------------------------------------------------------------
+
+    def _pump(self, wait: float = 0.0) -> None:
+        """Read every pipe (after waiting up to ``wait`` s for one to have something), then
+        note the processes of the current job that died."""
+        if wait > 0:
+            open_ = [r.fileno() for r in self._readers if r is not None and not r.closed]
+            if open_:
+                wait_readable(open_, wait)
+            else:
+                time.sleep(wait)
+        for i, r in enumerate(self._readers):
+            if r is not None and not r.closed:
+                self._read(i, r)
+        for i in range(self._n):
+            if i not in self._outcomes and not self._procs[i].is_alive():
+                r = self._readers[i]
+                if r is not None and not r.closed:
+                    self._read(i, r)  # what it wrote just before it died
+                if i not in self._outcomes:
+                    self._outcomes[i] = ("dead", self._procs[i].exitcode)
+                    self._busy[i] = 0
+                    self.mark_failed()
+
+    def _read(self, i: int, r: _Reader) -> None:
+        for frame in r.frames():
+            self._handle(i, frame)
+        if r.closed:  # the process is exiting: reap it, for its exit code
+            self._procs[i].join(1)
+
+    def _handle(self, i: int, frame: bytes) -> None:
+        try:
+            tag, job, index, name, body = pickle.loads(frame)
+        except Exception:  # not a message of ours (a rank wrote to the pipe itself)
+            return
+        if tag == "result":
+            self._busy[i] = max(0, self._busy[i] - 1)
+        if job != self._job_id:  # an earlier job's, sent after the test moved on
+            return
+        if tag == "event":
+            payload = _unpickle(body, f"the payload of event {name!r}")
+            if name in _NOTES:
+                self._notes.setdefault(index, []).append((name, payload))
+            else:
+                self._pending.append((name, index, payload))
+        elif tag == "result" and i not in self._outcomes:
             try:
-                while conn.poll():
-                    ev, index, payload = conn.recv()
-                    if ev in ("commit", "fault"):
-                        self._notes.setdefault(index, []).append((ev, payload))
-                    else:
-                        self._pending.append((ev, index, payload))
-            except (EOFError, OSError):  # the process died: its pipe is closed
-                continue
+                value = pickle.loads(body)
+            except Exception as exc:
+                name, value = "err", (RuntimeError(
+                    f"the result of process {i} did not unpickle in the test process: "
+                    f"{exc!r}"), "")
+            self._outcomes[i] = (name, value)
+            if name == "err":
+                self.mark_failed()
 
     def _frozen(self, i: int) -> bool:
         return any(ev == "fault" and p[2] == "freeze" for ev, p in self._notes.get(i, ()))
 
-    def collect(self, job_id: int, n: int, timeout: float,
-                expect_dead: Sequence[int] = ()) -> list[tuple[str, Any]]:
-        """Results of ``n`` jobs (index order): ``("ok", value)``, ``("err", (exc, tb))``,
-        ``("dead", None)`` for a process that died (or is in ``expect_dead``) or
-        ``("frozen", None)`` for one that froze itself through a fault (then killed).
+    def _check(self, job_id: int) -> None:
+        if job_id != self._job_id:
+            raise ValueError(f"job {job_id} is not the current job ({self._job_id}): a later "
+                             "submit replaced it")
 
-        Raises ``WorldHangError`` (with every missing rank's stacks, after killing them) if
-        some did not finish within ``timeout`` seconds.
-        """
-        out: dict[int, tuple[str, Any]] = {i: ("dead", None) for i in expect_dead}
+    def _grace_left(self, fail_grace: float | None) -> float:
+        """Seconds until ``fail_grace`` runs out (infinite before the first failure)."""
+        if fail_grace is None or self._failed_at is None:
+            return float("inf")
+        return self._failed_at + fail_grace - time.monotonic()
+
+    def _give_up(self, missing: Sequence[int]) -> dict[int, str]:
+        """Stacks of the ``missing`` processes that still run, then kill them all (so the
+        pool stays usable); each is ``("killed", (exitcode, stacks))``."""
+        stacks = {i: self.stacks(i) for i in missing if self.alive(i)}
+        for i in missing:
+            self.kill(i)
+            self._outcomes[i] = ("killed", (self._procs[i].exitcode,
+                                            stacks.get(i, "(its process had ended)")))
+            self._busy[i] = 0
+        return stacks
+
+    # -- a job's events and results -----------------------------------------------------
+
+    def events(self, job_id: int, timeout: float, fail_grace: float | None = None
+               ) -> Iterator[tuple[str, int, Any]]:
+        """The current job's events, ``(name, index, payload)``, as they arrive (those
+        ``wait_event`` has not taken), until every process of the job ended (returned,
+        raised, died, or froze through a fault), ``fail_grace`` seconds passed since the
+        first failure, or ``timeout`` seconds passed. It ends nothing: ``collect`` then
+        says how the job ended (and kills what still runs)."""
+        self._check(job_id)
         deadline = time.monotonic() + timeout
-        while len(out) < n:
+        while True:
+            while self._pending:
+                yield self._pending.pop(0)
+            missing = [i for i in range(self._n) if i not in self._outcomes]
+            left = min(deadline - time.monotonic(), self._grace_left(fail_grace))
+            if not missing or all(self._frozen(i) for i in missing) or left <= 0:
+                return
+            self._pump(min(left, 0.2))
+
+    def collect(self, job_id: int, n: int, timeout: float, expect_dead: Sequence[int] = (),
+                fail_grace: float | None = None) -> list[tuple[str, Any]]:
+        """Results of ``n`` jobs (index order): ``("ok", value)``, ``("err", (exc, tb))``,
+        ``("dead", exitcode)`` for a process that died (or is in ``expect_dead``: its exit
+        code, or None while it lives), ``("frozen", exitcode)`` for one that froze itself
+        through a fault (then killed) or ``("killed", (exitcode, stacks))`` for one still
+        running ``fail_grace`` seconds after the first failure (a job's error or a
+        process's death, as this process saw it; or ``mark_failed``), killed after its
+        stacks were taken. ``exitcode`` is ``multiprocessing``'s: ``-N`` for signal N.
+
+        Raises ``WorldHangError`` (with every missing rank's stacks, after killing them;
+        ``results`` as above, the missing ones ``"killed"``) if some did not finish within
+        ``timeout`` seconds.
+        """
+        self._check(job_id)
+        expect = set(expect_dead)
+        deadline = time.monotonic() + timeout
+        while True:
             self._pump()
-            missing = [i for i in range(n) if i not in out]
-            if missing and all(self._frozen(i) for i in missing):
+            missing = [i for i in range(n) if i not in self._outcomes and i not in expect]
+            if not missing:
+                break
+            if all(self._frozen(i) for i in missing):
                 for i in missing:
                     self.kill(i)
-                    out[i] = ("frozen", None)
+                    self._outcomes[i] = ("frozen", self._procs[i].exitcode)
+                    self._busy[i] = 0
+                break
+            if self._grace_left(fail_grace) <= 0:
+                self._give_up(missing)
                 break
             left = deadline - time.monotonic()
             if left <= 0:
-                stacks = {i: self.stacks(i) for i in missing if self.alive(i)}
-                for i in missing:  # a hung rank: kill it so the pool stays usable
-                    if self.alive(i):
-                        self.kill(i)
+                stacks = self._give_up(missing)
                 text = "\n".join(f"--- rank {i} ---\n{s}" for i, s in stacks.items())
                 raise WorldHangError(f"ranks {missing} did not finish within {timeout} s; "
-                                     f"their stacks:\n{text}", stacks)
-            try:
-                jid, index, kind, value = (self._early.pop(0) if self._early
-                                           else self.results.get(timeout=min(left, 0.2)))
-            except queue.Empty:
-                for i in range(n):
-                    if i not in out and not self.alive(i):
-                        out[i] = ("dead", None)
-                continue
-            if jid == job_id:
-                out[index] = (kind, value)
+                                     f"their stacks:\n{text}", stacks, self._results(n))
+            self._pump(min(left, self._grace_left(fail_grace), 0.2))
         self._pump()
-        return [out[i] for i in range(n)]
+        return self._results(n)
+
+    def _results(self, n: int) -> list[tuple[str, Any]]:
+        # An ``expect_dead`` process that has not ended yet (a stopped one) is "dead" too.
+        return [self._outcomes.get(i) or ("dead", self._procs[i].exitcode) for i in range(n)]
 
     def run(self, jobs: Sequence[tuple[Target, Mapping[str, Any]]], timeout: float = 60.0,
-            faults: Sequence[Fault] = ()) -> list[tuple[str, Any]]:
-        return self.collect(self.submit(jobs, faults), len(jobs), timeout)
+            faults: Sequence[Fault] = (), fail_grace: float | None = None
+            ) -> list[tuple[str, Any]]:
+        return self.collect(self.submit(jobs, faults), len(jobs), timeout,
+                            fail_grace=fail_grace)
 
     def wait_event(self, name: str, timeout: float) -> tuple[int, Any]:
         """The first ``name`` event of the current job: ``(index, payload)``."""
         deadline = time.monotonic() + timeout
         while True:
-            self._pump()
             for k, (ev, index, payload) in enumerate(self._pending):
                 if ev == name:
                     del self._pending[k]
                     return index, payload
-            if time.monotonic() > deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                # The results read meanwhile stay for collect: a failed wait loses nothing.
                 raise AssertionError(f"no {name!r} event within {timeout} s; results so far: "
-                                     f"{self._peek_results()}")
-            time.sleep(0.02)
-
-    def _peek_results(self) -> list[Any]:
-        """The results that arrived so far, for a message; kept for ``collect`` (a wait
-        that failed must not lose them)."""
-        while True:
-            try:
-                self._early.append(self.results.get_nowait())
-            except queue.Empty:
-                return list(self._early)
+                                     f"{sorted(self._outcomes.items())}")
+            self._pump(min(left, 0.2))
 
     def close(self) -> None:
+        """End every process: an idle one is told to stop, one still in a job is killed
+        (its answer would go unread); 5 s in all, then the rest are killed too."""
+        self._pump()
         for i, p in enumerate(self._procs):
             if p is not None and p.is_alive():
-                self._jobs[i].put(None)
+                if self._busy[i]:
+                    self.kill(i)
+                else:
+                    self._jobs[i].put(None)
+        deadline = time.monotonic() + 5.0
         for i, p in enumerate(self._procs):
             if p is not None:
-                p.join(5)
+                p.join(max(0.0, deadline - time.monotonic()))
                 if p.is_alive():
                     self.kill(i)
-
+        for r in self._readers:
+            if r is not None:
+                r.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 @contextmanager
 def store_thread(token: str) -> Iterator[str]:
@@ -407,7 +633,9 @@ class RankContext:
         return EngineConfig(**kw)
 
     def event(self, name: str, payload: Any = None) -> None:
-        """Tell the test process (``LocalWorld.wait_event``); ``payload`` must pickle."""
+        """Tell the test process (``LocalWorld.events``, ``LocalWorld.wait_event``);
+        ``payload`` must pickle. The names ``"commit"`` and ``"fault"`` are the world's own
+        (``RankResult.committed``, ``RankResult.faults``)."""
         if self._events is not None:
             self._events.put((name, self.rank, payload))
 
@@ -420,14 +648,29 @@ async def _rank_entry(*, fn: Target, ctx: RankContext, kwargs: Mapping[str, Any]
 
 
 @dataclass(frozen=True)
+class RankEvent:
+    """One ``ctx.event(name, payload)`` of rank ``rank``, as ``LocalWorld.events`` yields it."""
+
+    rank: int
+    name: str
+    payload: Any = None
+
+
+@dataclass(frozen=True)
 class RankResult:
     """How one rank's function ended.
 
     ``status``: ``"ok"`` (``value`` is what it returned), ``"error"`` (``error`` is what it
-    raised, ``traceback`` its text), ``"dead"`` (the process died) or ``"frozen"`` (it froze
-    through a fault and was killed). ``committed``: every version this rank committed, in
-    order (known even for a rank that died later). ``faults``: the faults that fired on it,
-    as ``(point, where, action)``.
+    raised, ``traceback`` its text), ``"dead"`` (the process died), ``"frozen"`` (it froze
+    through a fault and was killed) or ``"killed"`` (still running when the world gave up
+    on it — ``fail_grace`` seconds after the first failure, or, in ``WorldHangError.results``,
+    at the timeout — and killed; ``stacks`` holds its threads' stacks from just before).
+    ``committed``: every version this rank committed, in order (known even for a rank that
+    died later). ``faults``: the faults that fired on it, as ``(point, where, action)``.
+    ``exitcode``: how its process ended (``"dead"``, ``"frozen"``, ``"killed"``), as
+    ``multiprocessing`` gives it — the exit status, or ``-N`` when signal ``N`` ended it
+    (``signal``); None where the process lives on (it serves the next run) or had not
+    ended yet.
     """
 
     rank: int
@@ -438,10 +681,17 @@ class RankResult:
     traceback: str = ""
     committed: tuple[int, ...] = ()
     faults: tuple[tuple[str, dict[str, Any], str], ...] = ()
+    exitcode: int | None = None
+    stacks: str = ""
 
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+    @property
+    def signal(self) -> int | None:
+        """The number of the signal that ended the process (``exitcode == -N``), or None."""
+        return -self.exitcode if self.exitcode is not None and self.exitcode < 0 else None
 
 
 class WorldResult(tuple[RankResult, ...]):
@@ -472,6 +722,11 @@ class LocalWorld:
     never share store keys. The processes are reused across runs; one that died is replaced
     before the next run, and ``restart(rank)`` replaces one at once. ``faults`` arms named
     fault points (``Fault``) in every rank process for that run only.
+
+    To watch a run: ``start`` it, iterate ``events(run)`` (each ``ctx.event`` as it comes,
+    until every rank ended), then ``collect(run)``. ``fail_grace`` (``run``, ``collect``,
+    ``events``) fails fast: once a rank raised or died, the others get that many seconds,
+    then are killed and come back ``"killed"`` with their stacks.
 
     Use as a context manager (or call ``close``). Blocking; from an async test use
     ``await world.arun(...)``, which runs it in a worker thread.
@@ -530,10 +785,36 @@ class LocalWorld:
                          {"fn": fn, "ctx": self.context(r), "kwargs": kw}))
         return self.pool.submit(jobs, faults)
 
-    def collect(self, run_id: int, *, timeout: float = 60.0) -> WorldResult:
+    def events(self, run_id: int, *, timeout: float = 60.0, fail_grace: float | None = None
+               ) -> Iterator[RankEvent]:
+        """Every ``ctx.event`` of run ``run_id`` as it arrives (those ``wait_event`` has not
+        taken), in the order each rank sent them; the iteration ends when every rank ended
+        (returned, raised, died, or froze through a fault), ``fail_grace`` seconds after the
+        first failure, or after ``timeout`` seconds. It ends no rank: ``collect`` then says
+        how the run ended (and kills whatever still runs). Each rank's events all come
+        before its end: a rank's last event is never lost to its result."""
+        for name, rank, payload in self.pool.events(run_id, timeout, fail_grace):
+            yield RankEvent(rank, name, payload)
+
+    def mark_failed(self) -> None:
+        """The current run failed, as the test sees it (a wrong value in an event, say):
+        ``fail_grace`` runs from now, as from a rank's error (if nothing failed before)."""
+        self.pool.mark_failed()
+
+    def collect(self, run_id: int, *, timeout: float = 60.0, fail_grace: float | None = None
+                ) -> WorldResult:
         """Every rank's ``RankResult`` of run ``run_id``; ``WorldHangError`` (every missing
-        rank's stacks) after ``timeout`` seconds."""
-        raw = self.pool.collect(run_id, self.world_size, timeout)
+        rank's stacks; ``results``, the missing ranks ``"killed"``) after ``timeout``
+        seconds. With ``fail_grace``, once a rank raised or died (as the test process saw
+        it; or ``mark_failed``), the others get ``fail_grace`` seconds to end, then are
+        killed and reported ``"killed"``, with their stacks — no ``WorldHangError``."""
+        try:
+            raw = self.pool.collect(run_id, self.world_size, timeout, fail_grace=fail_grace)
+        except WorldHangError as exc:
+            raise WorldHangError(str(exc), exc.stacks, self._results(exc.results)) from None
+        return self._results(raw)
+
+    def _results(self, raw: Sequence[tuple[str, Any]]) -> WorldResult:
         out = []
         for r, (kind, value) in enumerate(raw):
             notes = self.pool.notes(r)
@@ -547,18 +828,23 @@ class LocalWorld:
                 exc, tb = value
                 out.append(RankResult(r, role, "error", error=exc, traceback=tb,
                                       committed=committed, faults=fired))
+            elif kind == "killed":
+                code, stacks = value
+                out.append(RankResult(r, role, "killed", committed=committed, faults=fired,
+                                      exitcode=code, stacks=stacks))
             else:
                 status: Status = "frozen" if kind == "frozen" else "dead"
-                out.append(RankResult(r, role, status, committed=committed, faults=fired))
+                out.append(RankResult(r, role, status, committed=committed, faults=fired,
+                                      exitcode=value))
         return WorldResult(out)
 
     def run(self, fn: Target, *, kwargs: Mapping[str, Any] | None = None,
             per_rank: Callable[[int], Mapping[str, Any]] | None = None,
             faults: Sequence[Fault] = (), timeout: float = 60.0,
-            job: str | None = None) -> WorldResult:
+            job: str | None = None, fail_grace: float | None = None) -> WorldResult:
         """``start`` then ``collect``."""
         return self.collect(self.start(fn, kwargs=kwargs, per_rank=per_rank, faults=faults,
-                                       job=job), timeout=timeout)
+                                       job=job), timeout=timeout, fail_grace=fail_grace)
 
     async def arun(self, fn: Target, **kw: Any) -> WorldResult:
         """``run`` in a worker thread, for async tests (pytest-asyncio or anyio).

@@ -7,8 +7,14 @@ version, so a worker checks its shard bit-exactly.
 
 from __future__ import annotations
 
+import gc
+import os
+import signal
+import time
 from typing import Any
 
+import anyio
+import anyio.to_thread
 import torch
 
 from m2n_async import REPLICATE, Layout, Mesh, ParamSpec, TrainerEngine, WorkerEngine
@@ -69,14 +75,84 @@ async def returns_rank(ctx: RankContext, *, fail_on: int | None = None) -> int:
 async def hangs_on(ctx: RankContext, *, rank: int) -> int:
     """Rank ``rank`` blocks its whole process (a hang the world must detect)."""
     if ctx.rank == rank:
-        import time
-
         time.sleep(600)  # noqa: ASYNC251 - the point: a rank stuck outside the loop
     return ctx.rank
 
 
 async def tells(ctx: RankContext) -> int:
-    import os
-
     ctx.event("hello", os.getpid())
     return os.getpid()
+
+
+def _wait_for(path: str) -> None:
+    """Until ``path`` exists (60 s at most: then the rank fails, naming it)."""
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear")
+        time.sleep(0.02)
+
+
+def _touch(path: str) -> None:
+    with open(path, "w"):
+        pass
+
+
+async def ticks_then_waits(ctx: RankContext, *, flag: str) -> int:
+    """Every rank sends ``tick`` 0, 1, 2; rank 0 then sends ``asked`` and waits (60 s at
+    most) until the test creates ``flag`` — which it can only do if it sees the event while
+    rank 0 still runs."""
+    for k in range(3):
+        ctx.event("tick", k)
+    if ctx.rank == 0:
+        ctx.event("asked")
+        await anyio.to_thread.run_sync(_wait_for, flag)
+    return ctx.rank
+
+
+async def fails_while_others_hang(ctx: RankContext, *, culprit: int, how: str) -> int:
+    """Rank ``culprit`` raises (``how="raise"``) or exits with status 3 (``"exit"``); every
+    other rank blocks its process for 10 minutes."""
+    if ctx.rank == culprit:
+        if how == "exit":
+            os._exit(3)
+        raise ValueError(f"rank {ctx.rank} fails")
+    time.sleep(600)  # noqa: ASYNC251 - the point: ranks that never end by themselves
+    return ctx.rank
+
+
+async def tells_then_hangs(ctx: RankContext, *, rank: int, event: str) -> int:
+    """Rank ``rank`` sends ``event`` and blocks for 10 minutes; the others return."""
+    if ctx.rank == rank:
+        ctx.event(event)
+        time.sleep(600)  # noqa: ASYNC251 - only the test can end it
+    return ctx.rank
+
+
+async def dies_holding_queue_locks(ctx: RankContext, *, rank: int, flag: str) -> int:
+    """Rank ``rank`` takes the lock of every ``multiprocessing`` queue its process holds
+    and exits with them held (status 3), as a process killed halfway through a write would;
+    the others return only after that."""
+    import multiprocessing.queues
+
+    if ctx.rank == rank:
+        for q in gc.get_objects():
+            # type(), not isinstance: that would read __class__ of torch's lazy modules,
+            # which warn when touched
+            if issubclass(type(q), multiprocessing.queues.Queue):
+                for lock in (q._rlock, q._wlock):  # type: ignore[attr-defined]
+                    if lock is not None:
+                        lock.acquire(timeout=1)
+        _touch(flag)
+        os._exit(3)
+    await anyio.to_thread.run_sync(_wait_for, flag)
+    return ctx.rank
+
+
+async def stops_halfway_through_a_message(ctx: RankContext, *, rank: int) -> int:
+    """Rank ``rank`` writes the first bytes of a message to its pipe, then stops itself
+    (``SIGSTOP``): the rest never comes, and the pipe stays open."""
+    if ctx.rank == rank:
+        os.write(ctx._events.fileno(), (1000).to_bytes(8, "big") + b"abc")
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return ctx.rank

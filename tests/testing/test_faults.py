@@ -7,6 +7,7 @@ Short deadlines keep each case a few seconds long on a 2-core host.
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import Callable
 
 import pytest
@@ -73,6 +74,7 @@ def test_a_worker_dying_at_a_bucket_is_lost_and_a_replacement_joins(m2n_world: W
     world = m2n_world(2, 2)
     res = _run(world, Fault("round.bucket", "die", rank=3, round=1, bucket=1))
     assert res[3].status == "dead" and res[3].faults[0][0] == "round.bucket"
+    assert res[3].signal == signal.SIGKILL  # the fault's own kill, in the exit code
     assert_same_failure(res, TransferError, culprit=3, cause="lost", round=1)
     assert_not_committed(res, 1)
     # The same job again: a replacement process for rank 3, a new generation for everyone.
