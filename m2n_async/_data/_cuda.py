@@ -23,12 +23,12 @@ even when the GPU work never will (a dead peer in the middle of an M2N kernel, D
 notes").
 
 Why a watcher on plain events by default: measured on H200s with one rank per GPU (x2 and x4
-hosts, BENCHMARKS "Multi-GPU"), the watcher made the m2n pipeline 12-33 % faster than
-polling ``Event.query()`` from the loop, whatever the polling cap (1 ms, 200 µs or 50 µs: the
-loop's polling competes for the GIL with the native thread that submits reshards, while the
-watcher wakes the loop once per bucket). Plain events, because recording a *blocking-sync*
-event (``cudaEventBlockingSync``) after a bucket of M2N reshards made the bucket complete up to
-3x later on one GPU shared by four ranks (1024 small reshards: 1.88 s instead of 0.65 s). The
+hosts, BENCHMARKS "Multi-GPU"), the m2n pipeline was 4-28 % slower when the loop polled
+``Event.query()`` instead, whatever the polling cap (1 ms, 200 µs or 50 µs: the loop's polling
+competes for the GIL with the native thread that submits reshards, while the watcher wakes the
+loop once per bucket). Plain events, because recording a *blocking-sync* event
+(``cudaEventBlockingSync``) after a bucket of M2N reshards made the bucket complete up to 3x
+later on one GPU shared by four ranks (1024 small reshards: 1.88 s instead of 0.65 s). The
 cost: while a bucket is in flight the watcher spins in the CUDA driver (one core per rank), and
 a watcher stuck on a kernel that never ends (dead peer) keeps spinning until the process exits.
 Hosts short of cores can choose ``M2N_ASYNC_CUDA_COMPLETION=poll`` (``Event.query()`` from the

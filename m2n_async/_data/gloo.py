@@ -51,8 +51,8 @@ which fails our pending ops the same way. Gloo's ``wait`` also consumes an op's 
 an op that had finished when ``abort`` waited on it would block the wait thread's own wait on
 it until the round deadline (and ``close`` for ``abort_grace``): the wait thread therefore
 waits 1 ms only once the transport is aborted. A wait it had already begun, or was about to
-begin, when ``abort`` ran can still be caught that way (rare: 0 to 1 in 10 aborted rounds in
-the chaos runs of 2026-11-30, against 4 to 6 before); it ends at the round deadline.
+begin, when ``abort`` ran can still be caught that way (rare: at most 1 in 10 aborted rounds
+in kill-at-random chaos runs); it ends at the round deadline.
 """
 
 from __future__ import annotations
