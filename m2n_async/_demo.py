@@ -21,34 +21,34 @@ formula for their own boxes. Consecutive masks differ in every element, so a sta
 piece that did not move) fails the check, and the hash makes misplaced pieces fail it too.
 
 Between rounds the trainers wait (through the store, bounded) until every worker has verified
-the previous round, so a round's time measures the transfer, not the verification. Children
-report to the parent as msgspec-encoded events, each child on its own pipe (typed; no pickle
-at all): a child that dies mid-write can only garble its own pipe, where a shared
-``multiprocessing.Queue`` would keep its lock forever and silence every other child. The
-parent shows each round's progress on stderr when it is a terminal (tqdm's bar with the
-``demo`` extra, plain lines without), prints per-round time and GB/s, and exits non-zero
-naming the rank on any mismatch, error, dead child or deadline. Children are always reaped:
-on failure the survivors get a grace period (``_FAIL_GRACE``) to report, then are killed.
+the previous round, so a round's time measures the transfer, not the verification.
+
+The processes are a ``m2n_async.testing.LocalWorld`` — the toolkit a framework tests its own
+integration with: the store in a thread of the parent, the ranks in spawned processes, each
+talking to the parent over a pipe of its own (a child that dies mid-write garbles only its
+own pipe). Ranks report as msgspec-encoded events (typed; the world carries them as bytes)
+through ``ctx.event``, and the parent reads them as they come (``LocalWorld.events``): it
+shows each round's progress on stderr when it is a terminal (tqdm's bar with the ``demo``
+extra, plain lines without), prints per-round time and GB/s, and exits non-zero naming the
+rank on any mismatch, error, dead child or deadline. A rank's error comes back as its
+exception, a dead child with its exit code. Children are always reaped: on failure the
+survivors get a grace period (``_FAIL_GRACE``, the world's ``fail_grace``) to report, then
+are killed, their Python stacks printed first.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import multiprocessing as mp
 import os
 import secrets
 import sys
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
-from multiprocessing.connection import wait as wait_readable
 from typing import TYPE_CHECKING, Any
 
 import anyio
-import anyio.to_thread
 import msgspec
 
 from m2n_async._proto.lanes import AUTO, LANES
@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     import torch
 
     from m2n_async._proto.layout import Box
+    from m2n_async.testing import LocalWorld, RankContext, RankResult
 
 __all__ = [
     "DemoParam",
@@ -280,7 +281,7 @@ def shard_content(p: DemoParam, box: Box, round_: int) -> torch.Tensor:
     return t
 
 
-# -- events: children -> parent (msgspec, one pipe per child) --------------------------------
+# -- events: ranks -> parent (msgspec, through the world's ctx.event) ------------------------
 
 
 class Ready(msgspec.Struct, tag=True, frozen=True):
@@ -312,23 +313,14 @@ class RoundReport(msgspec.Struct, tag=True, frozen=True):
     checked: int = 0                  # workers: tensors compared
 
 
-class Failure(msgspec.Struct, tag=True, frozen=True):
-    rank: int
-    message: str
-
-
-class Finished(msgspec.Struct, tag=True, frozen=True):
-    rank: int
-
-
-Event = Ready | Progress | RoundReport | Failure | Finished
+Event = Ready | Progress | RoundReport
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Event)
 
 
 @dataclass(frozen=True)
 class DemoArgs:
-    """Everything a child needs (plain values: they cross the spawn boundary)."""
+    """Everything a rank needs (plain values: they cross the spawn boundary)."""
 
     trainers: int
     workers: int
@@ -347,43 +339,25 @@ class DemoArgs:
         return self.trainers + self.workers
 
 
-#: This child's event pipe (set in ``_child``; only the ``torn`` fault writes it directly).
-_events: Connection | None = None
+#: This rank's pipe to the parent (set in ``_demo_rank``; only the ``torn`` fault writes it
+#: directly).
+_pipe_fd: int | None = None
 
 
-def _child(args: DemoArgs, rank: int, events: Connection) -> None:
-    """Process entry of one rank: run it, report any failure, exit non-zero on failure."""
-    global _events
-    _events = events
-    import faulthandler
-    import signal
-    import warnings
+async def _demo_rank(ctx: RankContext, *, args: DemoArgs) -> None:
+    """One rank, as the world runs it in its process (torch imported, one intra-op thread:
+    2 cores shared by T + N processes). An exception is this rank's failure: the world
+    carries it to the parent."""
+    global _pipe_fd
+    if ctx._events is not None:  # the world's own pipe, for the torn fault only
+        _pipe_fd = ctx._events.fileno()
 
-    if hasattr(signal, "SIGUSR1"):
-        # The parent sends SIGUSR1 to a rank that is still running when it reaps (a hang):
-        # every thread's Python stack goes to stderr before the kill, so a hang says where.
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    def send(ev: Event) -> None:
+        # A synchronous write on the caller's thread (the world's pipes have no feeder
+        # thread that an abrupt exit, the 'exit' fault or a crash, could cut short).
+        ctx.event("demo", _encoder.encode(ev))
 
-    # torch warns at import when NumPy is absent (a fresh `tox -e demo` env); the demo never
-    # uses NumPy, so the warning is noise on every rank's stderr.
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-    import torch
-
-    torch.set_num_threads(1)  # 2 cores shared by T + N processes: no intra-op pools
-    # A synchronous write on the caller's thread: no feeder thread that an abrupt exit (the
-    # 'exit' fault, a crash) could kill halfway through a message.
-    send: Callable[[Event], None] = lambda ev: events.send_bytes(_encoder.encode(ev))  # noqa: E731
-    try:
-        anyio.run(_rank_main, args, rank, send)
-    except BaseException as exc:
-        tail = f"{type(exc).__name__}: {exc}"
-        if not isinstance(exc, Exception):
-            tail = f"{tail} (interrupted)"
-        send(Failure(rank, tail))
-        if os.environ.get("M2N_DEMO_TRACEBACK"):
-            traceback.print_exc()
-        sys.exit(1)
-    send(Finished(rank))
+    await _rank_main(args, ctx.rank, send)
 
 
 async def _rank_main(args: DemoArgs, rank: int, send: Callable[[Event], None]) -> None:
@@ -426,10 +400,11 @@ def _fault(rank: int, round_: int) -> str | None:
     except ValueError:
         raise ValueError(f"M2N_DEMO_FAULT must be 'KIND:RANK:ROUND', got {spec!r}"
                          ) from None
-    if hit and kind == "torn" and _events is not None:
-        # A length header promising 1000 bytes, then 3 of them: the parent must read EOF on
-        # this pipe, count the rank as dead, and still hear every other rank.
-        os.write(_events.fileno(), (1000).to_bytes(4, "big") + b"abc")
+    if hit and kind == "torn" and _pipe_fd is not None:
+        # A length header promising 1000 bytes (the world's frames: 8 bytes of length, then
+        # the message), then 3 of them: the parent must read EOF on this pipe, count the
+        # rank as dead, and still hear every other rank.
+        os.write(_pipe_fd, (1000).to_bytes(8, "big") + b"abc")
     if hit and kind in ("exit", "torn"):
         os._exit(9)
     if hit and kind == "hang":  # blocks the rank's event loop itself: a true hang
@@ -643,8 +618,8 @@ def run_demo(*, trainers: int = 2, workers: int = 2, rounds: int = 3, size_mb: f
     if timeout is None:
         timeout = 3 * min(60.0, round_timeout) + rounds * round_timeout
     try:
-        failure = anyio.run(_parent, trainers, workers, rounds, size_mb, transport, timeout,
-                            round_timeout, bucket_mb, out, err)
+        failure = _parent(trainers, workers, rounds, size_mb, transport, timeout,
+                          round_timeout, bucket_mb, out, err)
     except KeyboardInterrupt:
         print("m2n-async demo: interrupted (children killed)", file=err)
         return 130
@@ -655,11 +630,11 @@ def run_demo(*, trainers: int = 2, workers: int = 2, rounds: int = 3, size_mb: f
     return 0
 
 
-async def _parent(trainers: int, workers: int, rounds: int, size_mb: float, transport: str,
-                  limit_s: float, round_timeout: float, bucket_mb: float, out: Any,
-                  err: Any) -> str | None:
+def _parent(trainers: int, workers: int, rounds: int, size_mb: float, transport: str,
+            limit_s: float, round_timeout: float, bucket_mb: float, out: Any, err: Any
+            ) -> str | None:
     """Run the job; return None on success, else the failure (named ranks)."""
-    from m2n_async._store import StoreServer
+    from m2n_async.testing import LocalWorld
 
     params = demo_model(size_mb, trainers, workers)
     plan = demo_plan(params, trainers, workers)
@@ -673,113 +648,57 @@ async def _parent(trainers: int, workers: int, rounds: int, size_mb: float, tran
     print(f"starting {trainers + workers} processes (each imports torch and computes its "
           f"shards) ...", file=out)
     out.flush()
-    token = secrets.token_hex(16)
-    async with StoreServer(host="127.0.0.1", port=0, token=token) as server:
-        args = DemoArgs(trainers, workers, rounds, size_mb, transport, server.address, token,
-                        f"demo-{secrets.token_hex(4)}", round_timeout,
+    spawned_at = time.time()  # the ranks' Ready events are on this clock
+    # Leaving the block ends every rank process: one still in the job is killed.
+    with LocalWorld(trainers, workers, job_prefix="demo") as world:
+        args = DemoArgs(trainers, workers, rounds, size_mb, transport, world.address,
+                        world.token, f"demo-{secrets.token_hex(4)}", round_timeout,
                         phase_timeout=min(60.0, round_timeout), bucket_mb=bucket_mb)
-        ctx = mp.get_context("spawn")
-        pipes = [ctx.Pipe(duplex=False) for _ in range(args.world)]
-        procs = [ctx.Process(target=_child, args=(args, r, pipes[r][1]), daemon=True,
-                             name=f"m2n-demo-rank{r}") for r in range(args.world)]
-        spawned_at = time.time()  # the children's Ready events are on this clock
         try:
-            for p, (_, writer) in zip(procs, pipes, strict=True):
-                p.start()
-                writer.close()  # the child holds its own copy; EOF here once the child is gone
-            await _monitor(args, procs, [reader for reader, _ in pipes], total, limit_s,
-                           _display(err, out), spawned_at)
+            _monitor(world, args, total, limit_s, _display(err, out), spawned_at)
         except DemoFailed as exc:
             return str(exc)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(_reap, procs)
-            for reader, writer in pipes:
-                reader.close()
-                writer.close()
     return None
 
 
-def _reap(procs: Sequence[Any]) -> None:
-    """Join every child; kill whatever is still running after a short grace, after asking
-    it for its threads' stacks (see ``_child``): a hung rank then shows where it hung."""
-    import signal
-
-    deadline = time.monotonic() + 5.0
-    for p in procs:
-        if p.pid is not None:
-            p.join(max(0.0, deadline - time.monotonic()))
-    stuck = [p for p in procs if p.pid is not None and p.is_alive()]
-    if stuck and hasattr(signal, "SIGUSR1"):
-        names = ", ".join(p.name for p in stuck)
-        print(f"m2n-async demo: {names} still running at the end; their Python stacks "
-              "follow, then they are killed", file=sys.stderr, flush=True)
-        for p in stuck:
-            try:
-                os.kill(p.pid, signal.SIGUSR1)
-            except OSError:  # exited meanwhile
-                pass
-        time.sleep(0.5)  # faulthandler writes from the signal handler: enough
-    for p in stuck:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
+def _show_stacks(results: Sequence[RankResult]) -> None:
+    """The Python stacks of the ranks the world killed still running (taken just before the
+    kill, every thread): a hung rank then shows where it hung."""
+    stuck = [r for r in results if r.status in ("killed", "frozen") and r.stacks]
+    if not stuck:
+        return
+    names = ", ".join(f"m2n-demo-rank{r.rank}" for r in stuck)
+    print(f"m2n-async demo: {names} still running at the end; their Python stacks follow, "
+          "then they are killed", file=sys.stderr, flush=True)
+    for r in stuck:
+        sys.stderr.write(r.stacks)
+    sys.stderr.flush()
 
 
-async def _monitor(args: DemoArgs, procs: Sequence[Any], readers: list[Connection],
-                   total: int, limit_s: float, bar: _Display, spawned_at: float) -> None:
+def _error_text(exc: BaseException | None) -> str:
+    tail = f"{type(exc).__name__}: {exc}"
+    return tail if isinstance(exc, Exception) else f"{tail} (interrupted)"
+
+
+def _monitor(world: LocalWorld, args: DemoArgs, total: int, limit_s: float, bar: _Display,
+             spawned_at: float) -> None:
+    from m2n_async.testing import WorldHangError
+
     started = time.monotonic()
     deadline = started + limit_s
     ready: dict[int, Ready] = {}
-    finished: set[int] = set()
     failures: dict[int, str] = {}
     reports: dict[int, dict[int, RoundReport]] = {}
     progress: dict[int, dict[int, int]] = {}
     current = 1
-    fail_by: float | None = None  # after the first failure: time left for the others to report
-
-    open_readers = list(readers)
-
-    def get() -> list[bytes]:
-        batch = []
-        for conn in wait_readable(open_readers, timeout=0.1):
-            assert isinstance(conn, Connection)
-            try:
-                batch.append(conn.recv_bytes())
-            except (EOFError, OSError):  # the child exited (a torn last message included)
-                open_readers.remove(conn)
-        return batch
-
-    while len(finished) + len(failures) < args.world:
-        now = time.monotonic()
-        if fail_by is not None and now > fail_by:
-            break
-        if now > deadline:
-            # Reported alongside whatever the other ranks already said (a trainer's round
-            # error names the rank it waited for).
-            for r in sorted(set(range(args.world)) - finished - failures.keys()):
-                failures[r] = (f"still running when the demo's deadline of "
-                               f"{deadline - started:.0f} s passed (killed)")
-            break
-        batch = await anyio.to_thread.run_sync(get)
-        if not batch:
-            # Only when the pipes are idle: a child that reported and exited may still have
-            # events in its pipe.
-            for r, p in enumerate(procs):
-                if (r not in finished and r not in failures and p.exitcode is not None):
-                    failures[r] = (f"process exited with code {p.exitcode} without reporting "
-                                   f"an error (killed or crashed)")
-                    fail_by = fail_by or time.monotonic() + _FAIL_GRACE
-            continue
-        for raw in batch:
-            ev = _decoder.decode(raw)
-            if isinstance(ev, Failure):
-                failures[ev.rank] = ev.message
-                fail_by = fail_by or time.monotonic() + _FAIL_GRACE
+    run = world.start(_demo_rank, kwargs={"args": args}, job=args.job)
+    try:
+        # Until every rank ended, _FAIL_GRACE after the first failure, or the deadline.
+        for msg in world.events(run, timeout=limit_s, fail_grace=_FAIL_GRACE):
+            if msg.name != "demo":
                 continue
-            if isinstance(ev, Finished):
-                finished.add(ev.rank)
-            elif isinstance(ev, Ready):
+            ev = _decoder.decode(msg.payload)
+            if isinstance(ev, Ready):
                 ready[ev.rank] = ev
                 if len(ready) == args.world:
                     bar.line(_connected_line(ready, spawned_at))
@@ -793,19 +712,47 @@ async def _monitor(args: DemoArgs, procs: Sequence[Any], readers: list[Connectio
                     failures[ev.rank] = (f"round {ev.round}: {len(ev.mismatched)} of "
                                          f"{ev.checked} tensors differ from the "
                                          f"recomputation, e.g. {list(ev.mismatched[:5])}")
-                    fail_by = fail_by or time.monotonic() + _FAIL_GRACE
+                    world.mark_failed()  # the grace runs from here, as from an error
                 while len(reports.get(current, {})) == args.world:
                     _print_round(args, reports[current], total, bar)
                     current += 1
+    except DemoFailed:
+        # The round's count disagrees with the plan: 5 s for the ranks to end, then stacks.
+        world.mark_failed()
+        try:
+            _show_stacks(world.collect(run, timeout=max(0.0, deadline - time.monotonic()),
+                                       fail_grace=5.0))
+        except WorldHangError as exc:
+            _show_stacks(exc.results)
+        raise
+    hung = False
+    results: Sequence[RankResult]
+    try:
+        results = world.collect(run, timeout=max(0.0, deadline - time.monotonic()),
+                                fail_grace=_FAIL_GRACE)
+    except WorldHangError as exc:  # the deadline: reported with what the others said
+        results, hung = exc.results, True
+    _show_stacks(results)
+    for r in results:
+        if r.status == "error":
+            failures[r.rank] = _error_text(r.error)
+            if os.environ.get("M2N_DEMO_TRACEBACK"):
+                print(f"rank {r.rank}:\n{r.traceback}", file=sys.stderr, flush=True)
+        elif r.status == "dead":
+            failures.setdefault(r.rank, f"process exited with code {r.exitcode} without "
+                                        f"reporting an error (killed or crashed)")
+        elif r.status != "ok":
+            # Still running when the grace or the deadline ran out: killed, say so (a
+            # trainer's round error names the rank it waited for).
+            failures.setdefault(r.rank, (
+                f"still running when the demo's deadline of {limit_s:.0f} s passed (killed)"
+                if hung else f"no report within {_FAIL_GRACE:.0f} s of the first failure "
+                             f"(killed)"))
     if failures:
-        for r in sorted(set(range(args.world)) - finished - failures.keys()):
-            # Still running when the grace ran out: killed with the rest, say so.
-            failures[r] = (f"no report within {_FAIL_GRACE:.0f} s of the first failure "
-                           f"(killed)")
         # Every rank of a failed round raises the same error: say it once, naming them all.
         by_message: dict[str, list[int]] = {}
-        for r, m in sorted(failures.items()):
-            by_message.setdefault(m, []).append(r)
+        for rank, m in sorted(failures.items()):
+            by_message.setdefault(m, []).append(rank)
         lines = [f"{_ranks(rs, args.trainers)}: {m}" for m, rs in by_message.items()]
         raise DemoFailed("\n  " + "\n  ".join(lines))
     if current <= args.rounds:
