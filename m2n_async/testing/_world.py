@@ -76,6 +76,8 @@ Target = str | Callable[..., Any]
 Status = Literal["ok", "error", "dead", "frozen", "killed"]
 _FRAME = struct.Struct("!Q")  # each message on a pipe: its length, then its pickle
 _NOTES = ("commit", "fault")  # event names the pool keeps per process instead of queueing
+#: How long ``submit`` waits for new processes to have imported torch and the package.
+_READY_TIMEOUT = 120.0
 
 
 class WorldHangError(AssertionError):
@@ -197,7 +199,10 @@ def _child(index: int, jobs: Any, conn: Any, stacks_path: str) -> None:
         import torch
 
     torch.set_num_threads(1)
+    import m2n_async  # noqa: F401  - what every job imports, before the job's clock runs
     events = _Events(conn)
+    # Ready: a job's phase deadlines start only now, not while a replacement imports torch.
+    events._send(("ready", 0, index, "", b""))
     while True:
         try:
             job = jobs.get()
@@ -252,6 +257,7 @@ class RankPool:
         self._jobs: list[Any] = [None] * size
         self._readers: list[_Reader | None] = [None] * size  # parent ends of the pipes
         self._busy = [0] * size  # jobs sent to each process and not answered yet
+        self._ready = [False] * size  # the process imported what jobs need ("ready" came)
         # The current job:
         self._job_id = 0
         self._n = 0  # its processes: slots 0 .. n-1
@@ -280,6 +286,7 @@ class RankPool:
         child.close()  # the child's copy is the only writer: its end is the pipe's end
         self._readers[i] = _Reader(parent)
         self._procs[i] = p
+        self._ready[i] = False
         self._busy[i] = 0
 
     def pid(self, i: int) -> int:
@@ -335,6 +342,12 @@ class RankPool:
             raise ValueError(f"{len(jobs)} jobs for a pool of {self.size} processes")
         self._pump()  # what earlier jobs left: a dead process's last words, late answers
         self.ensure_alive()
+        # A replaced process imports torch and the package first (seconds on a loaded
+        # machine): wait for it, so that a job's short phase timeouts do not count it.
+        deadline = time.monotonic() + _READY_TIMEOUT
+        while (not all(self._ready[:len(jobs)]) and time.monotonic() < deadline
+               and all(p.is_alive() for p in self._procs[:len(jobs)])):
+            self._pump(wait=0.05)
         self._job_id += 1
         self._n = len(jobs)
         self._pending.clear()
@@ -394,6 +407,9 @@ class RankPool:
         try:
             tag, job, index, name, body = pickle.loads(frame)
         except Exception:  # not a message of ours (a rank wrote to the pipe itself)
+            return
+        if tag == "ready":
+            self._ready[i] = True
             return
         if tag == "result":
             self._busy[i] = max(0, self._busy[i] - 1)
