@@ -8,10 +8,18 @@ from typing import Any
 
 import anyio
 
-from m2n_async import Store, StoreServer
+from m2n_async import Store, StoreClient, StoreServer
 from m2n_async._store._core import StoreCore
 
 TOKEN = "test-token-\u00e9"  # non-ASCII on purpose: tokens are UTF-8
+
+
+async def healthy(server: StoreServer, deadline: float) -> None:
+    """The server still serves a well-behaved client (within ``deadline`` seconds)."""
+    with anyio.fail_after(deadline):
+        async with await StoreClient.connect(server.address, token=TOKEN) as c:
+            await c.set("health", b"ok")
+            assert await c.get("health") == b"ok"
 
 
 class World:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import anyio
 import pytest
 from store_helpers import TOKEN, RunningServer, World
+from store_helpers import healthy as _healthy
 
 from m2n_async import StoreClient, StoreServer, current_generation, next_generation
 from m2n_async._proto.errors import AuthenticationError, StoreError
@@ -45,11 +46,7 @@ DEADLINE = 20.0
 
 
 async def healthy(server: StoreServer) -> None:
-    """A well-behaved client is served."""
-    with anyio.fail_after(DEADLINE):
-        async with await StoreClient.connect(server.address, token=TOKEN) as c:
-            await c.set("health", b"ok")
-            assert await c.get("health") == b"ok"
+    await _healthy(server, DEADLINE)
 
 
 class Raw:

@@ -12,6 +12,7 @@ import anyio.abc
 import msgspec
 import pytest
 from store_helpers import TOKEN, RunningServer, errors_while
+from store_helpers import healthy as _healthy
 
 from m2n_async import (
     AuthenticationError,
@@ -43,11 +44,7 @@ DEADLINE = 10.0
 
 
 async def healthy(server: StoreServer) -> None:
-    """The server still serves a well-behaved client."""
-    with anyio.fail_after(DEADLINE):
-        async with await StoreClient.connect(server.address, token=TOKEN) as c:
-            await c.set("health", b"ok")
-            assert await c.get("health") == b"ok"
+    await _healthy(server, DEADLINE)
 
 
 class RawPeer:
