@@ -423,7 +423,7 @@ class _Engine:
         self._state = EngineState.UPDATING
         outcome = await self._rounds.run(start, self._transport, work, self._committed,
                                          self._poison_with)
-        return await self._commit(start, outcome, waited, t0)
+        return self._commit(start, outcome, waited, t0)
 
     def _committed(self, start: RoundStart) -> None:
         """Every rank reported the round ok: its version is this engine's now."""
@@ -431,9 +431,8 @@ class _Engine:
         self._version = start.version
         self._state = EngineState.READY
 
-    async def _commit(self, start: RoundStart, outcome: RoundOutcome, waited: float,
-                      t0: float) -> SyncResult:
-        assert self._rounds is not None
+    def _commit(self, start: RoundStart, outcome: RoundOutcome, waited: float,
+                t0: float) -> SyncResult:
         k, stats = start.round, outcome.stats
         seconds = time.perf_counter() - t0
         phases = {"wait_start": waited, **stats.busy, "pipeline": stats.wall,
