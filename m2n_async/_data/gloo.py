@@ -532,8 +532,9 @@ class GlooTransport(Transport):
         # _BULK_NICE puts the bulk copies below the event loop and the latency-bound
         # native/wait threads when the machine is oversubscribed.
         builder = NativeThread(f"gloo-connect-r{rank}", nice=_BULK_NICE)
+        call = builder.submit(build, description=f"gloo connect rank {rank}/{size}")
         try:
-            self._pg = await self._build_watched(builder, build, rendezvous)
+            self._pg = await self._build_watched(call, rendezvous)
         except BaseException as exc:
             adapter.cancel_all("connect failed or was cancelled")
             if isinstance(exc, (TimeoutError, PeerLostError, TransferError)) or not isinstance(
@@ -542,22 +543,26 @@ class GlooTransport(Transport):
             raise TransferError(f"gloo: creating the process group failed at "
                                 f"{self.ctx.where()}: {exc}", rank=rank) from exc
         finally:
-            builder.close(0.0)  # it has returned (or is abandoned, as a daemon thread)
+            if call.done():
+                # The build returned: the thread has only its stop left. Join it, bounded and
+                # off the loop, so that it is gone when connect returns, not a moment later.
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(builder.close, 5.0)
+            else:  # abandoned inside Gloo: it ends, as a daemon thread, when Gloo gives up
+                builder.close(0.0)
+            del call  # its result is the group: a traceback keeping this frame must not
 
-    async def _build_watched(self, builder: NativeThread, build: Callable[[], Any],
-                             rendezvous: Rendezvous) -> Any:
-        """``build`` on ``builder``, bounded by the rendezvous timeout and failing with the
+    async def _build_watched(self, call: NativeCall[Any], rendezvous: Rendezvous) -> Any:
+        """The group build ``call`` awaited, bounded by the rendezvous timeout and failing with the
         peer's ``PeerLostError`` as soon as a watched peer is lost. Gloo's own TCP connect
         retries for several times its timeout, and a peer that failed after the store part
         of the rendezvous would otherwise keep every other rank there that long. An
         abandoned build goes on in its daemon thread until Gloo gives up."""
-        rank, size = self.ctx.rank, self.ctx.world_size
         outcome: dict[str, Any] = {}
 
         async def run_build() -> None:
             try:
-                outcome["pg"] = await builder.run(
-                    build, description=f"gloo connect rank {rank}/{size}")
+                outcome["pg"] = await call.wait()
             except Exception as exc:
                 outcome["error"] = exc
             tg.cancel_scope.cancel()
@@ -994,9 +999,9 @@ class GlooTransport(Transport):
         # thread) per peer instead of one per message; the earlier waits then return at once
         # (still called, so that a failed op raises). Measured on the CPU bench: this
         # thread's CPU per round fell from ~2.9 ms to ~1 ms for 53 messages.
-        last: dict[int, int] = {}
-        for j, (_, peer_rank) in enumerate(issued):
-            last[peer_rank] = j
+        # A comprehension, not a loop: a loop variable bound to an op would outlive this
+        # frame in a failure's traceback and keep the Gloo context alive.
+        last = {peer_rank: j for j, (_, peer_rank) in enumerate(issued)}
         firsts = set(last.values())
         ordered = [issued[j] for j in last.values()]
         ordered += [op for j, op in enumerate(issued) if j not in firsts]
