@@ -66,6 +66,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -73,7 +74,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from m2n_async._engine._config import EngineConfig, EngineState, SyncResult
 from m2n_async._integrations.targets import LoadTarget
-from m2n_async._proto.errors import PlanError
+from m2n_async._proto.errors import AuthenticationError, PlanError, StoreError
 from m2n_async._proto.layout import REPLICATE, Layout, Mesh
 from m2n_async._proto.params import ParamSpec, dtype_name
 from m2n_async.blocking import BlockingTrainer, BlockingWorker
@@ -870,15 +871,32 @@ class VLLMTrainerEngine:
                                phase_timeout=info.phase_timeout,
                                round_timeout=info.round_timeout, device=info.device,
                                host=info.host, job=info.job)
-            pending = BlockingTrainer.start_connect(
-                address, token=token, rank=info.rank, trainer_ranks=info.trainer_ranks,
-                world_size=info.world_size, params=specs, config=cfg,
-                timeout=info.connect_timeout)
-            rpc: Future[None] | None = None
-            if executor is not None:
-                rpc = executor.submit(client.init_weight_transfer_engine,
-                                      _worker_payload(info, address, specs))
-            trainer = _wait_with_rpc(pending, rpc, "init_weight_transfer_engine")
+            # Rank 0 serves a store per trainer_init on a fixed port: after shutdown() on
+            # every rank, another rank's trainer_init can reach rank 0's old store before
+            # rank 0 closed it, and then loses it mid-handshake. That store is gone for
+            # good, so connect again (bounded) to the one rank 0 opens next.
+            retry_until = time.monotonic() + (info.connect_timeout or info.phase_timeout) \
+                if store is None and info.store_address is None and \
+                info.store_port != 0 else 0.0
+            while True:
+                pending = BlockingTrainer.start_connect(
+                    address, token=token, rank=info.rank, trainer_ranks=info.trainer_ranks,
+                    world_size=info.world_size, params=specs, config=cfg,
+                    timeout=info.connect_timeout)
+                rpc: Future[None] | None = None
+                if executor is not None:
+                    rpc = executor.submit(client.init_weight_transfer_engine,
+                                          _worker_payload(info, address, specs))
+                try:
+                    trainer = _wait_with_rpc(pending, rpc, "init_weight_transfer_engine")
+                    break
+                except StoreError as exc:
+                    if isinstance(exc, AuthenticationError) or time.monotonic() > retry_until:
+                        raise
+                    log.info("m2n_async: trainer rank %d lost rank 0's store while "
+                             "connecting (%s); connecting again", info.rank, exc)
+                    time.sleep(0.1)
+                    _await_listener(info.store_host, info.store_port, info.phase_timeout)
         except BaseException:
             if executor is not None:
                 executor.shutdown(wait=False, cancel_futures=True)
@@ -979,7 +997,6 @@ def _await_listener(host: str, port: int, limit: float) -> None:
     """Wait (bounded) until rank 0's store accepts connections: the trainer ranks start
     together, and rank 0 may not be listening yet."""
     import socket
-    import time
 
     deadline = time.monotonic() + limit
     while True:

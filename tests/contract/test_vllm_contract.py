@@ -9,16 +9,23 @@ worker's ``load_weights`` path runs under vLLM's own ``collective_rpc``-style ca
 layer and layerwise-reload modules need its engine closure — xgrammar, apache-tvm-ffi — which
 this env leaves out, so the backend finds no known-safe loader and no reload hooks here and
 loads everything through ``load_weights``; the in-place rule and the hooks are covered by
-tests/integrations/test_vllm_backend.py against modules with vLLM's paths.) The job: 1 FSDP2
-trainer rank (its own one-rank Gloo world) and 2 vLLM worker engines (TP = 2),
-driven as vLLM's GPU worker drives them, 3 rounds bit-exact, plus shutdown and init again.
+tests/integrations/test_vllm_backend.py against modules with vLLM's paths.) The job: 2 FSDP2
+trainer ranks (spawned processes in a two-rank Gloo world, so the metadata is a real DTensor's
+over two owners) and 2 vLLM worker engines (TP = 2) in this process, driven as vLLM's GPU
+worker drives them, answering trainer rank 0's RPCs over a pipe (the trainer's
+``VLLMWeightSyncClient``): 3 rounds bit-exact, then shutdown and init again.
 """
 
 from __future__ import annotations
 
+import json
+import multiprocessing as mp
 import os
+import socket
 import sys
-from collections.abc import Iterable, Iterator
+import threading
+import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -33,7 +40,9 @@ pytest.importorskip("vllm.distributed.weight_transfer", reason="the vllm-contrac
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integrations"))
 from _vllm_world import FanOutClient, GPUWorker, vllm_config
 
-T, TP = 1, 2
+T, TP = 2, 2
+TOKEN = "vllm-contract"
+ROUNDS = 3
 VOCAB, DIM = 16, 8
 WIRE = torch.bfloat16
 
@@ -84,45 +93,120 @@ class Served(nn.Module):
         return done
 
 
-def _expected(model: nn.Module) -> dict[str, torch.Tensor]:
-    full = {n: p.full_tensor().detach().to(WIRE) for n, p in model.named_parameters()}
-    return {"embed.weight": full["embed.weight"], "norm.weight": full["norm.weight"],
-            "qk.weight": torch.cat([full["q_proj.weight"], full["k_proj.weight"]])}
+def _steps(policy: nn.Module, step: int) -> None:
+    """The trainer's "optimizer step" before round ``step`` (1..ROUNDS; ROUNDS + 1 is the
+    round after init again): elementwise, so sharded and whole masters stay identical."""
+    with torch.no_grad():
+        for p in policy.parameters():
+            if step <= ROUNDS:
+                p.add_(1.0)
+            else:
+                p.mul_(0.5)
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+class PipeClient:
+    """Trainer rank 0's ``VLLMWeightSyncClient``: each call goes over ``conn`` (JSON) to the
+    test process, which runs it on every worker at once (``FanOutClient``) and answers when
+    all did; a worker's error comes back as a ``RuntimeError``."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self.lock = threading.Lock()  # the backend's RPC thread and its caller both call
+
+    def _call(self, method: str, *args: Any) -> None:
+        with self.lock:
+            self.conn.send_bytes(json.dumps({"method": method, "args": list(args)}).encode())
+            answer = json.loads(self.conn.recv_bytes())
+        if "error" in answer:
+            raise RuntimeError(f"{method}: {answer['error']}")
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._call("init_weight_transfer_engine", init_info)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._call("shutdown_weight_transfer_engine")
+
+    def start_weight_update(self) -> None:
+        self._call("start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        self._call("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._call("finish_weight_update", weight_version)
+
+
+def _trainer(rank: int, rendezvous: str, port: int, conn: Any, out: Any) -> None:
+    """A spawned FSDP2 trainer rank: vLLM's ``ModuleSource`` over ``fully_shard(Policy())``
+    on a two-rank Gloo mesh, through vLLM's ``WeightTransferTrainerFactory``."""
     import torch.distributed as dist
-
-    path = tmp_path_factory.mktemp("trainer") / "rendezvous"
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
-    os.environ["M2N_ASYNC_TOKEN"] = "vllm-contract"
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def test_lifecycle_through_vllms_own_factories(world: None) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+    from vllm.plugins import load_general_plugins
+
+    from m2n_async.integrations.vllm import TrainerInitInfo
+
+    torch.set_num_threads(1)
+    os.environ["M2N_ASYNC_TOKEN"] = TOKEN
+    report: dict[str, Any] = {"rank": rank, "versions": []}
+    try:
+        load_general_plugins()
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
+                                world_size=T)
+        torch.manual_seed(0)
+        policy = Policy()
+        fully_shard(policy, mesh=init_device_mesh("cpu", (T,)))
+        source = ModuleSource(policy)
+        report["owners"] = [list(m.owners) for m in source.metadata]
+        client = PipeClient(conn) if rank == 0 else None
+
+        def trainer_init() -> Any:
+            info = TrainerInitInfo(rank=rank, trainer_ranks=T, world_size=T + TP,
+                                   store_port=port, dtype="bfloat16", transport="gloo",
+                                   job="vllm-contract", phase_timeout=60, round_timeout=60)
+            return WeightTransferTrainerFactory.trainer_init(info, client=client,
+                                                             source=source)
+
+        trainer = trainer_init()
+        for step in range(1, ROUNDS + 1):
+            _steps(policy, step)
+            report["versions"].append(trainer.send_weights(f"v{step}").version)
+        # Shutdown and init again: a new generation, and it still moves the weights.
+        trainer.shutdown()
+        trainer.shutdown()
+        trainer = trainer_init()
+        _steps(policy, ROUNDS + 1)
+        report["versions"].append(trainer.send_weights().version)
+        trainer.shutdown()
+        dist.destroy_process_group()
+    except BaseException as exc:
+        report["error"] = f"{type(exc).__name__}: {exc}"
+    out.put(report)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_lifecycle_through_vllms_own_factories(tmp_path: Path) -> None:
     from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.distributed.weight_transfer import (
-        ModuleSource,
         WeightTransferEngineFactory,
         WeightTransferTrainerFactory,
     )
     from vllm.plugins import load_general_plugins
 
-    from m2n_async.integrations.vllm import TrainerInitInfo, VLLMWorkerBackend
+    from m2n_async.integrations.vllm import VLLMWorkerBackend, register
 
     load_general_plugins()  # runs our entry point (and vLLM's own plugins)
     assert "m2n_async" in WeightTransferEngineFactory._registry
     assert "m2n_async" in WeightTransferTrainerFactory._registry
-    from m2n_async.integrations.vllm import register
-
     register()  # idempotent: vLLM may run plugins again in one process
 
+    os.environ["M2N_ASYNC_TOKEN"] = TOKEN
     cfg = WeightTransferConfig(backend="m2n_async")
     models = [Served() for _ in range(TP)]
     engines = [WeightTransferEngineFactory.create_engine(cfg, vllm_config(r, TP),
@@ -133,45 +217,80 @@ def test_lifecycle_through_vllms_own_factories(world: None) -> None:
     client = FanOutClient(workers)
 
     torch.manual_seed(0)
-    policy = Policy()
-    fully_shard(policy, mesh=init_device_mesh("cpu", (T,)))
-    source = ModuleSource(policy)
-    assert source.metadata[0].owners == (0,)  # a DTensor's ParamMeta
+    whole = Policy()  # the same masters unsharded: what every round must deliver
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_trainer, args=(r, str(tmp_path / "rendezvous"), port,
+                                                theirs if r == 0 else None, out),
+                         daemon=True) for r in range(T)]
+    for p in procs:
+        p.start()
+    checked: list[int] = []
+    loaded: set[str] = set()
+    reports: list[dict[str, Any]] = []
 
-    def trainer_init() -> Any:
-        info = TrainerInitInfo(rank=0, trainer_ranks=T, world_size=T + TP, dtype="bfloat16",
-                               transport="gloo", job="vllm-contract", phase_timeout=30,
-                               round_timeout=30)
-        return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+    def next_call(limit: float) -> dict[str, Any] | None:
+        """Rank 0's next RPC; None once a trainer reported an error (or after ``limit``)."""
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            if ours.poll(0.2):
+                return json.loads(ours.recv_bytes())  # type: ignore[no-any-return]
+            while not out.empty():
+                reports.append(out.get())
+            if any("error" in r for r in reports):
+                return None
+        return None
 
-    trainer = trainer_init()
     try:
-        assert set(engines[0].loaded_names) == {"embed.weight", "q_proj.weight",
-                                                "k_proj.weight", "norm.weight"}
-        for v in (1, 2, 3):
-            with torch.no_grad():
-                for p in policy.parameters():
-                    p.add_(1.0)  # a "step": new weights every round
-            result = trainer.send_weights(f"v{v}")
-            assert result.version == v
-            want = _expected(policy)
-            for m in models:
-                got = dict(m.named_parameters())
-                for name, t in want.items():
-                    assert torch.equal(got[name], t), (v, name)
-        # Shutdown and init again: a new generation, and it still moves the weights.
-        trainer.shutdown()
-        trainer.shutdown()
-        trainer = trainer_init()
-        with torch.no_grad():
-            for p in policy.parameters():
-                p.mul_(0.5)
-        assert trainer.send_weights().version == 1
-        for m in models:
-            got = dict(m.named_parameters())
-            for name, t in _expected(policy).items():
-                assert torch.equal(got[name], t), name
+        step = 0
+        while len(checked) <= ROUNDS:  # serve rank 0's RPCs up to the round after init again
+            call = next_call(120)
+            if call is None:
+                raise AssertionError(f"trainers: {reports}, exit codes "
+                                     f"{[p.exitcode for p in procs]}")
+            method, args = call["method"], call["args"]
+            if method == "start_weight_update":
+                step += 1
+                _steps(whole, step)
+            try:
+                getattr(client, method)(*args)
+                answer: dict[str, Any] = {}
+            except Exception as exc:
+                answer = {"error": f"{type(exc).__name__}: {exc}"}
+            if method == "finish_weight_update" and not answer:
+                want = _expected_whole(whole)
+                for r, m in enumerate(models):
+                    got = dict(m.named_parameters())
+                    for name, t in want.items():
+                        assert torch.equal(got[name], t), (step, r, name)
+                checked.append(step)
+                loaded = set(engines[0].loaded_names)  # while the engine is up
+            ours.send_bytes(json.dumps(answer).encode())
+        call = next_call(60)  # rank 0's last shutdown releases the workers' engines
+        assert call is not None and call["method"] == "shutdown_weight_transfer_engine", \
+            (call, reports)
+        client.shutdown_weight_transfer_engine()
+        ours.send_bytes(b"{}")
+        while len(reports) < T:
+            reports.append(out.get(timeout=60))
+        reports.sort(key=lambda r: r["rank"])
     finally:
-        trainer.shutdown()
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
         with ThreadPoolExecutor(TP) as ex:
             list(ex.map(lambda w: w.shutdown(), workers))
+    assert [r.get("error") for r in reports] == [None] * T, reports
+    assert [r["versions"] for r in reports] == [[1, 2, 3, 1]] * T, reports
+    assert all(o == list(range(T)) for o in reports[0]["owners"]), reports[0]["owners"]
+    assert checked == list(range(1, ROUNDS + 2))
+    assert loaded == {"embed.weight", "q_proj.weight", "k_proj.weight", "norm.weight"}
+
+
+def _expected_whole(model: nn.Module) -> dict[str, torch.Tensor]:
+    full = {n: p.detach().to(WIRE) for n, p in model.named_parameters()}
+    return {"embed.weight": full["embed.weight"], "norm.weight": full["norm.weight"],
+            "qk.weight": torch.cat([full["q_proj.weight"], full["k_proj.weight"]])}
