@@ -1,7 +1,7 @@
 """CPU sync bench: ``sync_weights`` over Gloo vs raw Gloo point-to-point, in one run.
 
 What it measures, all in the same spawned processes (2 trainers + 2 workers, one torch thread
-each), side by side:
+each: a ``m2n_async.testing.LocalWorld``, started before anything is timed), side by side:
 
 1. Throughput. The demo's synthetic model (``m2n_async._demo.demo_model``: row/column
    reshards, replicated tensors, 3-D experts EP -> TP, many small tensors) moves through
@@ -28,23 +28,27 @@ smoke run); ``--profile`` writes a cProfile of each rank process's main thread.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import platform
-import queue
-import secrets
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
 
+if TYPE_CHECKING:
+    from m2n_async.testing import RankContext
+    from m2n_async.testing import RankResult as WorldRank
+
 TINY_TRAINER = 0  # part 2 runs on process 0 (engine rank 0) and the first worker process
+#: After a rank's failure, how long the others (blocked in a Gloo barrier, say) get to end
+#: before they are killed.
+_FAIL_GRACE = 30.0
 
 
 @dataclass(frozen=True)
@@ -86,7 +90,9 @@ class Throughput(msgspec.Struct):
     copy_mb: float = 0.0               # MB this rank copies (packs or unpacks) per round
 
 
-class RankResult(msgspec.Struct):
+class RankFigures(msgspec.Struct):
+    """What one rank process measured (its rank function's return value)."""
+
     rank: int
     throughput: list[Throughput] = []  # part 1, one per layout
     tiny_engine_s: list[float] = []    # part 2 (processes 0 and 2)
@@ -95,33 +101,29 @@ class RankResult(msgspec.Struct):
     tiny_phases: dict[str, float] = {}  # this rank's last part-2 SyncResult.phases
     tiny_floor_s: list[float] = []     # raw + the copies without checks: torch's own floor
     lag_tiny: list[float] = []
-    error: str | None = None
 
 
 # -- the rank processes ----------------------------------------------------------------------
 
 
-def _child(args: Args, rank: int, results: Any) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch
+async def _bench_rank(ctx: RankContext, *, args: Args) -> RankFigures:
+    """One rank process of the world (torch imported, one torch thread): every part, its
+    figures returned."""
+    out = RankFigures(ctx.rank)
+    if not args.profile:
+        await _rank(args, ctx.rank, out)
+        return out
+    import cProfile
 
-    torch.set_num_threads(1)
-    out = RankResult(rank)
-    prof = None
-    if args.profile:
-        import cProfile
-
-        prof = cProfile.Profile()
-        prof.enable()
+    prof = cProfile.Profile()
+    prof.enable()
     try:
-        anyio.run(_rank, args, rank, out)
-    except BaseException as exc:
-        out.error = f"{type(exc).__name__}: {exc}"
-    if prof is not None:
+        await _rank(args, ctx.rank, out)
+    finally:
         prof.disable()
         os.makedirs(args.profile, exist_ok=True)  # the rank writes its own file: no race
-        prof.dump_stats(os.path.join(args.profile, f"rank{rank}.prof"))
-    results.put(msgspec.json.encode(out))
+        prof.dump_stats(os.path.join(args.profile, f"rank{ctx.rank}.prof"))
+    return out
 
 
 async def _timed(op: Callable[[], Awaitable[Any]], lag: list[float] | None,
@@ -168,7 +170,8 @@ def _raw_exchange(sends: dict[int, Any], recvs: dict[int, Any]) -> None:
     works = [dist.isend(buf, dst) for dst, buf in sends.items()]
     works += [dist.irecv(buf, src) for src, buf in recvs.items()]
     for w in works:
-        w.wait()
+        if w is not None:  # None only for a peer outside the group (typed Optional)
+            w.wait()
 
 
 def _copy_jobs(plan: Any, rank: int, bucket_bytes: int, bufs: dict[int, Any],
@@ -179,7 +182,7 @@ def _copy_jobs(plan: Any, rank: int, bucket_bytes: int, bufs: dict[int, Any],
     that cannot land in place from the raw buffer into ``tensors``. The same message split
     (``plan_bucket(split_runs=True)``) and buckets as the engine."""
     from m2n_async._data._packing import byte_view, plan_bucket
-    from m2n_async._engine._engine import MAX_BUCKET_PARAMS, split_buckets
+    from m2n_async._proto.plan import MAX_BUCKET_PARAMS, split_buckets
 
     sending = rank < plan.trainer_ranks
     names = [p.spec.name for p in plan.params]
@@ -201,7 +204,7 @@ def _copy_jobs(plan: Any, rank: int, bucket_bytes: int, bufs: dict[int, Any],
     return jobs
 
 
-async def _rank(args: Args, rank: int, out: RankResult) -> None:
+async def _rank(args: Args, rank: int, out: RankFigures) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{args.pg_file}", rank=rank,
@@ -234,7 +237,8 @@ async def _part_throughput(args: Args, rank: int, out: Throughput) -> None:
     if out.layout == "aligned":
         params = [dataclasses.replace(p, dst=p.src) for p in params]
     plan = demo_plan(params, args.trainers, args.workers)
-    config = EngineConfig(transport="gloo", bucket_bytes=int(args.bucket_mb * (1 << 20)),
+    bucket_bytes = int(args.bucket_mb * (1 << 20))
+    config = EngineConfig(transport="gloo", bucket_bytes=bucket_bytes,
                           max_inflight=args.max_inflight, round_timeout=120,
                           job=f"bench-{out.layout}")
     # Raw baseline buffers: per peer, the bytes the plan moves between us, as one buffer.
@@ -272,7 +276,7 @@ async def _part_throughput(args: Args, rank: int, out: Throughput) -> None:
     if rank < args.trainers:
         shards = {p.name: base_content(p.name, p.shape, p.dtype, t.spec.layout.box(p.shape, rank))
                   for p, t in zip(params, plan.params, strict=True)}
-        copies = _copy_jobs(plan, rank, config.bucket_bytes, bufs, shards)
+        copies = _copy_jobs(plan, rank, bucket_bytes, bufs, shards)
         engine: Any = await TrainerEngine.connect(
             args.address, token=args.token, rank=rank, trainer_ranks=args.trainers,
             world_size=args.world, params=plan.source_specs(), config=config, timeout=300)
@@ -287,7 +291,7 @@ async def _part_throughput(args: Args, rank: int, out: Throughput) -> None:
                                        dtype=getattr(torch, p.dtype)) for p in params}
         # The raw+copies baseline unpacks into copies of the targets: the real ones are
         # checked bit-exact after the engine's rounds.
-        copies = _copy_jobs(plan, rank, config.bucket_bytes, bufs,
+        copies = _copy_jobs(plan, rank, bucket_bytes, bufs,
                             {n: torch.zeros_like(t) for n, t in targets.items()})
         engine = await WorkerEngine.connect(
             args.address, token=args.token, rank=rank, trainer_ranks=args.trainers,
@@ -318,7 +322,7 @@ async def _part_throughput(args: Args, rank: int, out: Throughput) -> None:
         await engine.close()
 
 
-async def _part_tiny(args: Args, rank: int, out: RankResult) -> None:
+async def _part_tiny(args: Args, rank: int, out: RankFigures) -> None:
     """Part 2 on processes 0 (trainer rank 0) and 2 (worker rank 1); the others wait."""
     import torch
     import torch.distributed as dist
@@ -401,54 +405,38 @@ def _p99(samples: list[float]) -> float:
     return s[min(len(s) - 1, int(0.99 * len(s)))]
 
 
-async def _run(ns: argparse.Namespace) -> list[RankResult]:
-    from m2n_async import StoreServer
+def _run(ns: argparse.Namespace) -> list[RankFigures]:
+    """Every rank's figures; exits naming the ranks that failed or overran ``--timeout``."""
+    from m2n_async.testing import LocalWorld, WorldHangError
 
-    token = secrets.token_hex(16)
-    with tempfile.TemporaryDirectory() as tmp:
-        async with StoreServer(host="127.0.0.1", port=0, token=token) as server:
-            args = Args(ns.size_mb, ns.rounds, ns.tiny_params, ns.tiny_rounds, ns.bucket_mb,
-                        server.address, token, os.path.join(tmp, "pg"), ns.profile,
-                        tuple(ns.parts.split(",")), ns.max_inflight, ns.trainers,
-                        ns.workers)
-            ctx = mp.get_context("spawn")
-            results = ctx.Queue()
-            procs = [ctx.Process(target=_child, args=(args, r, results), daemon=True)
-                     for r in range(args.world)]
-            for p in procs:
-                p.start()
-            got: dict[int, RankResult] = {}
-            deadline = time.monotonic() + ns.timeout
+    # The world's processes start (and import torch) here, before any rank's clock runs.
+    with tempfile.TemporaryDirectory() as tmp, \
+            LocalWorld(ns.trainers, ns.workers, job_prefix="bench") as world:
+        args = Args(ns.size_mb, ns.rounds, ns.tiny_params, ns.tiny_rounds, ns.bucket_mb,
+                    world.address, world.token, os.path.join(tmp, "pg"), ns.profile,
+                    tuple(ns.parts.split(",")), ns.max_inflight, ns.trainers, ns.workers)
+        try:
+            res = world.run(_bench_rank, kwargs={"args": args}, timeout=ns.timeout,
+                            fail_grace=_FAIL_GRACE)
+        except WorldHangError as exc:
+            stuck = [r.rank for r in exc.results if r.status == "killed"]
+            raise SystemExit(f"bench did not finish within {ns.timeout:g} s; ranks {stuck} "
+                             f"still running (killed)") from None
+    failed = [r for r in res if not r.ok]
+    if failed:
+        print("FAILED:\n  " + "\n  ".join(f"rank {r.rank}: {_failure(r)}" for r in failed),
+              file=sys.stderr)
+        raise SystemExit(1)
+    return [r.value for r in res]
 
-            def get() -> bytes | None:
-                try:
-                    raw: bytes = results.get(timeout=0.5)
-                except queue.Empty:
-                    return None
-                return raw
 
-            try:
-                while len(got) < args.world:
-                    if time.monotonic() > deadline:
-                        raise SystemExit(f"bench did not finish within {ns.timeout:g} s; "
-                                         f"ranks {sorted(set(range(args.world)) - got.keys())} "
-                                         f"still running (killed)")
-                    raw = await anyio.to_thread.run_sync(get)
-                    if raw is not None:
-                        r = msgspec.json.decode(raw, type=RankResult)
-                        got[r.rank] = r
-                    elif any(p.exitcode not in (None, 0) for p in procs):
-                        dead = [i for i, p in enumerate(procs)
-                                if p.exitcode not in (None, 0) and i not in got]
-                        if dead:
-                            raise SystemExit(f"bench rank(s) {dead} died without a result")
-            finally:
-                for p in procs:
-                    p.join(5 if len(got) == args.world else 0)
-                    if p.is_alive():
-                        p.kill()
-                        p.join(5)
-    return [got[r] for r in range(args.world)]
+def _failure(r: WorldRank) -> str:
+    """How a rank that returned no figures ended."""
+    if r.status == "error":
+        return f"{type(r.error).__name__}: {r.error}"
+    if r.status == "dead":
+        return f"died without a result (exit code {r.exitcode})"
+    return f"still running {_FAIL_GRACE:g} s after the first failure (killed)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -477,11 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cpu_sync_bench: {ns.trainers} trainers + {ns.workers} workers, 1 torch thread each; "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; Python "
           f"{platform.python_version()}, torch {torch.__version__}")
-    res = anyio.run(_run, ns)
-    errors = [f"rank {r.rank}: {r.error}" for r in res if r.error]
-    if errors:
-        print("FAILED:\n  " + "\n  ".join(errors), file=sys.stderr)
-        return 1
+    res = _run(ns)
     bad = {(r.rank, t.layout): t.mismatched for r in res for t in r.throughput if t.mismatched}
     if bad:
         print(f"FAILED: tensors not bit-exact after the throughput rounds: {bad}",
@@ -506,10 +490,10 @@ def main(argv: list[str] | None = None) -> int:
               f"median {rc:.3f} s = {moved / rc / 1e9:.2f} GB/s (engine / this: "
               f"{rc / eng:.2f}x)")
         print("   each rank's last round (s; busy times overlap) and peak extra memory:")
-        for r, rr in enumerate(res):
+        for k, rr in enumerate(res):
             tp = rr.throughput[i]
-            ph = ", ".join(f"{k} {v:.3f}" for k, v in tp.phases.items())
-            print(f"     rank {r} ({'trainer' if r < ns.trainers else 'worker'}): {ph}; "
+            ph = ", ".join(f"{name} {v:.3f}" for name, v in tp.phases.items())
+            print(f"     rank {k} ({'trainer' if k < ns.trainers else 'worker'}): {ph}; "
                   f"peak {tp.peak_mb:.2f} MB")
         cpu = []
         for r in res:
@@ -544,8 +528,8 @@ def main(argv: list[str] | None = None) -> int:
               f"the same tensors, no checks: median {t_floor:.4f} s = "
               f"{(t_floor - t_raw) / n * 1e6:.2f} us per parameter over raw; the engine "
               f"beyond it: {(t_eng - t_floor) / n * 1e6:.2f} us")
-        for who, r in (("trainer", res[TINY_TRAINER]), ("worker", res[ns.trainers])):
-            ph = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r.tiny_phases.items())
+        for who, rr in (("trainer", res[TINY_TRAINER]), ("worker", res[ns.trainers])):
+            ph = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in rr.tiny_phases.items())
             print(f"   {who} phases of the last round, ms: {ph}")
 
         lags.append(("part 2 sync_weights rounds", res[TINY_TRAINER].lag_tiny))

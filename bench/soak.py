@@ -2,8 +2,8 @@
 and many rounds, with the garbage collector off, so that anything ``close`` does not free
 deterministically shows up as growth.
 
-What it runs, in two spawned processes (1 trainer + 1 worker, Gloo lane, one torch thread
-each), on one store:
+What it runs, in two spawned processes (a ``m2n_async.testing.LocalWorld`` of 1 trainer + 1
+worker, Gloo lane, one torch thread each), on one store:
 
 1. ``--cycles`` cycles of connect -> ``--cycle-rounds`` rounds -> close; every
    ``--fail-every``-th cycle the trainer passes a wrong-shaped shard in its last round, so
@@ -11,36 +11,69 @@ each), on one store:
 2. ``--rounds`` rounds on one engine.
 
 After each close (and every ``--every`` rounds of part 2) each process records its thread
-count (``/proc/self/task``), open fds and RSS, with ``gc.disable()`` in force from the start:
+count (``/proc/self/task``), open fds and RSS and sends them to the parent as a ``ctx.event``,
+with ``gc.disable()`` in force from before the baseline:
 a figure that returns to its baseline after every close means close freed the data plane
 (Gloo contexts, their threads and sockets) without the collector. At the end it runs
 ``gc.collect()`` once and reports what that still freed.
 
 Usage: ``python bench/soak.py [--cycles 50] [--cycle-rounds 2] [--rounds 2000] [--params 64]
-[--fail-every 5]``. Not a test: it prints figures; the test suite checks the release itself.
+[--fail-every 5] [--timeout 3600]``. Not a test: it prints figures; the test suite checks the
+release itself. Exits 1 if a rank failed.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import multiprocessing as mp
 import os
-import secrets
 import sys
+import threading
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-import anyio
+if TYPE_CHECKING:
+    from m2n_async.testing import RankContext, RankResult
+
+#: After a failure, how long the other rank gets to end before it is killed (its own failure
+#: takes up to a few abort_grace steps).
+_FAIL_GRACE = 20.0
 
 
 def _sample() -> tuple[int, int, float]:
-    """(threads, open fds, RSS MB) of this process."""
-    threads = len(os.listdir("/proc/self/task"))
+    """(threads, open fds, RSS MB) of this process, once no joined thread is still exiting."""
+    threads = _settled_threads()
     fds = len(os.listdir("/proc/self/fd"))
     with open("/proc/self/statm") as f:
         rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
     return threads, fds, rss
+
+
+def _settled_threads() -> int:
+    """This process's OS threads (``/proc/self/task``), waiting (2 s at most) until the tasks
+    that carry the process's own name — Python threads, native ones nobody named — are no more
+    than the threads ``threading`` knows."""
+    # Thread.join returns when a thread's Python side is done; its OS task goes a moment
+    # later, and a sample right after close() would count it: a spurious +1. Wait that out,
+    # as tests/engine/_release_scenarios.py's _counts does; a thread that really outlives
+    # close() keeps the count up past the deadline and is counted.
+    deadline = time.monotonic() + 2.0
+    own = _comm("/proc/self/comm")
+    while True:
+        tasks = os.listdir("/proc/self/task")
+        unnamed = sum(_comm(f"/proc/self/task/{t}/comm") == own for t in tasks)
+        if unnamed <= threading.active_count() or time.monotonic() > deadline:
+            return len(tasks)
+        time.sleep(0.01)
+
+
+def _comm(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:  # the task just went
+        return ""
 
 
 def _thread_names() -> str:
@@ -48,13 +81,23 @@ def _thread_names() -> str:
     what a residue is made of."""
     names: dict[str, int] = {}
     for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/comm") as f:
-            name = f.read().strip()
-        names[name] = names.get(name, 0) + 1
+        name = _comm(f"/proc/self/task/{task}/comm")
+        if name:
+            names[name] = names.get(name, 0) + 1
     return ", ".join(f"{k} x{v}" for k, v in sorted(names.items()))
 
 
-async def _rank(ns: dict[str, Any], rank: int, out: Any) -> None:
+async def _soak_rank(ctx: RankContext, *, ns: dict[str, Any]) -> None:
+    """One rank process of the world: gc off for the whole soak (back on at the end, for
+    whatever the process serves next)."""
+    gc.disable()  # anything close leaves to the collector stays, and shows
+    try:
+        await _rank(ns, ctx)
+    finally:
+        gc.enable()
+
+
+async def _rank(ns: dict[str, Any], ctx: RankContext) -> None:
     import torch
 
     from m2n_async import EngineConfig, Layout, Mesh, ParamSpec, TrainerEngine, WorkerEngine
@@ -64,21 +107,19 @@ async def _rank(ns: dict[str, Any], rank: int, out: Any) -> None:
     specs = [ParamSpec(f"p{i}", "float32", (64,), Layout(mesh, None))
              for i in range(ns["params"])]
     config = EngineConfig(transport="gloo", round_timeout=60, phase_timeout=60,
-                          job="soak", abort_grace=2.0)
+                          job=ctx.job, abort_grace=2.0)
     shards = {s.name: torch.full((64,), float(i)) for i, s in enumerate(specs)}
     targets = {s.name: (torch.zeros(64), None) for s in specs}
 
     async def connect() -> Any:
-        if rank == 0:
-            return await TrainerEngine.connect(ns["address"], token=ns["token"], rank=0,
-                                               trainer_ranks=1, world_size=2, params=specs,
+        if ctx.is_trainer:
+            return await TrainerEngine.connect(**ctx.connect_kwargs, params=specs,
                                                config=config, timeout=60)
-        return await WorkerEngine.connect(ns["address"], token=ns["token"], rank=1,
-                                          trainer_ranks=1, world_size=2, mesh_dims=(1, 1),
+        return await WorkerEngine.connect(**ctx.connect_kwargs, mesh_dims=(1, 1),
                                           targets=targets, config=config, timeout=60)
 
     async def one_round(engine: Any, bad: bool = False) -> None:
-        if rank == 0:
+        if ctx.is_trainer:
             src = dict(shards)
             if bad:  # refused when its bucket is staged: the round fails on every rank
                 src["p0"] = torch.zeros(65)
@@ -86,7 +127,7 @@ async def _rank(ns: dict[str, Any], rank: int, out: Any) -> None:
         else:
             await engine.receive(timeout=60)
 
-    out.put((rank, "baseline", _sample()))
+    ctx.event("sample", ("baseline", _sample()))
     for c in range(ns["cycles"]):
         engine = await connect()
         failing = ns["fail_every"] > 0 and c % ns["fail_every"] == ns["fail_every"] - 1
@@ -97,71 +138,56 @@ async def _rank(ns: dict[str, Any], rank: int, out: Any) -> None:
             pass
         finally:
             await engine.close()
-        out.put((rank, f"cycle {c}{' (failed)' if failing else ''}", _sample()))
+        ctx.event("sample", (f"cycle {c}{' (failed)' if failing else ''}", _sample()))
     if ns["rounds"]:
         engine = await connect()
         try:
             for k in range(ns["rounds"]):
                 await one_round(engine)
                 if (k + 1) % ns["every"] == 0:
-                    out.put((rank, f"round {k + 1}", _sample()))
+                    ctx.event("sample", (f"round {k + 1}", _sample()))
         finally:
             await engine.close()
-        out.put((rank, "after the rounds' close", _sample()))
-    out.put((rank, "threads", _thread_names()))
-    out.put((rank, "freed", str(gc.collect())))
-    out.put((rank, "after gc.collect()", _sample()))
+        ctx.event("sample", ("after the rounds' close", _sample()))
+    ctx.event("note", ("threads", _thread_names()))
+    ctx.event("note", ("freed", str(gc.collect())))
+    ctx.event("sample", ("after gc.collect()", _sample()))
 
 
-def _child(ns: dict[str, Any], rank: int, out: Any) -> None:
-    gc.disable()  # anything close leaves to the collector stays, and shows
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch
+def _run(ns: argparse.Namespace) -> int:
+    from m2n_async.testing import LocalWorld, WorldHangError
 
-    torch.set_num_threads(1)
-    try:
-        anyio.run(_rank, ns, rank, out)
-    except BaseException as exc:
-        out.put((rank, "error", repr(exc)))
-    out.put((rank, "end", None))
-
-
-async def _run(ns: argparse.Namespace) -> int:
-    from m2n_async import StoreServer
-
-    token = secrets.token_hex(16)
-    async with StoreServer(host="127.0.0.1", port=0, token=token) as server:
-        args = dict(vars(ns), address=server.address, token=token)
-        ctx = mp.get_context("spawn")
-        out = ctx.Queue()
-        procs = [ctx.Process(target=_child, args=(args, r, out), daemon=True)
-                 for r in range(2)]
-        for p in procs:
-            p.start()
-        ended = 0
+    with LocalWorld(1, 1, job_prefix="soak") as world:
         rows: dict[str, dict[int, Any]] = {}
         t0 = time.monotonic()
-        while ended < 2:
-            rank, label, value = await anyio.to_thread.run_sync(out.get)
-            if label == "end":
-                ended += 1
-                continue
-            if label == "error":
-                print(f"rank {rank} FAILED: {value}", file=sys.stderr)
-                continue
-            if label in ("threads", "freed"):
-                print(f"         {('trainer', 'worker')[rank]}: {label}: {value}", flush=True)
+        run = world.start(_soak_rank, kwargs={"ns": vars(ns)})
+        # Each sample as it comes, until both ranks ended (or _FAIL_GRACE after a failure).
+        for ev in world.events(run, timeout=ns.timeout, fail_grace=_FAIL_GRACE):
+            label, value = ev.payload
+            if ev.name == "note":
+                print(f"         {('trainer', 'worker')[ev.rank]}: {label}: {value}",
+                      flush=True)
                 continue
             row = rows.setdefault(label, {})
-            row[rank] = value
+            row[ev.rank] = value
             if len(row) == 2:
                 t, w = row[0], row[1]
                 print(f"{time.monotonic() - t0:7.1f} s  {label:38s} trainer {t[0]:3d} threads "
                       f"{t[1]:3d} fds {t[2]:6.1f} MB | worker {w[0]:3d} threads {w[1]:3d} fds "
                       f"{w[2]:6.1f} MB", flush=True)
-        for p in procs:
-            p.join(10)
-    return 0
+        res: Sequence[RankResult]
+        try:
+            res = world.collect(run, timeout=max(0.0, ns.timeout - (time.monotonic() - t0)),
+                                fail_grace=_FAIL_GRACE)
+        except WorldHangError as exc:  # --timeout: the stuck ranks "killed", with their stacks
+            res = exc.results
+    for r in res:
+        if r.status == "error":
+            print(f"rank {r.rank} FAILED: {r.error!r}", file=sys.stderr)
+        elif r.status != "ok":
+            print(f"rank {r.rank} FAILED: {r.status} (exit code {r.exitcode})\n{r.stacks}",
+                  file=sys.stderr)
+    return 0 if all(r.ok for r in res) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,11 +199,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2000)
     ap.add_argument("--every", type=int, default=250, help="sample every N rounds")
     ap.add_argument("--params", type=int, default=64)
+    ap.add_argument("--timeout", type=float, default=3600.0,
+                    help="seconds for the whole soak; then the ranks' stacks and a kill")
     ns = ap.parse_args(argv)
     print(f"soak: 1 trainer + 1 worker (gloo), gc disabled; {ns.cycles} cycles of "
           f"{ns.cycle_rounds} rounds (every {ns.fail_every}th failing), then {ns.rounds} "
           f"rounds; {ns.params} params")
-    return anyio.run(_run, ns)
+    return _run(ns)
 
 
 if __name__ == "__main__":

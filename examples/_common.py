@@ -1,22 +1,14 @@
-"""Shared pieces of the examples: the toy policy, its TP plan, process launching, digests.
+"""Shared pieces of the examples: the toy policy, its TP plan, digests, the failure line.
 
-Kept small on purpose — each example file reads top to bottom on its own; this only holds what
-would otherwise be copied between them.
+Kept small on purpose — each example file reads top to bottom on its own, launching its ranks
+itself; this only holds what would otherwise be copied between them.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
-import json
-import multiprocessing as mp
-import os
-import secrets
 import sys
-import time
-from collections.abc import Callable, Mapping
-from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -42,7 +34,8 @@ class Policy(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens)
         h = h + self.down(torch.relu(self.up(h)))
-        return self.head(self.norm(h))
+        logits: torch.Tensor = self.head(self.norm(h))
+        return logits
 
 
 def digest(t: torch.Tensor) -> str:
@@ -57,48 +50,6 @@ def digest(t: torch.Tensor) -> str:
 def boxed(full: torch.Tensor, box: tuple[tuple[int, int], ...]) -> torch.Tensor:
     """The region ``box`` (global coordinates) of ``full``."""
     return full[tuple(slice(lo, hi) for lo, hi in box)]
-
-
-def write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, sort_keys=True))
-    tmp.replace(path)  # atomic: the parent never reads half a file
-
-
-def child(fn: Callable[..., None], *args: Any) -> None:
-    """Process entry: one torch thread (the host is shared), then ``fn(*args)``."""
-    torch.set_num_threads(1)
-    fn(*args)
-
-
-def launch(targets: Mapping[str, tuple[Callable[..., None], tuple[Any, ...]]],
-           timeout: float) -> dict[str, int]:
-    """Start one spawned process per entry, wait (bounded), kill leftovers; name -> exit code.
-
-    ``spawn`` (not ``fork``): torch and threads in the parent must not leak into children.
-    """
-    ctx = mp.get_context("spawn")
-    procs = {name: ctx.Process(target=child, args=(fn, *args), name=name, daemon=True)
-             for name, (fn, args) in targets.items()}
-    for p in procs.values():
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs.values():
-        p.join(max(0.0, deadline - time.monotonic()))
-    codes: dict[str, int] = {}
-    for name, p in procs.items():
-        if p.is_alive():
-            p.kill()
-            p.join()
-            codes[name] = -9
-        else:
-            codes[name] = p.exitcode if p.exitcode is not None else -1
-    return codes
-
-
-def new_token() -> str:
-    """A fresh shared secret for the store (every process of the job gets the same one)."""
-    return os.environ.get("M2N_TOKEN") or secrets.token_hex(16)
 
 
 def fail(message: str) -> int:

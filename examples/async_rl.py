@@ -22,6 +22,10 @@ What it shows:
 In a real job the rollouts flow back to the trainer through the framework's data path; here
 the trainer trains on synthetic batches so the example stays about the weight sync.
 
+The ranks run in a ``m2n_async.testing.LocalWorld``, the library's own harness: the store in a
+thread of this process, one spawned process per rank, each rank function's return value (or
+exception) back here for the checks. In a real job a launcher (torchrun, Ray) starts them.
+
 Run: ``python examples/async_rl.py`` (CPU; ``--steps``, ``--tp``). Exits 0 when verified.
 """
 
@@ -29,26 +33,23 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import sys
-import tempfile
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import anyio
 import anyio.to_thread
 import torch
-from _common import TP_PLAN, Policy, boxed, digest, fail, launch, new_token, write_json
+from _common import TP_PLAN, Policy, boxed, digest, fail
 
 from m2n_async import (
     EngineConfig,
-    StoreServer,
     TrainerEngine,
     WorkerEngine,
     specs_from_module,
     targets_from_module,
 )
+from m2n_async.testing import LocalWorld, RankContext
 
 CONFIG = EngineConfig(transport="gloo", bucket_bytes=16 << 10, round_timeout=60.0)
 PROMPT = torch.arange(8).reshape(1, 8)
@@ -63,112 +64,102 @@ def weights_digest(per_param: dict[str, str]) -> str:
 # -- the trainer (one rank, a plain module) -----------------------------------------------
 
 
-def trainer(steps: int, tp: int, address: str, token: str, out: Path) -> None:
+async def trainer(ctx: RankContext, steps: int) -> dict[int, dict[int, str]]:
+    """Train ``steps`` steps, syncing after each; return, per version, the digest of what
+    each worker rank must then hold."""
     torch.manual_seed(0)
     model = Policy()
     specs = specs_from_module(model)  # plain tensors: replicated on the one trainer rank
-    expected: dict[int, dict[str, str]] = {}
-
-    async def loop() -> None:
-        engine = await TrainerEngine.connect(address, token=token, rank=0, trainer_ranks=1,
-                                             world_size=1 + tp, params=specs, config=CONFIG)
-        try:
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            gen = torch.Generator().manual_seed(1)
-            for _ in range(steps):
-                tokens = torch.randint(0, 64, (4, 8), generator=gen)
-                logits = model(tokens[:, :-1])
-                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1),
-                                                         tokens[:, 1:].flatten())
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                result = await engine.sync_weights(model)
-                # What each worker rank now holds: its box (agreed plan) of every tensor.
-                params = dict(model.named_parameters())
-                expected[result.version] = {
-                    str(w): weights_digest({
-                        p.name: digest(boxed(params[p.name], p.dst.box(p.spec.shape, w)))
-                        for p in engine.plan.params})
-                    for w in range(1, 1 + tp)}
-        finally:
-            await engine.close()
-
-    anyio.run(loop)
-    write_json(out / "expected.json", expected)
+    expected: dict[int, dict[int, str]] = {}
+    engine = await TrainerEngine.connect(**ctx.connect_kwargs, params=specs, config=CONFIG)
+    try:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(steps):
+            tokens = torch.randint(0, 64, (4, 8), generator=gen)
+            logits = model(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1),
+                                                     tokens[:, 1:].flatten())
+            torch.autograd.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            result = await engine.sync_weights(model)
+            # What each worker rank now holds: its box (agreed plan) of every tensor.
+            params = dict(model.named_parameters())
+            expected[result.version] = {
+                w: weights_digest({
+                    p.name: digest(boxed(params[p.name], p.dst.box(p.spec.shape, w)))
+                    for p in engine.plan.params})
+                for w in range(ctx.trainer_ranks, ctx.world_size)}
+    finally:
+        await engine.close()
+    return expected
 
 
 # -- a worker (one TP rank) -----------------------------------------------------------------
 
 
-def worker(index: int, tp: int, address: str, token: str, out: Path) -> None:
+async def worker(ctx: RankContext) -> dict[str, Any]:
+    """Serve while updates arrive; return every output (version-tagged) and each round's
+    event-loop stall."""
+    tp = ctx.world_size - ctx.trainer_ranks
     live = Policy(tp).eval()    # what generation reads
     shadow = Policy(tp)         # what the engine writes, only inside the update loop
     targets = targets_from_module(shadow, TP_PLAN)
     outputs: list[dict[str, Any]] = []
     stalls: list[float] = []  # each round's SyncResult.loop_stall_seconds
+    engine = await WorkerEngine.connect(**ctx.connect_kwargs, mesh_dims=(1, tp),
+                                        targets=targets, config=CONFIG)
+    lock = anyio.Lock()
+    version = 0
+    first, done = anyio.Event(), anyio.Event()
 
-    async def loop() -> None:
-        engine = await WorkerEngine.connect(address, token=token, rank=1 + index,
-                                            trainer_ranks=1, world_size=1 + tp,
-                                            mesh_dims=(1, tp), targets=targets, config=CONFIG)
-        lock = anyio.Lock()
-        version = 0
-        first, done = anyio.Event(), anyio.Event()
+    def generate() -> dict[str, Any]:
+        with torch.no_grad():
+            tokens = live(PROMPT).argmax(-1).flatten().tolist()
+        shards = {n: digest(t) for n, t in live.named_parameters()}
+        return {"tokens": tokens, "weights": weights_digest(shards)}
 
-        def generate() -> dict[str, Any]:
-            with torch.no_grad():
-                tokens = live(PROMPT).argmax(-1).flatten().tolist()
-            shards = {n: digest(t) for n, t in live.named_parameters()}
-            return {"tokens": tokens, "weights": weights_digest(shards)}
+    async def apply_updates() -> None:
+        nonlocal version
+        async for update in engine.updates():
+            async with lock:  # swap: generation never reads a half-copied model
+                with torch.no_grad():
+                    for (_, dst), (_, src) in zip(live.named_parameters(),
+                                                  shadow.named_parameters(), strict=True):
+                        dst.copy_(src)
+                version = update.version
+            stalls.append(update.loop_stall_seconds)
+            first.set()
+        # The iteration ends when trainer rank 0 closes the job: no more versions.
+        done.set()
 
-        async def apply_updates() -> None:
-            nonlocal version
-            async for update in engine.updates():
-                async with lock:  # swap: generation never reads a half-copied model
-                    with torch.no_grad():
-                        for (_, dst), (_, src) in zip(live.named_parameters(),
-                                                      shadow.named_parameters(), strict=True):
-                            dst.copy_(src)
-                    version = update.version
-                stalls.append(update.loop_stall_seconds)
-                first.set()
-            # The iteration ends when trainer rank 0 closes the job: no more versions.
-            done.set()
+    async def keep_generating() -> None:
+        await first.wait()  # nothing to serve before the first weights arrive
+        while not done.is_set():
+            async with lock:
+                tagged_version = version
+                # the forward runs off the loop, so updates keep flowing meanwhile
+                output = await anyio.to_thread.run_sync(generate)
+            outputs.append({"version": tagged_version, **output})
+            await anyio.sleep(0.005)
 
-        async def keep_generating() -> None:
-            await first.wait()  # nothing to serve before the first weights arrive
-            while not done.is_set():
-                async with lock:
-                    tagged_version = version
-                    # the forward runs off the loop, so updates keep flowing meanwhile
-                    output = await anyio.to_thread.run_sync(generate)
-                outputs.append({"version": tagged_version, **output})
-                await anyio.sleep(0.005)
-
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(apply_updates)
-                tg.start_soon(keep_generating)
-        finally:
-            await engine.close()
-        outputs.append({"version": version, **generate()})  # one at the final version
-
-    anyio.run(loop)
-    write_json(out / f"worker{1 + index}.json", outputs)
-    write_json(out / f"worker{1 + index}-stalls.json", stalls)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(apply_updates)
+            tg.start_soon(keep_generating)
+    finally:
+        await engine.close()
+    outputs.append({"version": version, **generate()})  # one at the final version
+    return {"outputs": outputs, "stalls": stalls}
 
 
-# -- the launcher ----------------------------------------------------------------------------
+async def rank(ctx: RankContext, *, steps: int) -> Any:
+    """What every rank process runs: rank 0 trains, the others serve."""
+    return await trainer(ctx, steps) if ctx.is_trainer else await worker(ctx)
 
 
-async def run(steps: int, tp: int, out: Path, limit_s: float) -> dict[str, int]:
-    token = new_token()
-    async with StoreServer(host="127.0.0.1", port=0, token=token) as store:
-        procs = {"trainer0": (trainer, (steps, tp, store.address, token, out))}
-        procs |= {f"worker{1 + i}": (worker, (i, tp, store.address, token, out))
-                  for i in range(tp)}
-        return await anyio.to_thread.run_sync(launch, procs, limit_s)
+# -- the launcher and the checks -------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,29 +168,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=120.0)
     args = ap.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp)
-        codes = anyio.run(run, args.steps, args.tp, out, args.timeout)
-        if any(codes.values()):
-            return fail(f"process exit codes {codes}")
-        expected = json.loads((out / "expected.json").read_text())
-        if sorted(int(v) for v in expected) != list(range(1, args.steps + 1)):
-            return fail(f"trainer committed versions {sorted(expected)}, expected 1..{args.steps}")
-        per_worker = {}
-        stalled = 0.0
-        for i in range(args.tp):
-            w = 1 + i
-            outputs = json.loads((out / f"worker{w}.json").read_text())
-            versions = [o["version"] for o in outputs]
-            if versions != sorted(versions) or versions[-1] != args.steps:
-                return fail(f"worker rank {w}: versions out of order or short: {versions}")
-            for n, o in enumerate(outputs):
-                want = expected[str(o["version"])][str(w)]
-                if o["weights"] != want:
-                    return fail(f"worker rank {w}, output #{n}: generated with weights that "
-                                f"are not version {o['version']}'s")
-            per_worker[w] = dict(sorted(Counter(versions).items()))
-            stalled = max([stalled, *json.loads((out / f"worker{w}-stalls.json").read_text())])
+    # 1 trainer + tp worker processes; leaving the block ends them.
+    with LocalWorld(trainers=1, workers=args.tp) as world:
+        try:
+            # After the first rank fails, the others get 10 s to end, then are killed.
+            expected, *served = world.run(rank, kwargs={"steps": args.steps},
+                                          timeout=args.timeout, fail_grace=10.0).values
+        except AssertionError as exc:  # a rank raised, died, or overran --timeout
+            return fail(str(exc))
+    if sorted(expected) != list(range(1, args.steps + 1)):
+        return fail(f"trainer committed versions {sorted(expected)}, expected 1..{args.steps}")
+    per_worker = {}
+    stalled = 0.0
+    for w, got in enumerate(served, start=1):
+        outputs = got["outputs"]
+        versions = [o["version"] for o in outputs]
+        if versions != sorted(versions) or versions[-1] != args.steps:
+            return fail(f"worker rank {w}: versions out of order or short: {versions}")
+        for n, o in enumerate(outputs):
+            if o["weights"] != expected[o["version"]][w]:
+                return fail(f"worker rank {w}, output #{n}: generated with weights that "
+                            f"are not version {o['version']}'s")
+        per_worker[w] = dict(sorted(Counter(versions).items()))
+        stalled = max([stalled, *got["stalls"]])
     print(f"verified: {args.steps} versions synced to {args.tp} TP workers while they kept "
           f"generating; every output's weights match its version tag "
           f"(outputs per version, by worker rank: {per_worker})")

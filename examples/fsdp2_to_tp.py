@@ -18,36 +18,31 @@ What it shows:
   bytes moved.
 
 Run: ``python examples/fsdp2_to_tp.py`` (CPU; ``--trainers``/``--tp`` to change the shape).
-It starts a store in this process and the trainer and worker ranks as processes, and exits 0
-when every shard is bit-exact.
+The ranks run in a ``m2n_async.testing.LocalWorld``, the library's own harness: the store in a
+thread of this process, one spawned process per rank, each rank function's return value (or
+exception) back here for the checks. In a real job a launcher (torchrun, Ray) starts them.
+Exits 0 when every shard is bit-exact.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
-from functools import partial
 from pathlib import Path
+from typing import Any
 
-import anyio
-import anyio.to_thread
 import torch
-from _common import TP_PLAN, Policy, boxed, digest, fail, launch, new_token, write_json
+from _common import TP_PLAN, Policy, boxed, digest, fail
 
 from m2n_async import (
     EngineConfig,
-    ParamSpec,
-    StoreServer,
-    SyncResult,
     TrainerEngine,
-    TransferPlan,
     WorkerEngine,
-    WorkerTargets,
     specs_from_module,
     targets_from_module,
 )
+from m2n_async.testing import LocalWorld, RankContext
 
 CONFIG = EngineConfig(transport="gloo", bucket_bytes=16 << 10, round_timeout=60.0)
 WIRE = torch.bfloat16  # the workers' dtype; the trainer's masters are fp32
@@ -55,104 +50,89 @@ WIRE = torch.bfloat16  # the workers' dtype; the trainer's masters are fp32
 
 # -- trainer ranks ---------------------------------------------------------------------------
 
-def trainer(rank: int, trainers: int, tp: int, address: str, token: str, out: Path) -> None:
+async def trainer(ctx: RankContext, rendezvous: str) -> dict[str, Any] | None:
+    """One FSDP2 step and one sync; trainer rank 0 returns what every worker must hold."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
 
     # The trainer's own world: only the trainer ranks, its own rendezvous.
-    dist.init_process_group("gloo", init_method=f"file://{out / 'trainer-world'}",
-                            rank=rank, world_size=trainers)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=ctx.rank,
+                            world_size=ctx.trainer_ranks)
     try:
         torch.manual_seed(0)  # same initial weights on every trainer rank
         model = Policy()
-        mesh = init_device_mesh("cpu", (trainers,))
+        mesh = init_device_mesh("cpu", (ctx.trainer_ranks,))
         fully_shard(model, mesh=mesh)  # every parameter becomes a Shard(0) DTensor
 
         # One optimizer step on this rank's slice of a batch.
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        gen = torch.Generator().manual_seed(1 + rank)
+        gen = torch.Generator().manual_seed(1 + ctx.rank)
         tokens = torch.randint(0, 64, (4, 8), generator=gen)
         logits = model(tokens[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
+        torch.autograd.backward(loss)
         opt.step()
         opt.zero_grad()
 
         # fp32 masters, bf16 on the wire: the engine casts while packing.
         specs = specs_from_module(model, dtype=WIRE)
-        result, plan = anyio.run(partial(_sync, rank, trainers, tp, address, token, specs,
-                                         model))
+        engine = await TrainerEngine.connect(**ctx.connect_kwargs, params=specs, config=CONFIG)
+        try:
+            # The module itself: each local shard is looked up (to_local()) bucket by bucket.
+            result = await engine.sync_weights(model)
+            plan = engine.plan
+        finally:
+            await engine.close()
 
         # Expected bytes for every worker rank: its box (from the agreed plan's destination
         # layouts) of each updated full tensor.
         params = dict(model.named_parameters())
-        expected: dict[str, dict[str, str]] = {}
+        expected: dict[int, dict[str, str]] = {}
         for p in plan.params:
-            full = params[p.name].full_tensor()  # a collective: same order on every rank
+            sharded = params[p.name]
+            assert isinstance(sharded, DTensor)  # what fully_shard made every parameter
+            full = sharded.full_tensor()  # a collective: same order on every rank
             assert full.dtype == torch.float32  # the masters stay fp32
             full = full.to(WIRE)  # what the workers must hold, bit for bit
             for w in p.dst.mesh.ranks:
-                expected.setdefault(str(w), {})[p.name] = digest(
+                expected.setdefault(w, {})[p.name] = digest(
                     boxed(full, p.dst.box(p.spec.shape, w)))
-        if rank == 0:
-            write_json(out / "expected.json", {"digests": expected, "version": result.version,
-                                              "bytes": result.bytes, "loss": loss.item(),
-                                              "cast_bytes": result.cast_bytes})
+        if ctx.rank != 0:
+            return None
+        return {"digests": expected, "version": result.version, "bytes": result.bytes,
+                "loss": loss.item(), "cast_bytes": result.cast_bytes}
     finally:
         dist.destroy_process_group()
 
 
-async def _sync(rank: int, trainers: int, tp: int, address: str, token: str,
-                specs: list[ParamSpec], model: torch.nn.Module
-                ) -> tuple[SyncResult, TransferPlan]:
-    engine = await TrainerEngine.connect(address, token=token, rank=rank,
-                                         trainer_ranks=trainers, world_size=trainers + tp,
-                                         params=specs, config=CONFIG)
-    try:
-        # The module itself: each local shard is looked up (to_local()) bucket by bucket.
-        return await engine.sync_weights(model), engine.plan
-    finally:
-        await engine.close()
-
-
 # -- worker ranks ----------------------------------------------------------------------------
 
-def worker(index: int, trainers: int, tp: int, address: str, token: str, out: Path) -> None:
+async def worker(ctx: RankContext) -> dict[str, Any]:
+    """Receive one version into zeroed bf16 TP shards; return their digests."""
+    tp = ctx.world_size - ctx.trainer_ranks
     model = Policy(tp).to(WIRE)  # this TP rank's local shards, in the serving dtype
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()  # so that matching digests prove the bytes moved
     targets = targets_from_module(model, TP_PLAN)
-    result = anyio.run(partial(_receive, index, trainers, tp, address, token, targets))
-    got = {name: digest(tensor) for name, (tensor, _placements) in targets.items()}
-    write_json(out / f"worker{trainers + index}.json",
-               {"digests": got, "version": result.version, "bytes": result.bytes})
-
-
-async def _receive(index: int, trainers: int, tp: int, address: str, token: str,
-                   targets: WorkerTargets) -> SyncResult:
-    engine = await WorkerEngine.connect(address, token=token, rank=trainers + index,
-                                        trainer_ranks=trainers, world_size=trainers + tp,
-                                        mesh_dims=(1, tp), targets=targets, config=CONFIG)
+    engine = await WorkerEngine.connect(**ctx.connect_kwargs, mesh_dims=(1, tp),
+                                        targets=targets, config=CONFIG)
     try:
-        return await engine.receive()
+        result = await engine.receive()
     finally:
         await engine.close()
+    got = {name: digest(tensor) for name, tensor in model.named_parameters()}
+    return {"digests": got, "version": result.version, "bytes": result.bytes}
 
 
-# -- the launcher ----------------------------------------------------------------------------
+async def rank(ctx: RankContext, *, rendezvous: str) -> Any:
+    """What every rank process runs: the first ``trainers`` ranks train, the others serve."""
+    return await trainer(ctx, rendezvous) if ctx.is_trainer else await worker(ctx)
 
-async def run(trainers: int, tp: int, out: Path, limit_s: float) -> dict[str, int]:
-    token = new_token()
-    async with StoreServer(host="127.0.0.1", port=0, token=token) as store:
-        procs = {f"trainer{r}": (trainer, (r, trainers, tp, store.address, token, out))
-                 for r in range(trainers)}
-        procs |= {f"worker{trainers + i}": (worker, (i, trainers, tp, store.address, token, out))
-                  for i in range(tp)}
-        # launch() blocks on joins: run it off the loop so the store keeps serving.
-        return await anyio.to_thread.run_sync(launch, procs, limit_s)
 
+# -- the launcher and the checks -------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -160,24 +140,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=120.0)
     args = ap.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp)
-        codes = anyio.run(run, args.trainers, args.tp, out, args.timeout)
-        if any(codes.values()):
-            return fail(f"process exit codes {codes}")
-        expected = json.loads((out / "expected.json").read_text())
-        checked = 0
-        for i in range(args.tp):
-            w = args.trainers + i
-            got = json.loads((out / f"worker{w}.json").read_text())
-            want = expected["digests"][str(w)]
-            if got["digests"] != want:
-                bad = sorted(n for n in want if got["digests"].get(n) != want[n])
-                return fail(f"worker rank {w}: shards differ from the trainer's: {bad}")
-            if got["version"] != expected["version"]:
-                return fail(f"worker rank {w} at version {got['version']}, trainer at "
-                            f"{expected['version']}")
-            checked += len(want)
+    # trainers + tp rank processes; leaving the block ends them.
+    with tempfile.TemporaryDirectory() as tmp, \
+            LocalWorld(trainers=args.trainers, workers=args.tp) as world:
+        try:
+            # After the first rank fails, the others get 10 s to end, then are killed.
+            values = world.run(rank, kwargs={"rendezvous": str(Path(tmp) / "trainer-world")},
+                               timeout=args.timeout, fail_grace=10.0).values
+        except AssertionError as exc:  # a rank raised, died, or overran --timeout
+            return fail(str(exc))
+    expected, served = values[0], values[args.trainers:]
+    checked = 0
+    for w, got in enumerate(served, start=args.trainers):
+        want = expected["digests"][w]
+        if got["digests"] != want:
+            bad = sorted(n for n in want if got["digests"].get(n) != want[n])
+            return fail(f"worker rank {w}: shards differ from the trainer's: {bad}")
+        if got["version"] != expected["version"]:
+            return fail(f"worker rank {w} at version {got['version']}, trainer at "
+                        f"{expected['version']}")
+        checked += len(want)
     if expected["cast_bytes"] != expected["bytes"]:
         return fail(f"trainer rank 0 cast {expected['cast_bytes']} of {expected['bytes']} "
                     f"bytes; every fp32 master should have been cast to bf16")
