@@ -13,6 +13,12 @@ its connect and then its ``get`` round trips throughout (p50, p99). Attacks:
   ~960); the server's RSS growth once they are open, per connection.
 - ``waiters``: one connection parks 150 ``get(wait=True)`` and never reads; another client
   writes one 8 MiB value (its ack time is shown).
+- ``output``: 40 connections that never read each park 4 ``get(wait=True)`` on a key of
+  their own, then another client sets each key to 7 MiB (and deletes it): 28 MiB of replies
+  per connection, within its ``max_output`` (32 MiB), 1.1 GiB in all. The store-wide
+  ``max_output_bytes`` (256 MiB) holds the server to about that: the connections holding the
+  most are dropped as the next ones fill (most are cut short: their room is needed again
+  before their close grace ends).
 - ``gather``: 40 x 15 MiB values, then one ``gather("big/", 0)`` (refused: ``max_reply``).
 - ``fd_flood``: a token-less client holds 1,100 connections and reopens those dropped.
 - ``partial``: 20 connections park 15 MiB of a 16 MiB frame: those past the store-wide
@@ -21,7 +27,7 @@ its connect and then its ``get`` round trips throughout (p50, p99). Attacks:
 - ``backlog``: 400 simultaneous connects (p90 of connect-to-challenge).
 - ``counter``: ``delete_prefix("job/")`` then ``next_generation`` (must not reuse 1).
 
-A default run (both loops) takes about two minutes on a 2-core machine.
+A default run (both loops) takes about two and a half minutes on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -214,6 +220,49 @@ async def attack_waiters(address: str) -> dict[str, object]:
             "hostile_received_mb": round(received / 2**20, 1)}
 
 
+OUTPUT_CONNECTIONS = 40
+OUTPUT_GETS = 4  # per connection, of one OUTPUT_VALUE each: 28 MiB, under max_output
+OUTPUT_VALUE = 7 << 20
+
+
+async def attack_output(address: str) -> dict[str, object]:
+    conns = [await raw(address, token=TOKEN, rcvbuf=4096) for _ in range(OUTPUT_CONNECTIONS)]
+    for i, (_, writer) in enumerate(conns):
+        for rid in range(1, OUTPUT_GETS + 1):
+            writer.write(encode_frame(Get(rid, f"out/{i}", wait=True)))
+        await writer.drain()
+    await asyncio.sleep(0.3)  # every get parked
+    value = b"x" * OUTPUT_VALUE
+    t = time.perf_counter()
+    async with await StoreClient.connect(address, token=TOKEN) as c:
+        for i in range(OUTPUT_CONNECTIONS):  # each set's completions are queued before its ack
+            await c.set(f"out/{i}", value)
+            await c.delete(f"out/{i}")  # the stored value is not what this measures
+    feed_s = time.perf_counter() - t
+    await asyncio.sleep(0.2)
+    told = cut = kept = 0
+    for reader, writer in conns:  # read what each was left: all of it, or a dropped stream
+        tail = b""
+        try:
+            while True:
+                data = await asyncio.wait_for(reader.read(1 << 20), 0.5)
+                if not data:
+                    break
+                tail = (tail + data)[-4096:]
+        except TimeoutError:  # all its replies read and the connection still open: kept
+            kept += 1
+        except OSError:
+            cut += 1
+        else:  # dropped: its error frame at the end, or (aborted when its room was needed
+            # before its close grace ended) the stream ends with what the kernel had taken
+            told += b"max_output_bytes" in tail
+            cut += b"max_output_bytes" not in tail
+        writer.close()
+    return {"parked_mb": OUTPUT_CONNECTIONS * OUTPUT_GETS * OUTPUT_VALUE >> 20,
+            "feed_s": round(feed_s, 2), "kept": kept, "dropped_told_max_output_bytes": told,
+            "dropped_cut_short": cut}
+
+
 async def attack_gather(address: str, pid: int) -> dict[str, object]:
     async with await StoreClient.connect(address, token=TOKEN) as c:
         for i in range(40):
@@ -387,6 +436,7 @@ async def _attacks(address: str, pid: int, seconds: float, only: set[str] | None
         "baseline": lambda: asyncio.sleep(seconds, {}),
         "idle": lambda: attack_idle(address, pid),
         "waiters": lambda: attack_waiters(address),
+        "output": lambda: attack_output(address),
         "gather": lambda: attack_gather(address, pid),
         "fd_flood": lambda: attack_fd_flood(address, seconds),
         "partial": lambda: attack_partial(address),

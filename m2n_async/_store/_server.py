@@ -35,10 +35,22 @@ a request — waiter completions, pushed when another client writes — count to
 ``max_output``, and the reply that would pass it drops the connection instead (``limit``
 error, ``key="max_output"``). Gather replies are sized by the core before they are encoded
 (``max_reply = max_frame``), so a request for more than a frame fails with a ``limit`` error
-and builds nothing. So one connection costs at most about ``max_frame + max_output`` (48 MiB
-by default), and all connections' partial frames together ``max_partial_bytes``. Pending
-waiters are capped per session by the core; the bytes the store holds by its quotas
-(``max_bytes``, ``max_job_bytes``).
+and builds nothing. Store-wide, the replies queued for clients that are not keeping up may
+hold at most ``max_output_bytes`` (256 MiB by default, never below ``max_output``): without it,
+N connections that park waiters and never read could each hold ``max_output``. A connection
+is counted from the moment its transport pauses it (its write buffer past the high-water mark,
+64 KiB on asyncio and uvloop) until it resumes (below the low-water mark) or closes; one that
+keeps up is never counted, nor measured. When a reply takes the count past the budget, the
+connection holding the most is dropped (``limit`` error, ``key="max_output_bytes"``, one log
+line per 10 s) — not the one the reply was for: it may only be briefly behind, while the most
+is held by whoever reads least (``StoreServer._reclaim_output`` says why). A dropped
+connection's error frame queues behind what it holds, and its bytes stay counted through its
+close grace, until the room is needed again: it is then aborted and its bytes freed at once.
+So one connection costs at most about ``max_frame + max_output`` (48 MiB by default); all
+connections' partial frames together ``max_partial_bytes``; all connections' queued replies
+together ``max_output_bytes``, plus the one reply being written when it passes it and up to
+the high-water mark for each connection below it. Pending waiters are capped per session by
+the core; the bytes the store holds by its quotas (``max_bytes``, ``max_job_bytes``).
 
 Connection limits: the server runs its own accept loop (asyncio's ``create_server`` would
 re-``listen`` at its own backlog of 100, and logs a traceback per failed ``accept``). The
@@ -111,7 +123,7 @@ from m2n_async._store._wire import (
     encode_frame,
 )
 
-__all__ = ["DEFAULT_MAX_PARTIAL_BYTES", "StoreServer"]
+__all__ = ["DEFAULT_MAX_OUTPUT_BYTES", "DEFAULT_MAX_PARTIAL_BYTES", "StoreServer"]
 
 _log = logging.getLogger("m2n_async.store")
 _CLOSE_GRACE = 5.0  # seconds a failed connection gets to flush its error frame
@@ -137,6 +149,10 @@ _UNPAUSED_MAX = 256 * 1024
 #: default: 16 frames of the default ``max_frame`` parked at once. Real clients' frames are
 #: small and arrive whole; a big ``set`` is in flight for milliseconds.
 DEFAULT_MAX_PARTIAL_BYTES: Final[int] = 256 * 1024 * 1024
+#: Store-wide budget of bytes of replies queued for clients that are not reading them
+#: (``max_output_bytes``) by default: 8 connections' full ``max_output`` at the default
+#: ``max_frame``. A client that keeps up holds next to nothing here.
+DEFAULT_MAX_OUTPUT_BYTES: Final[int] = 256 * 1024 * 1024
 
 
 def _default_max_connections() -> int:
@@ -181,8 +197,11 @@ class StoreServer:
 
     Limits (module docstring): ``max_frame`` bytes per frame and per reply; ``max_output``
     bytes of unread replies per connection (default ``2 * max_frame``, at least ``max_frame``
-    + 1 MiB); ``max_partial_bytes`` held for partly received frames by all connections
-    together (default 256 MiB, at least ``2 * max_frame``; it must hold one whole frame);
+    + 1 MiB); ``max_output_bytes`` of replies queued for clients not keeping up, all
+    connections together (default 256 MiB, at least ``2 * max_output``; it must hold one
+    connection's ``max_output``); ``max_partial_bytes`` held for partly received frames by all
+    connections together (default 256 MiB, at least ``2 * max_frame``; it must hold one whole
+    frame);
     ``max_bytes`` held by the store and ``max_job_bytes`` by one job (``None``: no
     quota); ``max_connections`` open (default from the process's file limit) of which
     ``max_unauthenticated`` waiting to authenticate, each for at most ``auth_timeout`` s
@@ -200,7 +219,8 @@ class StoreServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, token: str | bytes,
                  max_frame: int = DEFAULT_MAX_FRAME, auth_timeout: float = 10.0,
                  max_tombstones: int = 65536, max_waiters_per_session: int = 4096,
-                 max_output: int | None = None, max_partial_bytes: int | None = None,
+                 max_output: int | None = None, max_output_bytes: int | None = None,
+                 max_partial_bytes: int | None = None,
                  max_bytes: int | None = DEFAULT_MAX_BYTES, max_job_bytes: int | None = None,
                  max_connections: int | None = None, max_unauthenticated: int = 64,
                  frame_timeout: float = 30.0, auth_fail_delay: float = 1.0,
@@ -221,6 +241,11 @@ class StoreServer:
         if max_output < max_frame + 64:  # one reply of a whole frame must always fit
             raise ValueError(f"StoreServer max_output must be >= max_frame + 64 "
                              f"({max_frame + 64}), got {max_output}")
+        if max_output_bytes is None:
+            max_output_bytes = max(DEFAULT_MAX_OUTPUT_BYTES, 2 * max_output)
+        if max_output_bytes < max_output:  # one connection's whole max_output must always fit
+            raise ValueError(f"StoreServer max_output_bytes must be >= max_output "
+                             f"({max_output}), got {max_output_bytes}")
         if max_partial_bytes is None:
             max_partial_bytes = max(DEFAULT_MAX_PARTIAL_BYTES, 2 * max_frame)
         if max_partial_bytes < max_frame + 4:  # one frame of max_frame must always fit
@@ -242,6 +267,11 @@ class StoreServer:
         self._max_frame = max_frame
         self._auth_timeout = auth_timeout
         self._max_output = max_output
+        self._max_output_bytes = max_output_bytes
+        self._output_bytes = 0  # counted replies queued for all connections (the budget's use)
+        # The connections counted in it (value unused): insertion-ordered, so that of two
+        # holding as much, the one holding for longer comes first.
+        self._output_holders: dict[_ServerProtocol, None] = {}
         self._max_partial_bytes = max_partial_bytes
         self._partial_bytes = 0  # held for partial frames by all connections (the budget's use)
         self._max_connections = max_connections
@@ -288,6 +318,14 @@ class StoreServer:
         ``max_partial_bytes``)."""
         return self._partial_bytes
 
+    @property
+    def output_bytes(self) -> int:
+        """Bytes of replies queued now for clients that are not keeping up, all connections
+        together (the use of ``max_output_bytes``; measured afresh on each call)."""
+        for proto in list(self._output_holders):
+            proto._measure_output()
+        return self._output_bytes
+
     async def __aenter__(self) -> Self:
         """Bind and start serving.
 
@@ -328,6 +366,57 @@ class StoreServer:
         async with self:
             await anyio.sleep_forever()
 
+
+    def _reclaim_output(self) -> None:
+        """All connections' queued replies passed ``max_output_bytes`` (a write just counted
+        one): make room, from connections already dropped first, then by dropping the one
+        holding the most.
+
+        Why the one holding the most, and not the connection whose reply passed the budget:
+        replies are queued by other clients' writes (a ``set`` completes every waiter of its
+        key, on every connection at once), so the connection that happens to be written to
+        last is no more to blame than any other, and it is often the innocent one: a client
+        that keeps up holds at most its transport's high-water mark, while the budget fills
+        with the output of connections that read nothing. Dropping the writer would let whoever
+        filled the budget first have every later client that falls briefly behind (a large
+        gather) dropped, and keep its hoard. The biggest holder is the one reading least, and
+        dropping it frees the most room for one dropped connection. (``max_partial_bytes`` is
+        the opposite case: a partial frame grows only by its own connection's bytes.)
+        """
+        holders = self._output_holders
+        for proto in list(holders):  # counts taken at their last write are upper bounds
+            proto._measure_output()
+        budget = self._max_output_bytes
+        if self._output_bytes <= budget:
+            return
+        # Sorted is stable: of two holding as much, the one that has held for longer first.
+        ranked = sorted(holders, key=lambda proto: proto._queued, reverse=True)
+        for proto in ranked:
+            # Dropped already (by this budget or another limit), its error frame queued behind
+            # replies it has not read: its grace ends now, its bytes are freed at once.
+            if proto._closing:
+                proto._discard_output()
+                if self._output_bytes <= budget:
+                    return
+        live = self._output_bytes  # every holder left is a live connection
+        for proto in ranked:
+            if live <= budget:
+                return
+            if proto._closing:
+                continue
+            held = proto._queued
+            live -= held
+            # Its error frame queues behind what it holds; it keeps its close grace until the
+            # room is needed again (the loop above), so a client that resumes reading sees it.
+            proto._fail(0, "limit", (
+                f"store connections hold {self._output_bytes} bytes of replies their clients "
+                f"have not read, past the store-wide limit max_output_bytes ({budget} bytes), "
+                f"and this connection holds the most ({held} bytes); connection dropped"),
+                key="max_output_bytes")
+            self._trouble.warn("max_output_bytes", (
+                f"StoreServer at {self._address} dropped a connection holding {held} bytes of "
+                f"unread replies: all connections' queued replies passed max_output_bytes "
+                f"({budget} bytes)"))
 
     async def _accept(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
         """Accept connections until cancelled (module docstring: limits, back-off)."""
@@ -412,6 +501,7 @@ class _ServerProtocol(asyncio.BufferedProtocol):
         self._reader: FrameReader[ClientMessage] = FrameReader(
             ClientMessage, max_frame=server._max_frame)  # type: ignore[arg-type]
         self._held = 0  # bytes of a partial frame counted in the server's max_partial_bytes
+        self._queued = 0  # bytes of unread replies counted in the server's max_output_bytes
         self._transport: asyncio.Transport | None = None
         self._nonce = _auth.new_nonce()
         self._session: Session | None = None
@@ -490,6 +580,7 @@ class _ServerProtocol(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
         self._release_partial()
+        self._count_output(0)  # the transport and its buffer are gone
         self._server._protocols.discard(self)
         self._server._unauthenticated.pop(self, None)
         for timer in (self._deadline, self._frame_deadline, self._idle_check):
@@ -506,6 +597,7 @@ class _ServerProtocol(asyncio.BufferedProtocol):
 
     def resume_writing(self) -> None:
         self._paused = False
+        self._count_output(0)  # down to the low-water mark: what keeps up is not counted
         if self._transport is not None and not self._closing and not self._rejected:
             self._transport.resume_reading()
             self.data_received(b"")  # execute what was parsed but not executed while paused
@@ -705,8 +797,39 @@ class _ServerProtocol(asyncio.BufferedProtocol):
                     f"limit of {self._server._max_frame} bytes", key="max_frame"))
             elif not self._fits(len(frame)):
                 return
-        if self._transport is not None and not self._closing:
-            self._transport.write(frame)
+        transport = self._transport
+        if transport is None or self._closing:
+            return
+        transport.write(frame)  # past the high-water mark, this pauses us (synchronously)
+        if self._paused or self._queued:  # the client is behind: count what waits for it
+            self._measure_output()
+            server = self._server
+            # An error frame never makes room: it is what dropping a connection writes.
+            if server._output_bytes > server._max_output_bytes and not isinstance(msg, Error):
+                server._reclaim_output()
+
+    def _measure_output(self) -> None:
+        """Count what the transport holds for this client in ``max_output_bytes``: all of it
+        while the transport has paused us (past its high-water mark), nothing once it resumed
+        (below its low-water mark) — so a client that keeps up costs the count nothing."""
+        transport = self._transport
+        held = transport.get_write_buffer_size() if self._paused and transport is not None else 0
+        self._count_output(held)
+
+    def _count_output(self, queued: int) -> None:
+        server = self._server
+        server._output_bytes += queued - self._queued
+        self._queued = queued
+        if queued:
+            server._output_holders[self] = None  # one already there keeps its place
+        else:
+            server._output_holders.pop(self, None)
+
+    def _discard_output(self) -> None:
+        """End a dropped connection's close grace now: its queued bytes are freed."""
+        if self._transport is not None:
+            self._transport.abort()
+        self._count_output(0)
 
     def _fail(self, rid: int, kind: ErrorKind, message: str, *, key: str | None = None
               ) -> None:

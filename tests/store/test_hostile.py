@@ -9,6 +9,7 @@ served meanwhile. Nothing here asserts a timing.
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from m2n_async._store import _auth
 from m2n_async._store._claims import claim_rank
 from m2n_async._store._client import parse_address
 from m2n_async._store._core import StoreLimitError
+from m2n_async._store._server import _ServerProtocol
 from m2n_async._store._wire import (
     STORE_PROTO_VERSION,
     AuthOk,
@@ -37,6 +39,7 @@ from m2n_async._store._wire import (
     ServerHello,
     ServerMessage,
     Set,
+    Value,
     encode_frame,
 )
 from m2n_async.testing import MemoryStore
@@ -194,6 +197,136 @@ async def test_gather_past_the_reply_limit_is_refused_before_it_is_built(kind: s
             await runner.stop()
 
 
+# The store-wide budget of queued replies: 200 KB values, each connection may hold 4 MiB and
+# all together 4 MiB. The kernel takes a few MB per connection before the server's own buffer
+# holds anything (loopback send buffers autotune), so the tests feed replies one key at a time
+# until the server's count says what they need; the cap bounds the load however large that is.
+VALUE = b"v" * 200_000
+OUTPUT_LIMITS = {"max_frame": 256 * 1024, "max_output": 4 << 20, "max_output_bytes": 4 << 20}
+MAX_KEYS = 100  # replies parked per connection: 20 MB, whatever the kernel absorbs
+
+
+async def park(server: StoreServer, prefix: str) -> Raw:
+    """A connection that parks one ``get(wait=True)`` per key ``prefix/0..MAX_KEYS-1`` and
+    never reads (until the test makes it)."""
+    before = server.core.pending_waiters
+    raw = await Raw.open(server, authenticate=True, rcvbuf=4096)
+    for i in range(MAX_KEYS):
+        raw.send(Get(i + 1, f"{prefix}/{i}", wait=True))
+    await raw.writer.drain()
+    await until(lambda: server.core.pending_waiters == before + MAX_KEYS, "the gets are parked")
+    return raw
+
+
+def protocol_of(server: StoreServer, raw: Raw) -> _ServerProtocol:
+    port = raw.writer.get_extra_info("sockname")[1]
+    [proto] = [p for p in server._protocols
+               if p._transport is not None and p._transport.get_extra_info("peername")[1] == port]
+    return proto
+
+
+async def feed(writer: StoreClient, prefix: str, start: int,
+               done: Callable[[], bool]) -> int:
+    """Complete the parked gets ``prefix/start, ...`` one per acknowledged ``set`` until
+    ``done()``; the next index. (A set's completions are written before its ack.)"""
+    for i in range(start, MAX_KEYS):
+        if done():
+            return i
+        await writer.set(f"{prefix}/{i}", VALUE)
+    assert done(), f"{MAX_KEYS} replies of {len(VALUE)} bytes did not get there"
+    return MAX_KEYS
+
+
+async def read_replies(raw: Raw, count: int) -> None:
+    for _ in range(count):
+        assert isinstance(await raw.read(), Value)
+
+
+async def test_unread_replies_past_the_store_wide_budget_drop_the_connection_holding_most(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # A hoarder is fed until it holds 3 MiB of unread replies; then a second client that does
+    # not read is fed until one of its replies passes the 4 MiB budget. The hoarder (3 MiB)
+    # is dropped, not the connection whose reply passed it (1 MiB, give or take a reply).
+    budget = OUTPUT_LIMITS["max_output_bytes"]
+    runner = RunningServer(**OUTPUT_LIMITS)
+    server = await runner.start()
+    try:
+        hoarder, tipper = await park(server, "hoard"), await park(server, "tip")
+        hoarding, tipping = protocol_of(server, hoarder), protocol_of(server, tipper)
+        with anyio.fail_after(DEADLINE):
+            async with await StoreClient.connect(server.address, token=TOKEN) as writer:
+                fed = await feed(writer, "hoard", 0, lambda: server.output_bytes >= 3 << 20)
+                assert not hoarding._closing and server.output_bytes <= budget
+                tipped = await feed(writer, "tip", 0, lambda: hoarding._closing)
+                assert not tipping._closing, "the connection whose reply passed it is kept"
+                assert 0 < tipping._queued < hoarding._queued
+                assert await writer.get("hoard/0") == VALUE  # a reader is served meanwhile
+                await healthy(server)
+        # The hoarder's error frame is queued behind what it held; reading, it gets it.
+        await read_replies(hoarder, fed)
+        assert_limit(await hoarder.last(), "max_output_bytes")
+        # The other one was only behind: it reads its replies and is served on.
+        await read_replies(tipper, tipped)
+        tipper.send(Get(MAX_KEYS + 1, "hoard/0", wait=False))
+        assert await tipper.read() == Value(MAX_KEYS + 1, VALUE)
+        drops = [r for r in caplog.records if "max_output_bytes" in r.getMessage()]
+        assert len(drops) == 1, drops
+        await until(lambda: server.output_bytes == 0, "nothing queued: the count is back at 0")
+        tipper.close()
+    finally:
+        await runner.stop()
+
+
+async def test_the_queued_output_count_returns_to_zero_however_connections_end() -> None:
+    budget = OUTPUT_LIMITS["max_output_bytes"]
+    runner = RunningServer(**OUTPUT_LIMITS)
+    server = await runner.start()
+    try:
+        drainer, closer = await park(server, "drain"), await park(server, "close")
+        draining, closing = protocol_of(server, drainer), protocol_of(server, closer)
+        with anyio.fail_after(DEADLINE):
+            async with await StoreClient.connect(server.address, token=TOKEN) as writer:
+                fed = await feed(writer, "drain", 0, lambda: draining._queued > 0)
+                await feed(writer, "close", 0, lambda: closing._queued > 0)
+                assert server.output_bytes == draining._queued + closing._queued
+                # A client that catches up is no longer counted ...
+                await read_replies(drainer, fed)
+                await until(lambda: server.output_bytes == closing._queued, "drained")
+                # ... nor one that closes without reading.
+                closer.close()
+                await until(lambda: server.output_bytes == 0, "closed")
+                # A dropped connection's bytes count until the room is needed again: then
+                # its grace ends and they are freed at once.
+                hoarder, tipper = await park(server, "hoard"), await park(server, "tip")
+                hoarding, tipping = protocol_of(server, hoarder), protocol_of(server, tipper)
+                await feed(writer, "hoard", 0, lambda: server.output_bytes >= 3 << 20)
+                tipped = await feed(writer, "tip", 0, lambda: hoarding._closing)
+                assert hoarding._queued > 0  # dropped, its error frame queued, still held
+                await feed(writer, "tip", tipped, lambda: hoarding._queued == 0)
+                assert not tipping._closing and server.output_bytes == tipping._queued
+                assert server.output_bytes <= budget
+                assert hoarding not in server._output_holders
+                tipper.close()
+                await until(lambda: server.output_bytes == 0, "all gone")
+                assert server._output_holders == {}
+                await healthy(server)
+        for raw in (drainer, hoarder):
+            raw.close()
+    finally:
+        await runner.stop()
+    assert server.output_bytes == 0
+
+
+async def test_the_queued_output_budget_must_hold_one_connections_max_output() -> None:
+    with pytest.raises(ValueError, match="max_output_bytes must be >= max_output"):
+        StoreServer(token="t", max_frame=1 << 20, max_output=8 << 20,
+                    max_output_bytes=(8 << 20) - 1)
+    assert StoreServer(token="t", max_frame=1 << 20, max_output=8 << 20,
+                       max_output_bytes=8 << 20)._max_output_bytes == 8 << 20
+    assert StoreServer(token="t")._max_output_bytes == 256 << 20
+    assert StoreServer(token="t", max_frame=1 << 28)._max_output_bytes == 4 << 28
+
+
 async def test_a_partial_frame_must_arrive_within_frame_timeout() -> None:
     runner = RunningServer(frame_timeout=0.3)
     server = await runner.start()
@@ -221,7 +354,7 @@ async def test_partial_frames_past_the_store_wide_budget_drop_the_connection_pas
         for i, (raw, frame) in enumerate(zip(parkers, frames, strict=True)):
             raw.writer.write(frame[:-1])
             if i < 3:
-                await until(lambda i=i: server.partial_bytes == (i + 1) * held,
+                await until(functools.partial(lambda n: server.partial_bytes == n * held, i + 1),
                             "the partial frame is held")
             else:
                 assert_limit(await raw.last(), "max_partial_bytes")
