@@ -38,6 +38,15 @@ def add_store_command(sub: Any) -> None:
                    help="file holding the shared secret (surrounding whitespace is ignored)")
     p.add_argument("--max-frame", type=int, default=DEFAULT_MAX_FRAME,
                    help=f"largest frame in bytes (default {DEFAULT_MAX_FRAME})")
+    # The store's budgets (docs/security.md); unset: the server's defaults.
+    for flag, what in (("--max-bytes", "bytes of values the whole store may hold"),
+                       ("--max-job-bytes", "bytes of values one job's keys may hold"),
+                       ("--max-output-bytes", "bytes of unread replies, all connections"),
+                       ("--max-partial-bytes", "bytes of partly received frames, all "
+                                               "connections"),
+                       ("--max-connections", "open connections")):
+        p.add_argument(flag, type=int, default=None, help=f"most {what} (default: the "
+                       "server's, docs/security.md)")
     p.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
                    help="event loop (default auto: uvloop if installed, else asyncio)")
 
@@ -56,7 +65,12 @@ def read_token_file(path: Path) -> str:
 def run_store_command(args: argparse.Namespace) -> int:
     try:
         token = read_token_file(args.token_file)
-        server = StoreServer(args.host, args.port, token=token, max_frame=args.max_frame)
+        limits = {k: getattr(args, k) for k in ("max_bytes", "max_job_bytes",
+                                                 "max_output_bytes", "max_partial_bytes",
+                                                 "max_connections")
+                  if getattr(args, k, None) is not None}
+        server = StoreServer(args.host, args.port, token=token, max_frame=args.max_frame,
+                             **limits)
         loop = pick_loop(getattr(args, "loop", "auto"))
     except ValueError as exc:
         print(f"m2n-async store: {exc}", file=sys.stderr)
