@@ -1,7 +1,7 @@
 """Where a GPU round's fixed host time goes: per-rank timestamps of the m2n pipeline's steps.
 
 One spawned world (1 trainer + 1 worker by default; on a multi-GPU host they get separate GPUs,
-``tests/gpu/_world.gpu_of``) runs ``--iters`` rounds of the ``m2n`` transport through the
+``m2n_async/testing/_gpu.gpu_of``) runs ``--iters`` rounds of the ``m2n`` transport through the
 engine's bucket pipeline (``run_pipeline``), after 5 warm-up rounds. Each rank records, in
 microseconds from the start of the round, when each bucket's sources were resolved
 (``bN.src``, trainer), entered and left ``stage`` and ``transfer`` (``transfer`` returns once
@@ -25,16 +25,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from tests.gpu import _world  # noqa: E402 - after the path fix above
+from m2n_async.testing import _gpu as _world
 
 WARMUP = 5
 

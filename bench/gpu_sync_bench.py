@@ -4,9 +4,9 @@ One spawned world (``--trainers`` + ``--workers`` ranks, 2 + 2 by default) runs,
 tensors and in one process run, every path below; paths that share a communicator are
 interleaved (A B C A B C ...). Layouts: ``moe``/``dense``/``large``: trainers ``Shard(0)`` on
 mesh (1,T) -> workers ``Shard(1)`` on mesh (1,N); ``mixed``: a scaled Qwen3-MoE-like stack
-(``tests/gpu/_world.mixed_defs``: FSDP-like ``Shard(0)`` trainers -> vLLM-like TP workers).
+(``m2n_async/testing/_gpu.mixed_defs``: FSDP-like ``Shard(0)`` trainers -> vLLM-like TP workers).
 On one GPU every rank shares it (libnccl >= 2.30); on several, trainers take the first half of
-the GPUs and workers the second half (``tests/gpu/_world.gpu_of``), and the summary adds GB/s
+the GPUs and workers the second half (``m2n_async/testing/_gpu.gpu_of``), and the summary adds GB/s
 per receiving GPU and the efficiency against ``--link-gbps`` (370 GB/s, NVLink on H200).
 
 * ``raw``            -- one ``nccl.m2n`` reshard per parameter, back to back on one stream, one
@@ -69,14 +69,9 @@ import sys
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from tests.gpu import _world  # noqa: E402 - after the path fix above
+from m2n_async.testing import _gpu as _world
 
 Def = tuple[str, tuple[int, ...], str, Any, Any]
 

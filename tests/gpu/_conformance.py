@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from ._world import RankCtx, close_transport, open_transport
+from m2n_async.testing._gpu import RankCtx, close_transport, open_transport
 
 # The suite lives beside the fake runtime's tests; this package is ``gpu`` under pytest (the
 # tests directory on sys.path) and ``tests.gpu`` where the repository root is.

@@ -6,7 +6,7 @@ import os
 import time
 from typing import Any
 
-from ._world import (
+from m2n_async.testing._gpu import (
     LAYOUTS,
     TINY_MIXED,
     LagMonitor,

@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from ._world import RankCtx
+from m2n_async.testing._gpu import RankCtx
 
 T, TP = 2, 2
 TOKEN = "vllm-gpu-tests"

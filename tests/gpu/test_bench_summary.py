@@ -99,7 +99,7 @@ def test_every_model_divides_for_one_two_four_ranks(bench) -> None:
 
 def test_tiny_mixed_plan_has_stacks_rank3_and_large_singles() -> None:
     sys.path.insert(0, str(ROOT))
-    from tests.gpu import _world
+    from m2n_async.testing import _gpu as _world
 
     plan = _world.make_plan(_world.mixed_defs(**_world.TINY_MIXED), (1, 2), (1, 2))
     from m2n_async._proto.stacking import stack_problem

@@ -8,7 +8,9 @@ import json
 
 import pytest
 
-from . import _conformance, _world
+from m2n_async.testing import _gpu as _world
+
+from . import _conformance
 from .conftest import gpu_skip_reason
 
 _reason = gpu_skip_reason("nccl", 2)

@@ -14,7 +14,8 @@ import os
 
 import pytest
 
-from . import _world
+from m2n_async.testing import _gpu as _world
+
 from .conftest import gpu_skip_reason
 
 _reason = gpu_skip_reason("nccl", 2)  # the least any test here needs

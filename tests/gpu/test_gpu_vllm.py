@@ -19,7 +19,8 @@ import socket
 
 import pytest
 
-from . import _world
+from m2n_async.testing import _gpu as _world
+
 from ._vllm_ranks import IN_PLACE, TP, T
 from .conftest import gpu_skip_reason
 

@@ -1,4 +1,6 @@
-"""A local multi-process GPU world for ``tests/gpu`` and ``bench/gpu_sync_bench.py``.
+"""A local multi-process GPU world for ``tests/gpu`` and the GPU benches (``bench/gpu_*.py``):
+the project's own GPU harness, in the package so that the benches import it like any module
+(not part of the public toolkit: it drives transports below the engine).
 
 Several NCCL ranks share the one GPU as separate ``spawn``ed processes (libnccl >= 2.30 with
 ``NCCL_MULTI_RANK_GPU_ENABLE=1``, DEVELOPERS "GPU tests on the H200"). Rank 0 hosts a
@@ -41,7 +43,7 @@ NCCL_EXTRA_DTYPES = ("bool", "int16")
 def layout_defs(topology: str, transport: str) -> list[tuple[str, tuple[int, ...], str, Any, Any]]:
     _src, _dst, pairs = LAYOUTS[topology]
     dtypes = M2N_DTYPES + (NCCL_EXTRA_DTYPES if transport == "nccl" else ())
-    out = []
+    out: list[tuple[str, tuple[int, ...], str, Any, Any]] = []
     for k, (sp, dp) in enumerate(pairs):
         for j, dt in enumerate(dtypes):
             shape = (12, 6, 24) if j % 2 else (96, 48)
@@ -121,7 +123,7 @@ def make_plan(defs: Sequence[tuple[str, tuple[int, ...], str, Any, Any]],
     from m2n_async._proto.plan import TransferPlan
 
     t, n = src_dims[0] * src_dims[1], dst_dims[0] * dst_dims[1]
-    smesh, dmesh = Mesh(tuple(src_dims), 0), Mesh(tuple(dst_dims), t)
+    smesh, dmesh = Mesh(src_dims, 0), Mesh(dst_dims, t)
     return TransferPlan([ParamTransfer(ParamSpec(name, dt, tuple(shape),
                                                  Layout(smesh, tuple(sp) if sp else None)),
                                        Layout(dmesh, tuple(dp) if dp else None))
