@@ -2,21 +2,21 @@
 the project's own GPU harness, in the package so that the benches import it like any module
 (not part of the public toolkit: it drives transports below the engine).
 
-Several NCCL ranks share the one GPU as separate ``spawn``ed processes (libnccl >= 2.30 with
-``NCCL_MULTI_RANK_GPU_ENABLE=1``, DEVELOPERS "GPU tests on the H200"). Rank 0 hosts a
-``StoreServer`` on 127.0.0.1 and hands its address to the others through a queue; every rank
-then uses the real store, rendezvous, native thread, transports and bucket pipeline.
+The ranks are the processes of a ``LocalWorld`` (``m2n_async.testing``), fresh for each
+``run_world``; several NCCL ranks share the one GPU (libnccl >= 2.30 with
+``NCCL_MULTI_RANK_GPU_ENABLE=1``, DEVELOPERS "GPU tests on the H200"). By default trainer
+rank 0 serves the scenario's ``StoreServer`` from its own event loop, as a job that hosts
+the store in rank 0 does; ``case["store"] == "process"`` uses the world's store instead,
+outside every rank (as ``m2n-async store`` beside a job). Every rank then uses the real
+store, rendezvous, native thread, transports and bucket pipeline.
 
 A *scenario* is a coroutine ``scenario(ctx) -> dict`` run on every rank (``ctx`` is a
-``RankCtx``); its JSON-able result comes back to the parent. Children end with ``os._exit``
-after reporting: a process whose communicator abort is stuck behind an M2N kernel (dead peer)
-must not hang the test in interpreter shutdown.
+``RankCtx``); its JSON-able result comes back to the parent.
 """
 
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import time
 import traceback
@@ -323,121 +323,98 @@ def _resolve(path: str) -> Scenario:
     return fn
 
 
-def _rank_entry(rank: int, world_size: int, trainer_ranks: int, scenario: str,
-                case: dict[str, Any], addr_q: Any, out_q: Any) -> None:
-    os.environ.update(case.get("env", {}))
-    result: dict[str, Any]
-    gpu = -1
-    try:
-        import anyio
-        import torch
-
-        gpu = gpu_of(rank, trainer_ranks, world_size)
-        torch.cuda.set_device(gpu)
-        result = anyio.run(_rank_async, rank, world_size, trainer_ranks, scenario, case,
-                           addr_q)
-    except BaseException as exc:
-        result = {"error": f"{type(exc).__name__}: {exc}",
-                  "traceback": traceback.format_exc()[-3000:]}
-    out_q.put((rank, json.loads(json.dumps(result, default=repr)), gpu))
-    out_q.close()
-    out_q.join_thread()
-    os._exit(0)
-
-
-async def _rank_async(rank: int, world_size: int, trainer_ranks: int, scenario: str,
-                      case: dict[str, Any], addr_q: Any) -> dict[str, Any]:
+async def _gpu_rank(ctx: Any, *, scenario: str, case: dict[str, Any]) -> dict[str, Any]:
+    """``LocalWorld`` rank function: the scenario on this rank's GPU, with the store the
+    case asks for. Returns ``{"result": ..., "gpu": n}``, the result JSON-normalised (what a
+    scenario returns must survive ``json``), or ``{"error", "traceback"}`` in ``result``."""
     import anyio
     import torch
 
     from m2n_async import StoreClient, StoreServer
 
-    fn = _resolve(scenario)
-    device = torch.device("cuda", gpu_of(rank, trainer_ranks, world_size))
-
-    async def body(address: str) -> dict[str, Any]:
-        store = await StoreClient.connect(address, token=TOKEN)
-        ctx = RankCtx(rank, world_size, trainer_ranks, store, address, case, device)
+    # Before this process's first NCCL call: NCCL reads its environment once per process.
+    os.environ.update(case.get("env", {}))
+    rank, world_size, trainer_ranks = ctx.rank, ctx.world_size, ctx.trainer_ranks
+    gpu = gpu_of(rank, trainer_ranks, world_size)
+    result: dict[str, Any]
+    try:
+        torch.cuda.set_device(gpu)
+        device = torch.device("cuda", gpu)
+        fn = _resolve(scenario)
+        world = await StoreClient.connect(ctx.address, token=TOKEN)
         try:
-            return await fn(ctx)
+            if case.get("store") == "process":  # the world's store: outside every rank
+                result = await _run_scenario(fn, ctx, case, device, ctx.address)
+            elif rank == 0:  # the default: served by trainer rank 0's own event loop
+                async with StoreServer(host="127.0.0.1", port=0, token=TOKEN) as srv:
+                    await world.set("gpu-world/store", srv.address.encode())
+                    result = await _run_scenario(fn, ctx, case, device, srv.address)
+                    # keep serving until every rank is done (a dead rank never is: bounded)
+                    client = await StoreClient.connect(srv.address, token=TOKEN)
+                    with anyio.move_on_after(float(case.get("linger_s", 60))):
+                        await client.wait([f"done/{r}" for r in range(world_size)
+                                           if r not in case.get("victims", ())])
+                    await client.aclose()
+            else:
+                with anyio.fail_after(120):
+                    address = (await world.get("gpu-world/store", wait=True) or b"").decode()
+                result = await _run_scenario(fn, ctx, case, device, address)
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(5):
-                await store.set(f"done/{rank}", b"1")
-                await store.aclose()
-
-    if rank == 0 and case.get("store") != "process":
-        async with StoreServer(host="127.0.0.1", port=0, token=TOKEN) as srv:
-            for _ in range(world_size - 1):
-                addr_q.put(srv.address)
-            out = await body(srv.address)
-            # keep serving until every rank is done (a dead rank never is: bounded)
-            client = await StoreClient.connect(srv.address, token=TOKEN)
-            with anyio.move_on_after(float(case.get("linger_s", 60))):
-                await client.wait([f"done/{r}" for r in range(world_size)
-                                   if r not in case.get("victims", ())])
-            await client.aclose()
-            return out
-    address = await anyio.to_thread.run_sync(addr_q.get, True, 120)
-    return await body(address)
+                await world.aclose()
+    except BaseException as exc:
+        result = {"error": f"{type(exc).__name__}: {exc}",
+                  "traceback": traceback.format_exc()[-3000:]}
+    return {"result": json.loads(json.dumps(result, default=repr)), "gpu": gpu}
 
 
-def _store_entry(addr_q: Any, stop: Any, world_size: int) -> None:
-    """``case["store"] == "process"``: the store in a process of its own, as a launcher runs
-    ``m2n-async store`` beside the job (by default trainer rank 0's event loop serves it,
-    sharing that process's CPU and GIL with the rank's own work)."""
+async def _run_scenario(fn: Scenario, ctx: Any, case: dict[str, Any], device: Any,
+                        address: str) -> dict[str, Any]:
     import anyio
 
-    from m2n_async import StoreServer
+    from m2n_async import StoreClient
 
-    async def serve() -> None:
-        async with StoreServer(host="127.0.0.1", port=0, token=TOKEN) as srv:
-            for _ in range(world_size):
-                addr_q.put(srv.address)
-            await anyio.to_thread.run_sync(stop.wait)
-
-    anyio.run(serve)
+    store = await StoreClient.connect(address, token=TOKEN)
+    rctx = RankCtx(ctx.rank, ctx.world_size, ctx.trainer_ranks, store, address, case, device)
+    try:
+        return await fn(rctx)
+    finally:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+            await store.set(f"done/{ctx.rank}", b"1")
+            await store.aclose()
 
 
 def run_world(scenario: str, case: dict[str, Any], *, trainer_ranks: int, world_size: int,
               timeout: float = 300.0) -> dict[str, Any]:
-    """Spawn ``world_size`` ranks running ``scenario`` ("module:function"); returns
-    ``{"results": {rank: dict}, "exitcodes": [...], "seconds": s}``. Ranks that did not
-    report within ``timeout`` are killed and reported missing."""
-    ctx = mp.get_context("spawn")
-    addr_q, out_q = ctx.Queue(), ctx.Queue()
+    """Run ``scenario`` ("module:function") on ``world_size`` fresh rank processes of a
+    ``LocalWorld``; returns ``{"results": {rank: dict}, "gpus": {rank: n}, "exitcodes":
+    [...], "seconds": s}``. A rank that raised reports ``{"error", "traceback"}``; one that
+    died or did not report within ``timeout`` is missing from ``results`` (and killed).
+
+    Fresh processes per call, ended when it returns: a rank whose communicator is wedged (a
+    dead peer's M2N kernel) must not serve the next scenario; ``LocalWorld`` kills a process
+    that does not end within its 5 s bound."""
+    from m2n_async.testing._world import LocalWorld, WorldHangError
+
     env = {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "NCCL_NVLS_ENABLE": "0"}
     env.update(case.get("env", {}))
-    case = {**case, "env": env}
-    procs = [ctx.Process(target=_rank_entry, args=(r, world_size, trainer_ranks, scenario,
-                                                    case, addr_q, out_q), daemon=True)
-             for r in range(world_size)]
+    case = {**case, "env": env}  # set by each rank before its first NCCL call
     t0 = time.monotonic()
-    store = stop = None
-    if case.get("store") == "process":
-        stop = ctx.Event()
-        store = ctx.Process(target=_store_entry, args=(addr_q, stop, world_size), daemon=True)
-        store.start()
-    for p in procs:
-        p.start()
-    results: dict[int, dict[str, Any]] = {}
-    gpus: dict[int, int] = {}  # rank -> the CUDA device it ran on
-    deadline = t0 + timeout
-    while len(results) < world_size and time.monotonic() < deadline:
+    with LocalWorld(trainer_ranks, world_size - trainer_ranks, token=TOKEN,
+                    job_prefix="gpu") as world:
         try:
-            rank, res, gpus[rank] = out_q.get(timeout=0.5)
-            results[rank] = res
-        except Exception:
-            if all(not p.is_alive() for p in procs) and out_q.empty():
-                break
-    for p in procs:
-        p.join(timeout=max(0.0, min(10.0, deadline - time.monotonic())))
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    if store is not None and stop is not None:
-        stop.set()
-        store.join(10)
-        if store.is_alive():
-            store.kill()
-    return {"results": results, "gpus": gpus, "exitcodes": [p.exitcode for p in procs],
+            ranks = list(world.run(_gpu_rank, kwargs={"scenario": scenario, "case": case},
+                                   timeout=timeout))
+        except WorldHangError as hang:
+            ranks = list(hang.results)
+    results: dict[int, dict[str, Any]] = {}
+    gpus: dict[int, int] = {}
+    for r in ranks:
+        if r.status == "ok":
+            results[r.rank], gpus[r.rank] = r.value["result"], r.value["gpu"]
+        elif r.status == "error":  # raised outside the scenario's own guard
+            results[r.rank] = {"error": f"{type(r.error).__name__}: {r.error}",
+                               "traceback": r.traceback[-3000:]}
+    return {"results": results, "gpus": gpus,
+            "exitcodes": [r.exitcode if r.status != "ok" else 0 for r in ranks],
             "seconds": round(time.monotonic() - t0, 2)}
