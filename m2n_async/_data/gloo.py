@@ -8,6 +8,14 @@ generation's prefix: no second TCPStore binding the wildcard address, no pickle,
 stale generation unreadable. The group binds ``TransportSettings.host`` (127.0.0.1 for a
 loopback store).
 
+Pair check. Gloo's TCP pairs authenticate nothing: its listener gives a pair the first
+connection that sends the pair's sequence number, so a process without the token that
+connects to a fresh listener first takes the real peer's place, and the group still builds.
+``connect`` therefore checks, on the native thread, every pair the plan uses before it
+returns (``_check_pairs``: a digest under a nonce only token holders can read, bounded by
+min(10 s, the rendezvous timeout)): a foreign or dead pair costs a connect failure within
+that bound, naming the peer, instead of a first round that waits until its deadline.
+
 Per bucket, each rank moves its bytes for each peer as a few messages (``_packing``): large
 pieces alone, runs of small ones packed together. The trainer packs on a pack thread, the
 native thread issues every send/recv of the bucket (tag = bucket index; Gloo matches messages
@@ -58,7 +66,10 @@ in kill-at-random chaos runs); it ends at the round deadline.
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
 import operator
+import secrets
 import threading
 import time
 import weakref
@@ -106,6 +117,12 @@ if TYPE_CHECKING:
 __all__ = ["GlooTransport", "StoreAdapter"]
 
 _FORCE_CLOSE = datetime.timedelta(milliseconds=1)
+#: The pair check (``GlooTransport._check_pairs``): its bound, its tag (no bucket's: the
+#: check is over before the first round) and its digest.
+_CHECK_SECONDS = 10.0
+_CHECK_SLACK = 5.0  # the loop-side bound beyond the check's own (its waits end first)
+_CHECK_TAG = (1 << 31) - 1
+_CHECK_DOMAIN = b"m2n-async gloo pair check v1"
 #: A bucket whose messages are all zero-copy on the trainer is "packed" (views built) inline
 #: on the event loop when it has at most this many messages.
 _INLINE_MESSAGES = 64
@@ -248,6 +265,20 @@ class StoreAdapter(torch.distributed.Store):  # type: ignore[misc,name-defined]
 
 def _nothing() -> None:
     return None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _pair_digest(nonce: bytes, prefix: str, sender: int, receiver: int) -> bytes:
+    """What ``sender`` sends ``receiver`` in the pair check: an HMAC of the pair's direction
+    and the generation's prefix under the generation's nonce. Binding the direction means a
+    foreigner cannot answer with the digest it was sent; the prefix, that a digest of one
+    job or generation does not pass in another."""
+    msg = b"\0".join((_CHECK_DOMAIN, prefix.encode(), b"%d" % sender, b"%d" % receiver))
+    return hmac.new(nonce, msg, hashlib.sha256).digest()
 
 
 class _Arenas:
@@ -508,17 +539,29 @@ class GlooTransport(Transport):
                                                nice=_BULK_NICE)
 
     async def connect(self, rendezvous: Rendezvous) -> None:
-        """Create the Gloo group on the native thread; rendezvous through our store.
+        """Create the Gloo group on the native thread; rendezvous through our store; then
+        check every pair the plan uses (``_check_pairs``).
 
         Cancellation: the rendezvous calls in flight are cancelled; ``close`` drops the group.
         """
         self.check_usable()
         timeout = rendezvous.timeout
+        # The check's bound. It starts when this rank's group is built; a peer answers once
+        # its own build returns, which is after every rank published its Gloo address (and
+        # so at most one full-mesh connect, a TCP connect and 8 bytes per pair, behind us):
+        # milliseconds, seconds for a large or overloaded job. 10 s leaves that margin while
+        # a foreign connection costs seconds, not the round timeout; never more than the
+        # rendezvous timeout, the bound of each connect step.
+        check_timeout = min(_CHECK_SECONDS, timeout)
+        rank, size = self.ctx.rank, self.ctx.world_size
+        # One nonce per generation (its prefix), from rank 0, through the store: only token
+        # holders can read it, so only they can answer the check.
+        nonce = await rendezvous.broadcast(secrets.token_bytes(32) if rank == 0 else None,
+                                           name="gloo-pair-check")
         adapter = StoreAdapter(rendezvous.store, rendezvous.prefix, timeout=timeout,
                                watch=rendezvous.watch)
         self._adapter = adapter
         host = self.ctx.settings.host
-        rank, size = self.ctx.rank, self.ctx.world_size
 
         def build() -> Any:
             opts = torch.distributed.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
@@ -551,13 +594,109 @@ class GlooTransport(Transport):
             else:  # abandoned inside Gloo: it ends, as a daemon thread, when Gloo gives up
                 builder.close(0.0)
             del call  # its result is the group: a traceback keeping this frame must not
+        # On the native thread (the rounds' ops are issued there too), not the builder: the
+        # builder's loop keeps its last result, the group, until the thread ends, and a
+        # failed check's traceback (which keeps that loop's frame) would keep the group.
+        check = self.ctx.native.submit(self._check_pairs, nonce, rendezvous.prefix,
+                                       check_timeout,
+                                       description=f"gloo pair check rank {rank}/{size}")
+        try:
+            await self._build_watched(check, rendezvous, limit=check_timeout + _CHECK_SLACK,
+                                      what="the data-plane check of the pairs did not end",
+                                      why="a peer did not answer")
+        finally:
+            del check
 
-    async def _build_watched(self, call: NativeCall[Any], rendezvous: Rendezvous) -> Any:
-        """The group build ``call`` awaited, bounded by the rendezvous timeout and failing with the
-        peer's ``PeerLostError`` as soon as a watched peer is lost. Gloo's own TCP connect
+    def _check_peers(self) -> list[int]:
+        """The peers this rank exchanges messages with in some bucket (the plan is the same
+        on both sides of a pair, so the pair's two ends agree)."""
+        return sorted({p.peer for b in self.ctx.buckets for p in self.packing(b).peers
+                       if p.messages})
+
+    def _check_pairs(self, nonce: bytes, prefix: str, timeout: float) -> None:
+        """Native thread, right after the group is built: prove that the peer at the other
+        end of each pair the plan uses is a rank of this job, within ``timeout`` seconds.
+
+        Gloo's listener gives a pair the first connection that sends the pair's sequence
+        number, whoever made it: a foreign one leaves a group that connected but whose first
+        op on that pair waits until the round deadline. So each rank sends every peer it uses
+        ``_pair_digest(nonce, prefix, itself, peer)`` (the nonce is readable by token
+        holders only) and checks what each peer sent it. A pair that does not answer in time
+        (foreign: silent, or not a Gloo peer; or the peer died) or answers wrongly fails the
+        connect with a ``TransferError`` naming the peers; the group is dropped at once, here
+        (its sockets close: the real peers' checks on their side fail promptly too)."""
+        rank = self.ctx.rank
+        peers = self._check_peers()
+        if not peers:
+            return
+        deadline = time.monotonic() + timeout
+        got = [torch.zeros(hashlib.sha256().digest_size, dtype=torch.uint8) for _ in peers]
+        sent = [torch.tensor(list(_pair_digest(nonce, prefix, rank, p)), dtype=torch.uint8)
+                for p in peers]
+        failures: dict[int, str] = {}
+        issued: list[tuple[Any, int]] = []
+        try:
+            with self._lock:
+                self.check_usable()  # under the lock: abort() cannot miss an op issued now
+                # Receives first: each tells its peer a receive is pending (Gloo moves a
+                # send's bytes only then), so the sends below can go at once.
+                posts = [(self._pg.recv, b, p) for b, p in zip(got, peers, strict=True)]
+                posts += [(self._pg.send, b, p) for b, p in zip(sent, peers, strict=True)]
+                try:
+                    for op, b, p in posts:
+                        try:
+                            issued.append((op([b], p, _CHECK_TAG), p))
+                        except Exception as exc:  # a pair already closed
+                            failures.setdefault(p, _first_line(exc))
+                finally:
+                    self._pending.extend(issued)
+                    posts.clear()
+                    op = None
+            for work, peer in issued:
+                left = max(deadline - time.monotonic(), _FORCE_CLOSE.total_seconds())
+                if self._abort_reason is not None:
+                    left = _FORCE_CLOSE.total_seconds()
+                try:
+                    work.wait(datetime.timedelta(seconds=left))
+                except Exception as exc:  # timed out (and Gloo closed the pair), or closed
+                    failures.setdefault(peer, _first_line(exc))
+            for b, p in zip(got, peers, strict=True):
+                if p not in failures and not hmac.compare_digest(
+                        bytes(b.tolist()), _pair_digest(nonce, prefix, p, rank)):
+                    failures[p] = "answered with a wrong digest"
+        finally:
+            with self._lock:
+                done = {id(w) for w, _ in issued}
+                self._pending = [(w, p) for w, p in self._pending if id(w) not in done]
+            # The ops hold the Gloo context: a failure's traceback keeps this frame.
+            issued.clear()
+            work = None
+        if not failures:
+            return
+        self._pg = None  # destroyed now, on this thread: its sockets close, its thread ends
+        if self._abort_reason is not None:
+            raise TransferError(f"gloo: the data-plane check of the pairs was aborted "
+                                f"({self._abort_reason}) at {self.ctx.where()}", rank=rank)
+        bad = sorted(failures)
+        who = ", ".join(f"peer rank {p}" for p in bad)
+        err = TransferError(
+            f"gloo: {who} did not answer the data-plane check within {timeout:g} s at "
+            f"{self.ctx.where()} (a foreign connection to the Gloo listener, or a dead peer): "
+            + "; ".join(f"rank {p}: {failures[p]}" for p in bad), rank=rank)
+        err.peer = bad[0]  # type: ignore[attr-defined]  # lets the engine blame the peer
+        raise err
+
+    async def _build_watched(self, call: NativeCall[Any], rendezvous: Rendezvous, *,
+                             limit: float | None = None,
+                             what: str = "the process group was not created",
+                             why: str = "a peer did not connect") -> Any:
+        """The native ``call`` (the group build, or the pair check) awaited, bounded by
+        ``limit`` (the rendezvous timeout by default) and failing with the peer's
+        ``PeerLostError`` as soon as a watched peer is lost. Gloo's own TCP connect
         retries for several times its timeout, and a peer that failed after the store part
         of the rendezvous would otherwise keep every other rank there that long. An
-        abandoned build goes on in its daemon thread until Gloo gives up."""
+        abandoned call goes on in its daemon thread until Gloo gives up."""
+        limit = rendezvous.timeout if limit is None else limit
         outcome: dict[str, Any] = {}
 
         async def run_build() -> None:
@@ -575,15 +714,14 @@ class GlooTransport(Transport):
                 tg.cancel_scope.cancel()
 
         try:
-            with anyio.fail_after(rendezvous.timeout):
+            with anyio.fail_after(limit):
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(run_build)
                     if rendezvous.watch:
                         tg.start_soon(watch_peers)
         except TimeoutError:
-            raise TimeoutError(f"gloo: the process group was not created within "
-                               f"{rendezvous.timeout:g} s at {self.ctx.where()} (a peer did "
-                               "not connect)") from None
+            raise TimeoutError(f"gloo: {what} within {limit:g} s at {self.ctx.where()} "
+                               f"({why})") from None
         # Popped, not read: this frame may outlive the call inside an exception's traceback
         # (a cancelled task's), and the group must have no holder but the transport.
         if "pg" in outcome:
