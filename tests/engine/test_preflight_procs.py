@@ -3,67 +3,72 @@
 A small subset of the phase-failure matrix where process boundaries matter: the happy path,
 a real local error (invalid specs) seen identically by every process, a rank that hangs, and
 a rank killed with SIGKILL mid-phase — the survivors must name it at once, not after the
-deadline. Results travel back as JSON files (no pickle of exceptions).
+deadline. The ranks are the processes of the session's 1 + 2 ``LocalWorld``
+(``m2n_world``): each connects its own ``StoreClient`` to the world's store and runs
+``run_preflight`` on a ``ControlGroup`` under the run's job name. A rank reaching its fault
+says so with ``ctx.event("reached")``, on which the test SIGKILLs it where the case asks.
+Each rank sets a ``finished`` key once its preflight ended (the hanging rank awaits every
+peer's, keeping its session until they reported) and returns a JSON-able dict of how it
+ended (no pickle of exceptions); the killed rank comes back as a ``"dead"`` ``RankResult``.
 """
 
 from __future__ import annotations
 
-import json
-import multiprocessing
-import os
 import signal
 import sys
 import time
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import anyio
 import pytest
 
 from m2n_async import PeerLostError, PreflightError
-from m2n_async._engine._preflight import PreflightInputs, run_preflight
+from m2n_async._engine._preflight import run_preflight
 from m2n_async._proto.handshake import PreflightPlan
-from m2n_async._store import ControlGroup, StoreClient, StoreServer
+from m2n_async._store import ControlGroup, StoreClient
+from m2n_async.testing import LocalWorld, RankContext, WorldResult
 
 from .test_preflight import GEN, Log, make_inputs, specs
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL is POSIX")
 
-TOKEN = "preflight-test-token"
+T, N = 1, 2
+RUN_TIMEOUT = 60.0  # the whole run, the kill included
 
 
-def _child(address: str, rank: int, t: int, n: int, fault: str, phase_timeout: float,
-           out: str, reached: Any) -> None:
-    anyio.run(_child_main, address, rank, t, n, fault, phase_timeout, anyio.Path(out),
-              reached)
+def _finished_key(job: str, rank: int) -> str:
+    return f"{job}/{GEN}/finished/{rank}"
 
 
-async def _child_main(address: str, rank: int, t: int, n: int, fault: str,
-                      phase_timeout: float, out: anyio.Path, reached: Any) -> None:
+async def _rank(ctx: RankContext, *, fault: str, phase_timeout: float) -> dict[str, Any]:
+    """One rank: its preflight on a ``ControlGroup`` of the world; how it ended, as a dict."""
+    rank, t, n = ctx.rank, ctx.trainer_ranks, ctx.world_size - ctx.trainer_ranks
     result: dict[str, Any] = {"rank": rank}
 
     def mark() -> None:
         result["fault_at"] = time.time()
-        reached.set()
+        ctx.event("reached", result["fault_at"])
 
     inputs = make_inputs(rank, t, n, Log())
     if fault == "bad_specs" and rank == 0:
         twice = [*specs(t), specs(t)[0]]
-        inputs = _replace(inputs, params=twice)
+        inputs = replace(inputs, params=twice)
     elif fault == "hang" and rank == t + n - 1:
         async def hang(plan: PreflightPlan) -> None:
             mark()
             await anyio.sleep_forever()
-        inputs = _replace(inputs, prepare_runtime=hang)
+        inputs = replace(inputs, prepare_runtime=hang)
     elif fault == "sigkill" and rank == t + n - 1:
         def stuck() -> list[str]:
             mark()
-            time.sleep(60)  # the parent kills this process here, mid-phase 'destination'
+            time.sleep(60)  # the test kills this process here, mid-phase 'destination'
             return ["gloo"]
-        inputs = _replace(inputs, capabilities=stuck)
-    client = await StoreClient.connect(address, token=TOKEN)
+        inputs = replace(inputs, capabilities=stuck)
+    client = await StoreClient.connect(ctx.address, token=ctx.token)
     try:
-        group = ControlGroup(client, rank, t + n, f"job/{GEN}/preflight")
+        group = ControlGroup(client, rank, t + n, f"{ctx.job}/{GEN}/preflight")
         out_come = await run_preflight(group, inputs, phase_timeout=phase_timeout)
         result.update(ok=True, digest=out_come.digest, transport=out_come.transport)
     except (PreflightError, PeerLostError, TimeoutError) as e:
@@ -73,68 +78,55 @@ async def _child_main(address: str, rank: int, t: int, n: int, fault: str,
                       ranks=list(getattr(e, "ranks", ())))
     finally:
         result["done"] = time.time()
-        await out.write_text(json.dumps(result))
+        with anyio.move_on_after(5):
+            await client.set(_finished_key(ctx.job, rank), b"1")
         if "fault_at" in result and fault == "hang":
-            # A truly hung process keeps its session; this one only timed out itself. Leaving
-            # now could beat the peers' own deadlines, and they would (rightly) report it
-            # lost instead of late — not the case under test.
-            await anyio.sleep(phase_timeout + 5.0)
+            # A truly hung process keeps its session; this one only timed out itself.
+            # Leaving before the peers' own deadlines passed, they would (rightly) report
+            # it lost instead of late — not the case under test. So it stays until every
+            # peer's preflight ended (bounded: a peer that never ends fails the test).
+            with anyio.move_on_after(phase_timeout + 5.0):
+                await client.wait([_finished_key(ctx.job, r) for r in range(t + n)])
         with anyio.move_on_after(2):
             await client.aclose()
+    return result
 
 
-def _replace(inputs: PreflightInputs, **changes: Any) -> PreflightInputs:
-    from dataclasses import replace
-    return replace(inputs, **changes)
-
-
-async def _run_procs(tmp_path: Path, t: int, n: int, fault: str, phase_timeout: float,
-                     kill_rank: int | None = None) -> tuple[dict[int, dict[str, Any]], float]:
-    ctx = multiprocessing.get_context("spawn")
-    reached = ctx.Event()
-    results: dict[int, dict[str, Any]] = {}
+def _run(world: LocalWorld, fault: str, phase_timeout: float, kill_rank: int | None = None
+         ) -> tuple[dict[int, dict[str, Any]], WorldResult, float]:
+    """Every rank's dict (those that returned), the world's results, and when the test
+    killed ``kill_rank`` (on its ``"reached"`` event; 0.0 without one)."""
+    deadline = time.monotonic() + RUN_TIMEOUT
+    run = world.start(_rank, kwargs={"fault": fault, "phase_timeout": phase_timeout})
     killed_at = 0.0
-    async with StoreServer(token=TOKEN) as server:
-        procs = []
-        for r in range(t + n):
-            p = ctx.Process(target=_child, args=(server.address, r, t, n, fault, phase_timeout,
-                                                 str(tmp_path / f"r{r}.json"), reached),
-                            daemon=True)
-            p.start()
-            procs.append(p)
-        try:
-            with anyio.fail_after(60):
-                if kill_rank is not None:
-                    assert await anyio.to_thread.run_sync(reached.wait, 50)
-                    killed_at = time.time()
-                    os.kill(procs[kill_rank].pid or 0, signal.SIGKILL)
-                for p in procs:
-                    await anyio.to_thread.run_sync(p.join, abandon_on_cancel=True)
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                p.join(5)
-    for r in range(t + n):
-        f = anyio.Path(tmp_path / f"r{r}.json")
-        if await f.exists():
-            results[r] = json.loads(await f.read_text())
-    return results, killed_at
+    for ev in world.events(run, timeout=RUN_TIMEOUT):
+        if ev.name == "reached" and kill_rank is not None:
+            assert ev.rank == kill_rank, ev
+            killed_at = time.time()
+            world.kill(kill_rank)
+    res = world.collect(run, timeout=max(1.0, deadline - time.monotonic()))
+    if kill_rank is not None:
+        assert killed_at, f"rank {kill_rank} never reached its fault: {res}"
+    for r in res:
+        if r.rank != kill_rank:
+            assert r.ok, (r.rank, r.status, r.error, r.traceback)
+    return {r.rank: r.value for r in res if r.ok}, res, killed_at
+
+
+World = Callable[[int, int], LocalWorld]
 
 
 @pytest.mark.slow
-@pytest.mark.asyncio
-async def test_processes_agree(tmp_path: Path) -> None:
-    results, _ = await _run_procs(tmp_path, 1, 2, "none", 10.0)
+def test_processes_agree(m2n_world: World) -> None:
+    results, _, _ = _run(m2n_world(T, N), "none", 10.0)
     assert sorted(results) == [0, 1, 2]
     assert all(r["ok"] for r in results.values()), results
     assert len({r["digest"] for r in results.values()}) == 1
 
 
 @pytest.mark.slow
-@pytest.mark.asyncio
-async def test_processes_report_one_local_error_identically(tmp_path: Path) -> None:
-    results, _ = await _run_procs(tmp_path, 1, 2, "bad_specs", 10.0)
+def test_processes_report_one_local_error_identically(m2n_world: World) -> None:
+    results, _, _ = _run(m2n_world(T, N), "bad_specs", 10.0)
     assert sorted(results) == [0, 1, 2]
     first = results[0]
     assert first["type"] == "PreflightError" and first["phase"] == "source"
@@ -145,11 +137,10 @@ async def test_processes_report_one_local_error_identically(tmp_path: Path) -> N
 
 
 @pytest.mark.slow
-@pytest.mark.asyncio
-async def test_processes_name_a_hanging_rank(tmp_path: Path) -> None:
+def test_processes_name_a_hanging_rank(m2n_world: World) -> None:
     timeout = 1.0
     started = time.time()
-    results, _ = await _run_procs(tmp_path, 1, 2, "hang", timeout)
+    results, _, _ = _run(m2n_world(T, N), "hang", timeout)
     for r in (0, 1):
         res = results[r]
         assert res["type"] == "TimeoutError", (r, results)
@@ -163,17 +154,17 @@ async def test_processes_name_a_hanging_rank(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.asyncio
-async def test_sigkilled_rank_is_named_at_once(tmp_path: Path) -> None:
+def test_sigkilled_rank_is_named_at_once(m2n_world: World) -> None:
     timeout = 30.0  # far beyond the bound below: the survivors must not wait for it
-    results, killed_at = await _run_procs(tmp_path, 1, 2, "sigkill", timeout, kill_rank=2)
-    assert 2 not in results  # it never got to write anything
+    results, res, killed_at = _run(m2n_world(T, N), "sigkill", timeout, kill_rank=2)
+    assert 2 not in results  # it never got to return anything
+    assert (res[2].status, res[2].signal) == ("dead", signal.SIGKILL), res[2]
     for r in (0, 1):
-        res = results[r]
-        assert res["type"] == "PeerLostError", res
-        assert res["ranks"] == [2]
-        assert "preflight phase 'destination'" in res["message"]
+        out = results[r]
+        assert out["type"] == "PeerLostError", out
+        assert out["ranks"] == [2]
+        assert "preflight phase 'destination'" in out["message"]
         # PeerLostError already says the session end was seen, not the deadline; the bound
         # only rules out waiting for the 30 s deadline, with room for a loaded 2-core box
         # (3 s failed there twice while other jobs ran).
-        assert res["done"] - killed_at < 10.0, res["done"] - killed_at
+        assert out["done"] - killed_at < 10.0, out["done"] - killed_at
