@@ -67,16 +67,17 @@ class Job:
     port: int
     trainers: list[backend.VLLMTrainerEngine] | None = None
 
+    def init_one(self, r: int, job: str, **kw: Any) -> backend.VLLMTrainerEngine:
+        info = backend.TrainerInitInfo(rank=r, trainer_ranks=T, world_size=T + TP,
+                                       store_port=self.port, job=job, dtype="bfloat16",
+                                       transport="gloo", phase_timeout=20, round_timeout=20,
+                                       **kw)
+        return backend.VLLMTrainerEngine.trainer_init(info, client=self.client,
+                                                      source=self.sources[r])
+
     def init_trainers(self, job: str, **kw: Any) -> None:
-        def one(r: int) -> backend.VLLMTrainerEngine:
-            info = backend.TrainerInitInfo(rank=r, trainer_ranks=T, world_size=T + TP,
-                                           store_port=self.port, job=job, dtype="bfloat16",
-                                           transport="gloo", phase_timeout=20,
-                                           round_timeout=20, **kw)
-            return backend.VLLMTrainerEngine.trainer_init(info, client=self.client,
-                                                          source=self.sources[r])
         with ThreadPoolExecutor(T) as ex:
-            self.trainers = list(ex.map(one, range(T)))
+            self.trainers = list(ex.map(lambda r: self.init_one(r, job, **kw), range(T)))
 
     def send(self, version: int, weight_version: str | None = None) -> list[Any]:
         assert self.trainers is not None
@@ -213,6 +214,54 @@ def test_misuse_failure_and_recovery() -> None:
         job.init_trainers("vllm-misuse")
         job.send(4)
         job.check(4)
+    finally:
+        job.shutdown_trainers()
+        for w in job.workers:
+            w.shutdown()
+
+
+def test_a_trainer_that_reached_rank_0s_old_store_connects_again(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Shutdown and init again on every trainer rank, with a fixed store port, in the order
+    that loses: rank 1's new ``trainer_init`` reaches rank 0's old store (still open), then
+    rank 0 shuts down and closes it mid-handshake. Rank 1 connects again to the store rank
+    0 opens next, and the round after is bit-exact."""
+    import logging
+    import time
+
+    from m2n_async import _store
+
+    servers: list[Any] = []
+
+    class Recorded(_store.StoreServer):  # the stores rank 0 serves, to watch connections
+        def __init__(self, *a: Any, **kw: Any) -> None:
+            super().__init__(*a, **kw)
+            servers.append(self)
+
+    monkeypatch.setattr(_store, "StoreServer", Recorded)
+    caplog.set_level(logging.INFO, logger="m2n_async.vllm")
+    job = _job()
+    job.init_trainers("vllm-reinit")
+    try:
+        assert job.trainers is not None
+        job.send(1)
+        old = servers[-1]
+        rank0, rank1 = job.trainers
+        rank1.shutdown()
+        before = old.connections
+        with ThreadPoolExecutor(1) as ex:
+            again = ex.submit(job.init_one, 1, "vllm-reinit")
+            deadline = time.monotonic() + 20
+            while old.connections <= before:  # rank 1 is in rank 0's old store
+                assert time.monotonic() < deadline, "rank 1 never reached the old store"
+                assert not again.done(), again.exception()
+                time.sleep(0.01)
+            rank0.shutdown()  # closes the old store under rank 1's handshake
+            new0 = job.init_one(0, "vllm-reinit")
+            job.trainers = [new0, again.result(60)]
+        assert any("connecting again" in r.getMessage() for r in caplog.records)
+        job.send(2)
+        job.check(2)
     finally:
         job.shutdown_trainers()
         for w in job.workers:
