@@ -104,6 +104,8 @@ class RankResult:
     stagings: list[Staging] = field(default_factory=list)
     moved: int = 0
     seconds: float = 0.0
+    connected: bool = False  # its connect returned
+    connect_s: float = 0.0  # how long its connect took (returned or failed)
 
 
 async def drive(t: Transport, *, round: int, deadline: float,
@@ -139,6 +141,10 @@ async def drive(t: Transport, *, round: int, deadline: float,
     return moved
 
 
+#: The store prefix ``run_world``'s ranks rendezvous under.
+DATA_PREFIX = "job/1/data/"
+
+
 async def run_world(name: str, plan: TransferPlan, *, bucket_bytes: int = 1 << 12,
                     max_inflight: int = 2, rounds: int = 1, device: str = "cpu",
                     src_dtype: torch.dtype | None = None,
@@ -146,10 +152,15 @@ async def run_world(name: str, plan: TransferPlan, *, bucket_bytes: int = 1 << 1
                     body: Callable[[int, Transport], Any] | None = None,
                     deadline: float = 30.0, coalesce: bool = True,
                     coalesce_below: int | None = None,
-                    host: str | None = None, close_timeout: float = 10.0
+                    host: str | None = None, close_timeout: float = 10.0,
+                    connect_timeout: float = 20.0,
+                    wrap_session: Callable[[Any], Any] | None = None
                     ) -> list[RankResult]:
     """Run ``rounds`` rounds on every rank; returns per-rank results (errors captured).
-    ``host``: where gloo binds (its ranks here share one process, so 127.0.0.1)."""
+    ``host``: where gloo binds (its ranks here share one process, so 127.0.0.1).
+    ``connect_timeout``: the rendezvous timeout; ``wrap_session(session)``: what each rank
+    connects through instead of its store session (to watch or tamper with the rendezvous);
+    ranks rendezvous under ``DATA_PREFIX``."""
     store = MemoryStore()
     extra = {} if coalesce_below is None else {"coalesce_below": coalesce_below}
     settings = TransportSettings(max_inflight=max_inflight, device=device, coalesce=coalesce,
@@ -167,8 +178,15 @@ async def run_world(name: str, plan: TransferPlan, *, bucket_bytes: int = 1 << 1
         res.transport = t
         try:
             await t.prepare()
-            await t.connect(Rendezvous(store.session(), "job/1/data/", rank=r,
-                                       world_size=plan.world_size, timeout=20.0))
+            session = store.session()
+            t0 = time.monotonic()
+            try:
+                await t.connect(Rendezvous(
+                    wrap_session(session) if wrap_session is not None else session,
+                    DATA_PREFIX, rank=r, world_size=plan.world_size, timeout=connect_timeout))
+            finally:
+                res.connect_s = time.monotonic() - t0
+            res.connected = True
             if body is not None:
                 await body(r, t)
                 return
