@@ -38,7 +38,7 @@ pytest.importorskip("vllm.distributed.weight_transfer", reason="the vllm-contrac
                     "installs vLLM 0.33.0 (no deps)")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integrations"))
-from _vllm_world import FanOutClient, GPUWorker, vllm_config
+from _vllm_world import FanOutClient, GPUWorker, SyncClient, vllm_config
 
 T, TP = 2, 2
 TOKEN = "vllm-contract"
@@ -104,36 +104,22 @@ def _steps(policy: nn.Module, step: int) -> None:
                 p.mul_(0.5)
 
 
-class PipeClient:
+class PipeClient(SyncClient):
     """Trainer rank 0's ``VLLMWeightSyncClient``: each call goes over ``conn`` (JSON) to the
     test process, which runs it on every worker at once (``FanOutClient``) and answers when
     all did; a worker's error comes back as a ``RuntimeError``."""
 
     def __init__(self, conn: Any) -> None:
+        super().__init__()
         self.conn = conn
         self.lock = threading.Lock()  # the backend's RPC thread and its caller both call
 
-    def _call(self, method: str, *args: Any) -> None:
+    def _all(self, method: str, *args: Any) -> None:
         with self.lock:
             self.conn.send_bytes(json.dumps({"method": method, "args": list(args)}).encode())
             answer = json.loads(self.conn.recv_bytes())
         if "error" in answer:
             raise RuntimeError(f"{method}: {answer['error']}")
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._call("init_weight_transfer_engine", init_info)
-
-    def shutdown_weight_transfer_engine(self) -> None:
-        self._call("shutdown_weight_transfer_engine")
-
-    def start_weight_update(self) -> None:
-        self._call("start_weight_update")
-
-    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
-        self._call("update_weights", update_info)
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._call("finish_weight_update", weight_version)
 
 
 def _trainer(rank: int, rendezvous: str, port: int, conn: Any, out: Any) -> None:

@@ -16,6 +16,8 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from integrations._vllm_world import SyncClient
+
 from m2n_async.testing._gpu import RankCtx
 
 T, TP = 2, 2
@@ -24,7 +26,7 @@ IN_PLACE = {"model.layers.0.self_attn.o_proj.weight", "model.layers.0.mlp.down_p
 RPC_TIMEOUT = 240.0
 
 
-class StoreRPCClient:
+class StoreRPCClient(SyncClient):
     """``VLLMWeightSyncClient`` of trainer rank 0 over the test store (module docstring).
 
     Called from the backend's threads (its RPC executor included); each call goes to the
@@ -32,17 +34,16 @@ class StoreRPCClient:
     ``RuntimeError`` naming the worker rank and the method."""
 
     def __init__(self, ctx: RankCtx, portal: Any) -> None:
+        super().__init__()
         self.ctx, self.portal = ctx, portal
         self.workers = list(range(ctx.trainer_ranks, ctx.world_size))
-        self.calls: list[str] = []
         self._n = 0
 
     def _all(self, method: str, *args: Any) -> None:
         self._n += 1
-        self.calls.append(method)
-        self.portal.call(self._call, self._n, method, list(args))
+        self.portal.call(self._send, self._n, method, list(args))
 
-    async def _call(self, n: int, method: str, args: list[Any]) -> None:
+    async def _send(self, n: int, method: str, args: list[Any]) -> None:
         import anyio
 
         store = self.ctx.store
@@ -54,24 +55,9 @@ class StoreRPCClient:
             if "error" in answer:
                 raise RuntimeError(f"worker rank {w}: {method}: {answer['error']}")
 
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._all("init_weight_transfer_engine", init_info)
-
-    def shutdown_weight_transfer_engine(self) -> None:
-        self._all("shutdown_weight_transfer_engine")
-
-    def start_weight_update(self) -> None:
-        self._all("start_weight_update")
-
-    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
-        self._all("update_weights", update_info)
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._all("finish_weight_update")
-
     def exit(self) -> None:
         """Not vLLM's: ends the worker ranks' RPC loops."""
-        self._all("exit")
+        self._call("exit")
 
 
 class _CudaSource:
@@ -96,12 +82,11 @@ async def backend_rounds(ctx: RankCtx) -> dict[str, Any]:
     """``ctx.case``: ``transport``, ``store_port`` (the backend's store, served by trainer
     rank 0's engine), ``rounds``. Trainers return their results' versions and lanes; workers
     return the mismatches of every round (empty: bit-exact) and what the checks saw."""
-    import importlib
+    from integrations import _vllm_world as world
 
     from m2n_async.integrations import vllm as backend
 
     os.environ[backend.TOKEN_ENV] = TOKEN
-    world = importlib.import_module("integrations._vllm_world")
     with world.stub_vllm():
         if ctx.rank < ctx.trainer_ranks:
             return await _trainer(ctx, world, backend)

@@ -282,34 +282,49 @@ class GPUWorker:
         self.weight_transfer_engine.shutdown()
 
 
-class FanOutClient:
-    """``VLLMWeightSyncClient`` over several ``GPUWorker``s: each call runs on every worker at
-    once and returns when all did (the first error is raised), as Ray's client does."""
+class SyncClient:
+    """The calls of vLLM's ``VLLMWeightSyncClient`` the backend makes, each sent to every
+    worker by ``_all(method, *args)`` (which a client defines: in this process, over a pipe,
+    through a store); ``calls`` records them, ``versions`` what ``finish`` published."""
 
-    def __init__(self, workers: list[GPUWorker]) -> None:
-        self.workers = workers
+    def __init__(self) -> None:
         self.calls: list[str] = []
         self.versions: list[str | None] = []
 
     def _all(self, method: str, *args: Any) -> None:
+        raise NotImplementedError
+
+    def _call(self, method: str, *args: Any) -> None:
         self.calls.append(method)
+        self._all(method, *args)
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._call("init_weight_transfer_engine", init_info)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._call("shutdown_weight_transfer_engine")
+
+    def start_weight_update(self) -> None:
+        self._call("start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        self._call("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._call("finish_weight_update")
+        self.versions.append(weight_version)  # vLLM publishes it after finish
+
+
+class FanOutClient(SyncClient):
+    """``VLLMWeightSyncClient`` over several ``GPUWorker``s: each call runs on every worker at
+    once and returns when all did (the first error is raised), as Ray's client does."""
+
+    def __init__(self, workers: list[GPUWorker]) -> None:
+        super().__init__()
+        self.workers = workers
+
+    def _all(self, method: str, *args: Any) -> None:
         with ThreadPoolExecutor(len(self.workers)) as ex:
             futs = [ex.submit(getattr(w, method), *args) for w in self.workers]
             for f in futs:
                 f.result()
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._all("init_weight_transfer_engine", init_info)
-
-    def shutdown_weight_transfer_engine(self) -> None:
-        self._all("shutdown_weight_transfer_engine")
-
-    def start_weight_update(self) -> None:
-        self._all("start_weight_update")
-
-    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
-        self._all("update_weights", update_info)
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._all("finish_weight_update")
-        self.versions.append(weight_version)  # vLLM publishes it after finish
