@@ -28,10 +28,11 @@ import argparse
 import gc
 import os
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+
+from m2n_async.testing import process_counts
 
 if TYPE_CHECKING:
     from m2n_async.testing import RankContext, RankResult
@@ -43,29 +44,10 @@ _FAIL_GRACE = 20.0
 
 def _sample() -> tuple[int, int, float]:
     """(threads, open fds, RSS MB) of this process, once no joined thread is still exiting."""
-    threads = _settled_threads()
-    fds = len(os.listdir("/proc/self/fd"))
+    threads, fds = process_counts()  # joined threads on their way out are waited for
     with open("/proc/self/statm") as f:
         rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
     return threads, fds, rss
-
-
-def _settled_threads() -> int:
-    """This process's OS threads (``/proc/self/task``), waiting (2 s at most) until the tasks
-    that carry the process's own name — Python threads, native ones nobody named — are no more
-    than the threads ``threading`` knows."""
-    # Thread.join returns when a thread's Python side is done; its OS task goes a moment
-    # later, and a sample right after close() would count it: a spurious +1. Wait that out,
-    # as tests/engine/_release_scenarios.py's _counts does; a thread that really outlives
-    # close() keeps the count up past the deadline and is counted.
-    deadline = time.monotonic() + 2.0
-    own = _comm("/proc/self/comm")
-    while True:
-        tasks = os.listdir("/proc/self/task")
-        unnamed = sum(_comm(f"/proc/self/task/{t}/comm") == own for t in tasks)
-        if unnamed <= threading.active_count() or time.monotonic() > deadline:
-            return len(tasks)
-        time.sleep(0.01)
 
 
 def _comm(path: str) -> str:

@@ -17,12 +17,10 @@ its bytes (``/proc/net/tcp``: the accepted socket's receive queue is empty).
 from __future__ import annotations
 
 import gc
-import os
 import re
 import socket
 import struct
 import sys
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -32,7 +30,7 @@ import torch
 
 from m2n_async._proto.errors import TransferError
 from m2n_async._proto.plan import TransferPlan
-from m2n_async.testing import MemoryStore
+from m2n_async.testing import MemoryStore, process_counts
 
 from ._world import DATA_PREFIX, R, RankResult, make_plan, run_world
 
@@ -160,25 +158,6 @@ async def test_foreign_connection_fails_connect_within_the_check_timeout() -> No
         assert res.connect_s < timeout + 3.0, res.connect_s
 
 
-def _counts() -> tuple[int, int]:
-    """(threads, fds) of this process once they stop falling: a joined thread's OS task goes
-    a moment after ``join`` returns, long enough on a loaded machine to be counted. Read
-    until neither has fallen for 0.1 s (2 s at most); what really outlives the connect
-    (a Gloo group's thread and sockets) does not fall and is counted."""
-    def read() -> tuple[int, int]:
-        return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
-
-    deadline = time.monotonic() + 2.0
-    best = read()
-    since = time.monotonic()
-    while time.monotonic() < deadline and time.monotonic() - since < 0.1:
-        time.sleep(0.01)
-        got = read()
-        if got[0] < best[0] or got[1] < best[1]:
-            best, since = (min(got[0], best[0]), min(got[1], best[1])), time.monotonic()
-    return best
-
-
 @pytest.mark.asyncio
 async def test_a_failed_check_frees_the_group_without_the_collector() -> None:
     """With the garbage collector off, an attacked connect leaves nothing behind: the
@@ -200,7 +179,7 @@ async def test_a_failed_check_frees_the_group_without_the_collector() -> None:
                 del out
             finally:
                 foreigner.close()
-            counts.append(_counts())
+            counts.append(process_counts())
     finally:
         if enabled:
             gc.enable()

@@ -4,40 +4,13 @@ collector off, reporting this process's thread and fd counts after each close.""
 from __future__ import annotations
 
 import gc
-import os
-import threading
-import time
 from typing import Any
 
 import torch
 
+from m2n_async.testing import process_counts
+
 from ._world import TOKEN
-
-
-def _counts() -> tuple[int, int]:
-    """(threads, fds) of this process once no joined thread is still exiting.
-
-    ``Thread.join`` returns when the Python side of a thread is done; its OS task goes a
-    moment later, and on a loaded machine that moment is long enough to be counted. So wait
-    (at most 2 s) until the tasks that carry the process's own name — Python threads, and
-    native threads nobody named — are no more than the threads ``threading`` knows. A
-    thread that really outlives ``close()`` (a Gloo group's) stays and is counted."""
-    deadline = time.monotonic() + 2.0
-    own = _comm("/proc/self/comm")
-    while True:
-        tasks = os.listdir("/proc/self/task")
-        unnamed = sum(_comm(f"/proc/self/task/{t}/comm") == own for t in tasks)
-        if unnamed <= threading.active_count() or time.monotonic() > deadline:
-            return len(tasks), len(os.listdir("/proc/self/fd"))
-        time.sleep(0.01)
-
-
-def _comm(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:  # the task just went
-        return ""
 
 
 async def cycles(*, address: str, job: str, rank: int, cycles: int, fail: bool,
@@ -80,7 +53,7 @@ async def cycles(*, address: str, job: str, rank: int, cycles: int, fail: bool,
                     raise
             finally:
                 await engine.close()
-            out.append(_counts())
+            out.append(process_counts())
     finally:
         if enabled:
             gc.enable()
