@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import socket
 import sys
 import threading
 import time
@@ -38,7 +37,7 @@ pytest.importorskip("vllm.distributed.weight_transfer", reason="the vllm-contrac
                     "installs vLLM 0.33.0 (no deps)")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integrations"))
-from _vllm_world import FanOutClient, GPUWorker, SyncClient, vllm_config
+from _vllm_world import FanOutClient, GPUWorker, SyncClient, free_port, vllm_config
 
 T, TP = 2, 2
 TOKEN = "vllm-contract"
@@ -171,12 +170,6 @@ def _trainer(rank: int, rendezvous: str, port: int, conn: Any, out: Any) -> None
     out.put(report)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_lifecycle_through_vllms_own_factories(tmp_path: Path) -> None:
     from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.distributed.weight_transfer import (
@@ -207,7 +200,7 @@ def test_lifecycle_through_vllms_own_factories(tmp_path: Path) -> None:
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_trainer, args=(r, str(tmp_path / "rendezvous"), port,
                                                 theirs if r == 0 else None, out),
                          daemon=True) for r in range(T)]

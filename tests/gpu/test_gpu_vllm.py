@@ -15,9 +15,8 @@ share the one GPU as every other GPU test does (libnccl >= 2.30, several ranks p
 
 from __future__ import annotations
 
-import socket
-
 import pytest
+from integrations._vllm_world import free_port
 
 from m2n_async.testing import _gpu as _world
 
@@ -28,18 +27,12 @@ PKG = __name__.rsplit(".", 1)[0]
 ROUNDS = 3
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.parametrize("transport", ["m2n", "nccl"])
 def test_backend_rounds_bit_exact_on_gpu(transport: str) -> None:
     reason = gpu_skip_reason(transport, T + TP)
     if reason is not None:
         pytest.skip(reason)
-    case = {"transport": transport, "store_port": _free_port(), "rounds": ROUNDS}
+    case = {"transport": transport, "store_port": free_port(), "rounds": ROUNDS}
     out = _world.run_world(f"{PKG}._vllm_ranks:backend_rounds", case, trainer_ranks=T,
                            world_size=T + TP, timeout=400)
     res = out["results"]

@@ -18,6 +18,7 @@ Every rank is a thread here; each engine still has its own loop thread and Gloo 
 
 from __future__ import annotations
 
+import socket
 import sys
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +50,13 @@ def stub_vllm() -> Iterator[None]:
     finally:
         sys.path.remove(str(STUB))
         purge()
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now: trainer rank 0's store port for a job's ranks to share."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 # -- the checkpoint (trainer side): HF names and shapes ----------------------------------------

@@ -12,7 +12,6 @@ started (previous weights kept).
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from ._vllm_world import (
     ShardedSource,
     TinyLlama,
     expected_locals,
+    free_port,
     stub_vllm,
     vllm_config,
 )
@@ -49,12 +49,6 @@ def _stub_and_token() -> Iterator[None]:
         del os.environ[backend.TOKEN_ENV]
     else:
         os.environ[backend.TOKEN_ENV] = old
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -104,7 +98,7 @@ def _job() -> Job:
                                           models[r]) for r in range(TP)]
     workers = [GPUWorker(b, r, vllm_config(r, TP)) for r, b in enumerate(backends)]
     return Job(models, backends, workers, FanOutClient(workers),
-               [ShardedSource(r, T) for r in range(T)], _free_port())
+               [ShardedSource(r, T) for r in range(T)], free_port())
 
 
 def test_three_rounds_bit_exact_in_place_and_through_load_weights() -> None:
