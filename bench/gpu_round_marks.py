@@ -23,11 +23,15 @@ Reading it (BENCHMARKS "Multi-GPU", the nvidia-h200-x2 run of 2026-11-29): the g
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import time
 from typing import Any
 
+from m2n_async._data._transport import sink_map
 from m2n_async.testing import _gpu as _world
 
 WARMUP = 5
@@ -38,6 +42,32 @@ def median_marks(rows: list[dict[str, float]]) -> dict[str, float]:
     names = {k for r in rows for k in r}
     med = {k: statistics.median(r[k] for r in rows if k in r) for k in names}
     return dict(sorted(med.items(), key=lambda kv: kv[1]))
+
+
+def _time_steps(t: Any, marks: dict[str, float]) -> None:
+    """``--timers``: the host time of the lane's steps inside stage / transfer / unpack,
+    summed per round as ``T.<step>`` (microseconds; a sum, not a time stamp)."""
+    import m2n_async._data.m2n as lane
+
+    def timed(name: str, fn: Any) -> Any:
+        def run(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                key = f"T.{name}"
+                marks[key] = marks.get(key, 0.0) + time.perf_counter() - t0
+        return run
+
+    for name in ("_pack", "_stacks", "_source_table", "_table", "sink_records",
+                 "_scatter_lists", "_descriptors", "_bucket", "check_usable", "submit",
+                 "completion_of"):
+        setattr(t, name, timed(name, getattr(t, name)))
+    for name in ("copy_many", "pointer_table"):
+        setattr(lane, name, timed(name, getattr(lane, name)))
+    streams = t.streams
+    for name in ("wait", "record", "producer"):
+        setattr(streams, name, timed(f"streams.{name}", getattr(streams, name)))
 
 
 async def marks_rank(ctx: _world.RankCtx) -> dict[str, Any]:
@@ -54,6 +84,9 @@ async def marks_rank(ctx: _world.RankCtx) -> dict[str, Any]:
     if sources is not None and case["cast"]:
         sources = {k: v.float() for k, v in sources.items()}
     targets = None if trainer else _world.zero_targets(plan, ctx.rank, ctx.device)
+    # As the engine does at connect: the targets as Sink records once (a plain dict would
+    # cost the lane a conversion per round on the worker's stage path).
+    sinks = sink_map(targets) if targets is not None else None
     t = await _world.open_transport(ctx, "m2n", plan, bucket_bytes=case["bucket_bytes"],
                                     max_inflight=3, tag="marks")
     marks: dict[str, float] = {}
@@ -97,13 +130,18 @@ async def marks_rank(ctx: _world.RankCtx) -> dict[str, Any]:
 
     t.stage, t.transfer, t.unpack, t.begin_transfer = (traced_stage, traced_transfer,
                                                        traced_unpack, traced_begin)
+    if case.get("timers"):
+        _time_steps(t, marks)
 
     async def resolve(bucket: Any) -> Any:
         mark(f"b{bucket.index}.src")
         return sources
 
     rows: list[dict[str, float]] = []
+    prof = cProfile.Profile() if case.get("profile") else None
     for it in range(case["iters"] + WARMUP):
+        if prof is not None and it == WARMUP:
+            prof.enable()
         await ctx.barrier(f"marks-{it}")
         torch.cuda.synchronize()
         marks.clear()
@@ -111,15 +149,27 @@ async def marks_rank(ctx: _world.RankCtx) -> dict[str, Any]:
         t.begin_round(it + 1, time.monotonic() + 60)
         t0 = time.perf_counter()
         await run_pipeline(t, t.ctx.buckets, max_inflight=3,
-                           sources=resolve if trainer else None, sinks=targets)
+                           sources=resolve if trainer else None, sinks=sinks)
         mark("pipeline_end")
         if trainer:
             torch.cuda.synchronize()
         mark("end")
         t.end_round()
-        rows.append({k: round((v - t0) * 1e6, 1) for k, v in marks.items()})
+        rows.append({k: round((v if k.startswith("T.") else v - t0) * 1e6, 1)
+                     for k, v in marks.items()})
+    profile = None
+    if prof is not None:
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+        profile = text.getvalue()
     await _world.close_transport(t)
-    return {"median_us": median_marks(rows[WARMUP:])}
+    kept = rows[WARMUP:]
+    ends = sorted(r["end"] for r in kept)
+    return {"median_us": median_marks(kept),
+            "end_us_p10_p50_p90": [ends[len(ends) // 10], ends[len(ends) // 2],
+                                   ends[len(ends) * 9 // 10]],
+            **({"profile": profile} if profile else {})}
 
 
 def main() -> int:
@@ -128,15 +178,23 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--bucket-bytes", type=int, default=256 << 20)
     ap.add_argument("--cast", action="store_true", help="fp32 sources, cast to bf16 in stage")
+    ap.add_argument("--profile", action="store_true",
+                    help="cProfile every rank over the timed rounds (top 25 by own time)")
+    ap.add_argument("--timers", action="store_true",
+                    help="sum the host time of the lane's steps per round (T.<step>, us)")
     ap.add_argument("--trainers", type=int, default=1)
     ap.add_argument("--workers", type=int, default=1)
     args = ap.parse_args()
     case = {"model": args.model, "iters": args.iters, "bucket_bytes": args.bucket_bytes,
-            "cast": args.cast}
+            "cast": args.cast, "profile": args.profile,
+            "timers": args.timers}
     run = _world.run_world("gpu_round_marks:marks_rank", case, trainer_ranks=args.trainers,
                            world_size=args.trainers + args.workers, timeout=300)
-    print(json.dumps({"case": case, "exitcodes": run["exitcodes"],
-                      "ranks": {r: v for r, v in sorted(run["results"].items())}}, indent=1))
+    ranks = {r: v for r, v in sorted(run["results"].items())}
+    profiles = {r: v.pop("profile") for r, v in ranks.items() if "profile" in v}
+    print(json.dumps({"case": case, "exitcodes": run["exitcodes"], "ranks": ranks}, indent=1))
+    for r, text in profiles.items():
+        print(f"--- rank {r} profile ---\n{text}")
     return 0 if all(code == 0 for code in run["exitcodes"]) else 1
 
 
