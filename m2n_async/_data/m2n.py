@@ -24,13 +24,11 @@ Per bucket:
   ``nccl.m2n.group()`` of the bucket's reshards (split so that no group carries more than
   ``GROUP_MAX_BYTES`` of global tensor bytes: a PACK bin over 2 GiB fails unless
   ``NCCL_RESHARD_PACK_BUFFSIZES`` is raised everywhere) or the same reshards one by one, in
-  the same order. Then an event; on a worker, right behind it, the bucket's scatter copies
-  from staging into targets on the unpack stream (decided in ``stage``) and an event after
-  them. The completion fires when the last event completed. The ``DistTensor``
+  the same order. Then an event; the completion fires when it completed. The ``DistTensor``
   descriptors are built on the loop thread and reused across rounds where that is safe
   (``_descriptors``): between GPUs, building them cost as much as the small reshards.
-* ``unpack`` (worker): the staged bytes are in their targets once the completion fired;
-  load callbacks get theirs (views of the staging) in plan order.
+* ``unpack`` (worker): copies staged tensors into their targets on the unpack stream (after
+  the transfer event) and calls load callbacks once the bytes are there.
 
 Grouping is decided once per generation, identically on every rank (DEVELOPERS "GPU notes":
 the communicator's GIN properties cannot be queried on libnccl 2.30 with nccl4py 0.6, and on
@@ -170,13 +168,6 @@ class M2NStaging(Staging):
     sources: list[Any] = field(default_factory=list)
     #: the stack arena slot this bucket holds (``_StackArenas``), None if none or temporary
     arena_slot: int | None = None
-    #: worker: the sinks ``stage`` got, and from them the bucket's scatter copies and load
-    #: callbacks; the transfer enqueues the copies right behind the reshards (``transfer``)
-    sinks: Mapping[str, SinkLike] | None = None
-    scatter: list[_Scatter] = field(default_factory=list)
-    callbacks: list[tuple[str, Any, Any]] = field(default_factory=list)
-    #: worker: event after the scatter copies (None when the bucket has none)
-    unpacked: Any = None
 
 
 @dataclass(eq=False)
@@ -526,10 +517,6 @@ class M2NTransport(GpuTransportBase):
                     st.persistent.append(False)
                     st.staged.append(k)
                     st.nbytes += buf.numel() * buf.element_size()
-            # Decided here, on the loop, so that the transfer can enqueue the copies right
-            # behind the reshards (``transfer``).
-            st.sinks = sinks
-            st.scatter, st.callbacks = self._scatter_lists(st, sinks)
             # Targets are written in place: the transfer must follow any queued reader.
             st.ready = streams.record(producer)
         return st
@@ -775,52 +762,15 @@ class M2NTransport(GpuTransportBase):
                     f"{getattr(exc, 'detail', None) or exc}",
                     rank=self.ctx.rank, round=self.round) from exc
             st.transferred = streams.record(stream)
-            if not st.scatter:
-                return st.transferred
-            try:
-                self._enqueue_scatter(st)
-            except Exception as exc:
-                raise TransferError(
-                    f"m2n: unpack copies of bucket {st.bucket.index} failed at {where}: {exc}",
-                    rank=self.ctx.rank, round=self.round) from exc
-            return st.unpacked
+            return st.transferred
 
         return self.submit(run, st, f"bucket {st.bucket.index} transfer")
 
-    def _enqueue_scatter(self, st: M2NStaging) -> None:
-        """Worker, native thread, right after the bucket's reshards were submitted: the
-        scatter copies on the unpack stream, after the transfer event, and the event after
-        them (``st.unpacked``: what the bucket's completion waits for).
-
-        Enqueued here rather than in ``unpack``, after the loop heard of the transfer's
-        completion: the copies then start the moment the reshards end on the GPU, and the
-        round saves a wake-up of the loop and the launch on its critical path (MoE, 1024
-        experts: ~0.3 ms of a ~3 ms round). A failed transfer poisons the targets either way
-        (``unpack``'s cancellation note)."""
-        streams = self.streams
-        assert streams is not None
-        torch = _torch()
-        streams.wait(streams.unpack, st.transferred)
-        with streams.on(streams.unpack):
-            for g in st.scatter:
-                if g.kernel is None:  # decided once per group (it is cached with it)
-                    g.kernel = (len(g.dsts) >= MIN_PIECES and kernels_available()
-                                and uniform_pieces(g.dsts) and uniform_pieces(g.srcs))
-                    if g.kernel and g.cache:  # uploaded on this stream: ordered before use
-                        g.tables = (pointer_table(g.srcs, self.device),
-                                    pointer_table(g.dsts, self.device))
-                src_t, dst_t = g.tables if g.tables is not None else (None, None)
-                if not (g.kernel and copy_many(g.dsts, g.srcs, src_table=src_t,
-                                               dst_table=dst_t, uniform=True)):
-                    torch._foreach_copy_(g.dsts, g.srcs, non_blocking=True)
-        st.unpacked = streams.record(streams.unpack)
-
     async def unpack(self, staging: Staging, sinks: Mapping[str, SinkLike]) -> None:
-        """Worker: the staged tensors are in their targets by now — the transfer enqueued
-        their multi-tensor copies behind the reshards and its completion covered them
-        (``_enqueue_scatter``) — so what is left is the load callbacks, in plan order; a
-        stacked call's members reach callbacks as views of the stack (no extra copy).
-        ``sinks`` must be the mapping the bucket was staged with.
+        """Worker: copy staged tensors into their targets with one multi-tensor copy (unpack
+        stream, after the transfer event) and call load callbacks in plan order once the
+        bytes are in place; a stacked call's members reach callbacks as views of the stack
+        (no extra copy).
 
         Cancellation: targets may be partly written; the engine aborts and poisons.
         """
@@ -828,10 +778,25 @@ class M2NTransport(GpuTransportBase):
             return
         assert isinstance(staging, M2NStaging)
         st = staging
-        if sinks is not st.sinks:
-            raise LocalProtocolError(f"m2n: bucket {st.bucket.index} unpacked with other "
-                                     f"sinks than it was staged with at {self.ctx.where()}")
-        await self.finish_unpack(st, False, st.callbacks)
+        streams = self.streams
+        assert streams is not None
+        torch = _torch()
+        groups, callbacks = self._scatter_lists(st, sinks)
+        streams.wait(streams.unpack, st.transferred)
+        if groups:
+            with streams.on(streams.unpack):
+                for g in groups:
+                    if g.kernel is None:  # decided once per group (it is cached with it)
+                        g.kernel = (len(g.dsts) >= MIN_PIECES and kernels_available()
+                                    and uniform_pieces(g.dsts) and uniform_pieces(g.srcs))
+                        if g.kernel and g.cache:
+                            g.tables = (pointer_table(g.srcs, self.device),
+                                        pointer_table(g.dsts, self.device))
+                    src_t, dst_t = g.tables if g.tables is not None else (None, None)
+                    if not (g.kernel and copy_many(g.dsts, g.srcs, src_table=src_t,
+                                                   dst_table=dst_t, uniform=True)):
+                        torch._foreach_copy_(g.dsts, g.srcs, non_blocking=True)
+        await self.finish_unpack(st, bool(groups), callbacks)
 
     def _scatter_lists(self, st: M2NStaging, sinks: Mapping[str, SinkLike]
                        ) -> tuple[list[_Scatter], list[tuple[str, Any, Any]]]:
@@ -884,8 +849,7 @@ class M2NTransport(GpuTransportBase):
             staging.buffers = []
             staging.sources = []
             staging.gates = []
-            staging.scatter, staging.callbacks, staging.sinks = [], [], None
-            staging.ready = staging.transferred = staging.unpacked = None
+            staging.ready = staging.transferred = None
 
     def _release_native_resources(self) -> list[Any]:
         self._own_side.clear()  # the caller's tensors are theirs again
