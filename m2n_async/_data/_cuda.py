@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import os
 import queue
 import threading
@@ -79,6 +80,7 @@ __all__ = [
     "GpuTransportBase",
     "Signal",
     "Streams",
+    "bootstrap_advice",
     "gpu_unavailable_reason",
     "grouping_mode",
     "libnccl_version",
@@ -124,6 +126,33 @@ def _poll_max() -> float:
     if not 1e-6 <= value <= 1.0:
         raise ValueError(f"{POLL_MAX_ENV}={raw!r}: expected seconds in [1e-6, 1], e.g. 2e-4")
     return value
+
+
+log = logging.getLogger("m2n_async")
+
+_LOOPBACK = ("127.", "localhost", "::1", "[::1]")
+_advised = False  # bootstrap_advice is logged once per process (NCCL's choice is, too)
+
+
+def bootstrap_advice(host: str | None, environ: Mapping[str, str]) -> str | None:
+    """The warning for a local job whose NCCL bootstrap is not pinned to loopback, else None.
+
+    ``host`` is where the engine binds its own (Gloo) data plane: a loopback address means
+    every rank is on this host (the store is on loopback). NCCL's bootstrap, though, listens
+    on the interface NCCL picks itself, unauthenticated (docs/security.md). The engine does
+    not set ``NCCL_SOCKET_IFNAME`` for it: NCCL reads it once per process, at the first
+    bootstrap of any communicator, so a value set here would either come too late (the
+    process's own NCCL ran first) or pin every later communicator of the process — a
+    trainer's multi-host training ones included — to loopback. The launcher sets it."""
+    if host is None or not host.startswith(_LOOPBACK):
+        return None
+    if environ.get("NCCL_SOCKET_IFNAME", "").strip():
+        return None
+    return ("NCCL_SOCKET_IFNAME is not set although every rank of this job is on this host "
+            "(the store is on loopback): NCCL's bootstrap, which authenticates nothing, "
+            "listens on the interface NCCL picks, reachable from the network. Set "
+            "NCCL_SOCKET_IFNAME=lo for the job's processes in the launcher "
+            "(docs/security.md, 'Binding').")
 
 
 # -- lazy imports -----------------------------------------------------------------------------
@@ -577,6 +606,11 @@ class GpuTransportBase(Transport):
         aborted as soon as it exists, so no failed connect leaves one behind.
         """
         self.check_usable()
+        global _advised
+        advice = None if _advised else bootstrap_advice(self.ctx.settings.host, os.environ)
+        if advice is not None:
+            _advised = True
+            log.warning("%s: %s", self.name, advice)
         nc = self._nc or nccl_core()
         published = None
         if self.ctx.rank == 0:

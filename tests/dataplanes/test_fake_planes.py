@@ -549,3 +549,34 @@ async def test_close_is_bounded_by_close_timeout_when_the_abort_hangs(
         assert not any(res.transport.teardown_finished for res in results)
     finally:
         release.set()
+
+
+async def test_bootstrap_advice_only_for_a_local_job_without_an_interface():
+    advice = _cuda.bootstrap_advice
+    assert "NCCL_SOCKET_IFNAME=lo" in (advice("127.0.0.1", {}) or "")
+    assert advice("127.0.0.1", {"NCCL_SOCKET_IFNAME": " "}) is not None  # blank: unset
+    assert advice("::1", {}) is not None
+    assert advice("127.0.0.1", {"NCCL_SOCKET_IFNAME": "lo"}) is None
+    assert advice("10.0.0.5", {}) is None  # a remote store: peers on other hosts
+    assert advice(None, {}) is None
+
+
+@pytest.mark.parametrize("name", ["nccl", "m2n"])
+async def test_connect_warns_once_when_a_local_job_leaves_nccl_unpinned(
+        fake_world, name, monkeypatch, caplog):
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    monkeypatch.setattr(_cuda, "_advised", False)
+    plan = make_plan([("w", (8, 4), torch.float32, (0, R), (0, R))], (2, 1), (2, 1))
+    with caplog.at_level("WARNING", logger="m2n_async"):
+        raise_first(await run_world(name, plan, host="127.0.0.1"))
+        raise_first(await run_world(name, plan, host="127.0.0.1"))
+    said = [r for r in caplog.records if "NCCL_SOCKET_IFNAME" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in said]  # once per process, not per rank
+    assert said[0].getMessage().startswith(f"{name}: ")
+
+    caplog.clear()
+    monkeypatch.setattr(_cuda, "_advised", False)
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "lo")
+    with caplog.at_level("WARNING", logger="m2n_async"):
+        raise_first(await run_world(name, plan, host="127.0.0.1"))
+    assert not [r for r in caplog.records if "NCCL_SOCKET_IFNAME" in r.getMessage()]
