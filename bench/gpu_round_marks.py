@@ -18,6 +18,12 @@ Reading it (BENCHMARKS "Multi-GPU", the nvidia-h200-x2 run of 2026-11-29): the g
 
     python3 bench/gpu_round_marks.py --model dense
     python3 bench/gpu_round_marks.py --model dense --cast     # fp32 sources cast to bf16
+    python3 bench/gpu_round_marks.py --model moe --trainers 2 --workers 2 --timers
+
+``--timers`` adds, per round, the host time summed over each of the lane's steps inside stage,
+transfer and unpack (``T.<step>``: the source pointer table, the Triton launch, the stream
+events, ...); ``--profile`` prints a cProfile of every rank over the timed rounds (on Python
+3.12 it sees every thread, and it inflates each C call, so read it for where, not how much).
 """
 
 from __future__ import annotations
