@@ -202,8 +202,8 @@ def test_connect_time_separates_process_start_from_the_handshake() -> None:
     # The survivors' own errors depend on where each stood when rank 2 died; the demo's
     # verdict must name the dead rank either way.
     (1, 2, "exit:2:2", ["rank 2 (worker): process exited with code 9"]),
-    # Killed halfway through writing an event: the other ranks must still be heard (CI of
-    # stop 11 lost every survivor's report when a shared queue's lock died with rank 2).
+    # Killed halfway through writing an event: the other ranks must still be heard (a queue
+    # shared by the ranks once lost every survivor's report when its lock died with rank 2).
     (1, 2, "torn:2:2", ["rank 2 (worker): process exited with code 9"]),
     (1, 1, "corrupt:1:1", ["rank 1 (worker): round 1: 1 of", "differ from the recomputation"]),
 ])

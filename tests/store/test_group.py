@@ -176,7 +176,7 @@ async def test_a_rank_that_contributed_then_left_is_not_lost(world: World, plain
     # Rank 0 contributes and its session ends (its own deadline fired first: it entered the
     # phase earlier). Rank 1 waits for rank 2, which is merely late: rank 1 must not blame
     # rank 0 — that diagnosis would differ from its peers' — and must complete when rank 2
-    # arrives. The CI run of stop 10 failed on exactly this race in the preflight.
+    # arrives. The preflight once failed on exactly this race.
     groups = await make_groups(world, 3, plain=plain)
     got: dict[int, list[bytes]] = {}
 
