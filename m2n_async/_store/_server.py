@@ -787,7 +787,8 @@ class _ServerProtocol(asyncio.BufferedProtocol):
             "connection dropped"), key="max_output")
         return False
 
-    def _write(self, msg: ServerMessage | ItemsRaw) -> None:
+    def _write(self, msg: ServerMessage | ItemsRaw, *, dropping: bool = False) -> None:
+        """``dropping``: the error frame ``_fail`` writes as it drops this connection."""
         frame = encode_frame(msg)
         if not isinstance(msg, Error):
             if len(frame) - 4 > self._server._max_frame:  # a backstop: the core sizes gathers
@@ -804,8 +805,9 @@ class _ServerProtocol(asyncio.BufferedProtocol):
         if self._paused or self._queued:  # the client is behind: count what waits for it
             self._measure_output()
             server = self._server
-            # An error frame never makes room: it is what dropping a connection writes.
-            if server._output_bytes > server._max_output_bytes and not isinstance(msg, Error):
+            # Any reply counts, per-request errors too (a waiter's peer_lost names two keys);
+            # only the frame of a drop does not make room: no reclaim inside a reclaim.
+            if server._output_bytes > server._max_output_bytes and not dropping:
                 server._reclaim_output()
 
     def _measure_output(self) -> None:
@@ -837,7 +839,7 @@ class _ServerProtocol(asyncio.BufferedProtocol):
         if self._closing:
             return
         self._server._unauthenticated.pop(self, None)
-        self._write(Error(rid, kind, message, key=key))
+        self._write(Error(rid, kind, message, key=key), dropping=True)
         self._closing = True
         self._release_partial()  # nothing more is read: its partial frame is garbage now
         if self._transport is not None:

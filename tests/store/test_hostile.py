@@ -277,6 +277,48 @@ async def test_unread_replies_past_the_store_wide_budget_drop_the_connection_hol
         await runner.stop()
 
 
+async def test_unread_error_replies_count_toward_the_store_wide_budget() -> None:
+    # Two connections that never read park waiters watching long keys; the keys are then
+    # lost, so every waiter fails with a peer_lost error naming its key (~40 KB a frame).
+    # Those replies count like any other: past the budget the connection holding the most
+    # is dropped, and the store-wide count never stays above the budget.
+    budget = OUTPUT_LIMITS["max_output_bytes"]
+    long_key = "w/" + "x" * 20_000
+    groups, per_group = 40, 8
+    runner = RunningServer(**OUTPUT_LIMITS)
+    server = await runner.start()
+    try:
+        with anyio.fail_after(DEADLINE):
+            async with await StoreClient.connect(server.address, token=TOKEN) as writer:
+                for g in range(groups):
+                    await writer.set(f"{long_key}{g}", b"1")
+                raws = [await Raw.open(server, authenticate=True, rcvbuf=4096)
+                        for _ in range(2)]
+                rid = 0
+                for g in range(groups):  # even groups watched by one, odd by the other
+                    for _ in range(per_group):
+                        rid += 1
+                        raws[g % 2].send(Get(rid, f"never/{rid}", True, (f"{long_key}{g}",)))
+                for raw in raws:
+                    await raw.writer.drain()
+                await until(lambda: server.core.pending_waiters == groups * per_group,
+                            "the waiters are parked")
+                protos = [protocol_of(server, raw) for raw in raws]
+                for g in range(groups):
+                    await writer.delete(f"{long_key}{g}", lost=True)
+                    assert server.output_bytes <= budget, (g, server.output_bytes)
+                    if any(p._closing for p in protos):
+                        break
+                assert [p._closing for p in protos].count(True) == 1, "one dropped"
+                assert server.output_bytes <= budget
+                await healthy(server)
+        for raw in raws:
+            raw.close()
+        await until(lambda: server.output_bytes == 0, "all gone")
+    finally:
+        await runner.stop()
+
+
 async def test_the_queued_output_count_returns_to_zero_however_connections_end() -> None:
     budget = OUTPUT_LIMITS["max_output_bytes"]
     runner = RunningServer(**OUTPUT_LIMITS)
