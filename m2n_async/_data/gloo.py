@@ -707,9 +707,9 @@ class GlooTransport(Transport):
             tg.cancel_scope.cancel()
 
         async def watch_peers() -> None:
-            try:  # waits for a key nobody writes: only a lost peer ends it
+            try:  # waits for a key nobody writes: only a lost peer (or store) ends it
                 await rendezvous.store.wait([rendezvous.key("never")], watch=rendezvous.watch)
-            except PeerLostError as exc:
+            except Exception as exc:  # PeerLostError, or the store itself failed: raised as is
                 outcome.setdefault("lost", exc)
                 tg.cancel_scope.cancel()
 
