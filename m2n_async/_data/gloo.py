@@ -395,6 +395,7 @@ class _Copies(NamedTuple):
 _WHOLE, _SPAN, _STRIDED, _CAST_SPAN, _CAST_STRIDED, _CAST_TEMP = range(6)
 
 _DTYPE = operator.attrgetter("dtype")
+_DATA_PTR = torch.Tensor.data_ptr  # the C method: no Python frame per tensor
 
 
 class _Cats(NamedTuple):
@@ -475,6 +476,10 @@ class GlooTransport(Transport):
         self._unpack_cache: dict[int, _UnpackPlan] = {}
         self._recv_cache: dict[int, tuple[list[tuple[int, Message, torch.Tensor | None]],
                                           int]] = {}
+        #: bucket -> its in-place targets and their storage addresses when the two caches
+        #: above were built for it: a target whose ``.data`` was reassigned since (the same
+        #: tensor, the same mapping, new storage) makes the bucket's views stale
+        self._target_ptrs: dict[int, tuple[list[torch.Tensor], list[int]]] = {}
         # Per message (by id: messages live as long as the cached packings): the arena views
         # of packed messages, reused while the message's buffer address stays the same.
         self._copy_cache: dict[int, _Copies] = {}
@@ -1030,10 +1035,17 @@ class GlooTransport(Transport):
         None), and the staging needed for the others; cached with the unpack plan (the
         worker's targets are fixed), so no view is built per round."""
         records = self._check_sinks(sinks)
-        got = self._recv_cache.get(bp.bucket.index)
+        index = bp.bucket.index
+        got = self._recv_cache.get(index)
         if got is not None:
-            return got
+            tensors, ptrs = self._target_ptrs[index]
+            if list(map(_DATA_PTR, tensors)) == ptrs:  # one C-level pass per round
+                return got
+            self._unpack_cache.pop(index, None)  # its views are of the old storage too
         names = self._names
+        tensors = [s.tensor for i in bp.params
+                   if (s := records.get(names[i])) is not None and s.in_place]
+        self._target_ptrs[index] = (tensors, list(map(_DATA_PTR, tensors)))
         out: list[tuple[int, Message, torch.Tensor | None]] = []
         need = 0
         for peer in bp.peers:
@@ -1046,7 +1058,7 @@ class GlooTransport(Transport):
                 else:  # a load callback gets its shard from staging
                     out.append((peer.peer, msg, None))
                     need += msg.nbytes
-        self._recv_cache[bp.bucket.index] = (out, need)
+        self._recv_cache[index] = (out, need)
         return out, need
 
     def _alloc_recv(self, bp: BucketPacking, sinks: Mapping[str, SinkLike]) -> GlooStaging:
@@ -1267,6 +1279,7 @@ class GlooTransport(Transport):
             # is in here then to pair one mapping with the other's records.
             self._unpack_records = self.sink_records(sinks)
             self._unpack_sinks, self._unpack_cache, self._recv_cache = sinks, {}, {}
+            self._target_ptrs = {}
             self._parts.clear()
         return self._unpack_records
 
@@ -1411,6 +1424,7 @@ class GlooTransport(Transport):
         self._parts.clear()
         self._recv_cache.clear()
         self._unpack_cache.clear()
+        self._target_ptrs.clear()
         self._unpack_sinks = None  # the caller's targets: a closed transport keeps none alive
         self._unpack_records = SinkMap()
         self._sink_cache = None

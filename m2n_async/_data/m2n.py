@@ -180,6 +180,9 @@ class _Scatter:
     cache: bool                # the same pieces every round: tables worth keeping
     tables: tuple[Any, Any] | None = None
     kernel: bool | None = None  # the Triton copy can take the group (decided on first use)
+    #: the targets' storage addresses in ``tables``: a target whose ``.data`` was reassigned
+    #: (the same tensor, new storage) must not be written through the old address
+    dst_ptrs: list[int] | None = None
 
 
 class _StackViews(NamedTuple):
@@ -784,14 +787,18 @@ class M2NTransport(GpuTransportBase):
         groups, callbacks = self._scatter_lists(st, sinks)
         streams.wait(streams.unpack, st.transferred)
         if groups:
+            data_ptr = torch.Tensor.data_ptr  # the C method: one C-level pass per group
             with streams.on(streams.unpack):
                 for g in groups:
+                    if g.dst_ptrs is not None and list(map(data_ptr, g.dsts)) != g.dst_ptrs:
+                        g.kernel = g.tables = g.dst_ptrs = None  # a target moved: decide again
                     if g.kernel is None:  # decided once per group (it is cached with it)
                         g.kernel = (len(g.dsts) >= MIN_PIECES and kernels_available()
                                     and uniform_pieces(g.dsts) and uniform_pieces(g.srcs))
                         if g.kernel and g.cache:
                             g.tables = (pointer_table(g.srcs, self.device),
                                         pointer_table(g.dsts, self.device))
+                            g.dst_ptrs = list(map(data_ptr, g.dsts))
                     src_t, dst_t = g.tables if g.tables is not None else (None, None)
                     if not (g.kernel and copy_many(g.dsts, g.srcs, src_table=src_t,
                                                    dst_table=dst_t, uniform=True)):
