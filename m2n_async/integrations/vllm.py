@@ -63,12 +63,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -201,6 +202,12 @@ def _parse(cls: type, what: str, d: object) -> dict[str, Any]:
         problems.append(f"missing keys {missing}")
     if wrong:
         problems.append(f"values of the wrong type {wrong}")
+    # Seconds, as EngineConfig and sync_weights(timeout=) take them: finite and > 0.
+    bad = sorted(f"{k}={v!r}" for k, v in d.items()
+                 if k.endswith("timeout") and isinstance(v, int | float)
+                 and not isinstance(v, bool) and not (math.isfinite(v) and v > 0))
+    if bad:
+        problems.append(f"timeouts must be finite numbers of seconds > 0 (or null) {bad}")
     if problems:
         raise ValueError(f"m2n_async {what}: {'; '.join(problems)} (known keys: "
                          f"{sorted(fields)})")
@@ -648,6 +655,14 @@ class VLLMWorkerBackend:
     def finish_weight_update(self) -> None:
         """Close the session: ``finalize_layerwise_reload(model, model_config)`` if the
         session opened one. ``RuntimeError`` without a session."""
+        self._require_init("finish_weight_update")
+        if self._poison is not None and not self._session:
+            # vLLM keeps its session open when this call raised (it clears it only after a
+            # return): a second finish after a failed one lets it close, so that
+            # shutdown_weight_transfer_engine() is allowed again. The engine stays poisoned.
+            log.warning("m2n_async: finish_weight_update after a failed update: the session "
+                        "ends, the model stays poisoned until shutdown and init")
+            return
         self._require_ready("finish_weight_update")
         if not self._session:
             raise RuntimeError("m2n_async: finish_weight_update called without a matching "
@@ -756,6 +771,18 @@ class TrainerInitInfo:
     host: str | None = None
     worker_host: str | None = None
     worker_rank_offset: int | None = None
+
+    def __post_init__(self) -> None:
+        # phase_timeout and round_timeout are checked by EngineConfig; these two bound the
+        # RPCs and the store connect here.
+        for name in ("update_timeout", "connect_timeout"):
+            v = getattr(self, name)
+            if v is None and name == "connect_timeout":
+                continue
+            if isinstance(v, bool) or not isinstance(v, int | float) or not (
+                    math.isfinite(v) and v > 0):
+                raise ValueError(f"m2n_async TrainerInitInfo: {name} must be a finite number "
+                                 f"of seconds > 0, got {v!r}")
 
     @property
     def is_sender(self) -> bool:
@@ -917,16 +944,27 @@ class VLLMTrainerEngine:
             raise RuntimeError("m2n_async: send_weights after shutdown(); call trainer_init "
                                "again")
         rpc: Future[None] | None = None
-        if self.is_sender:
-            assert self._executor is not None
-            self.client.start_weight_update()
-            rpc = self._executor.submit(self.client.update_weights, {})
-        shards = ((name, t.detach()) for name, t in self.source.iter_local())
-        pending = trainer.start_sync_weights(shards)
-        result: SyncResult = _wait_with_rpc(pending, rpc, "update_weights",
-                                            grace=self.init_info.update_timeout)
-        if self.is_sender:
-            self.client.finish_weight_update(weight_version)
+        try:
+            if self.is_sender:
+                assert self._executor is not None
+                self.client.start_weight_update()
+                rpc = self._executor.submit(self.client.update_weights, {})
+            shards = ((name, t.detach()) for name, t in self.source.iter_local())
+            pending = trainer.start_sync_weights(shards)
+            result: SyncResult = _wait_with_rpc(pending, rpc, "update_weights",
+                                                grace=self.init_info.update_timeout)
+            if self.is_sender:
+                self.client.finish_weight_update(weight_version)
+        except BaseException:
+            if self.is_sender:
+                # Workers whose part succeeded (or whose finish failed) still have vLLM's
+                # update session open, and vLLM refuses shutdown_weight_transfer_engine then:
+                # end those sessions, publishing no version, so that shutdown() and
+                # trainer_init() recover. A worker with no session open refuses; that is
+                # the one that already failed.
+                with contextlib.suppress(Exception):
+                    self.client.finish_weight_update()
+            raise
         return result
 
     def shutdown(self) -> None:
@@ -1030,11 +1068,13 @@ def _wait_with_rpc(pending: Any, rpc: Future[None] | None, what: str, *,
     if rpc is None:
         return pending.result()
     try:
-        done, _ = wait([pending.future, rpc], return_when=FIRST_EXCEPTION)
+        done, _ = wait([pending.future, rpc], return_when=FIRST_COMPLETED)
+        if rpc in done and rpc.exception() is None:
+            wait([pending.future])  # the RPC returned first: the round bounds itself
     except BaseException:
         pending.cancel()
         raise
-    if rpc in done and rpc.exception() is not None and not pending.done():
+    if rpc.done() and rpc.exception() is not None and not pending.done():
         pending.cancel()
         raise RuntimeError(f"m2n_async: the workers' {what} failed: {rpc.exception()!r}"
                            ) from rpc.exception()
@@ -1045,7 +1085,12 @@ def _wait_with_rpc(pending: Any, rpc: Future[None] | None, what: str, *,
         with contextlib.suppress(Exception):
             rpc.result(timeout=min(grace, 30.0))
         raise
-    rpc.result(timeout=grace)  # the workers' side of the call has returned (or raise)
+    try:  # this rank's part is done; the workers' side of the call gets ``grace`` more
+        rpc.result(timeout=grace)
+    except TimeoutError:
+        raise TimeoutError(f"m2n_async: the workers' {what} did not return within {grace:g} s "
+                           f"(update_timeout) after this rank's part of the round ended"
+                           ) from None
     return result
 
 

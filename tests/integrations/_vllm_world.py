@@ -163,6 +163,7 @@ class TinyLlama(nn.Module):
         self.model.norm = _Norm()
         self.lm_head = ParallelLMHead(VOCAB, HIDDEN, **kw)
         self.fail_load = False  # tests set it to make load_weights raise
+        self.fail_after_load = False  # ... or raise once it consumed every tensor
         self.load_calls = 0
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -190,6 +191,8 @@ class TinyLlama(nn.Module):
                 p = params[name]
                 getattr(p, "weight_loader", default_weight_loader)(p, w)
                 loaded.add(name)
+        if self.fail_after_load:  # e.g. a layer's processing after loading
+            raise RuntimeError("post-load processing failed (injected)")
         return loaded
 
 

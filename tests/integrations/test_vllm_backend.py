@@ -138,6 +138,19 @@ def test_init_info_keys_and_types_are_checked() -> None:
     be = _job().backends[0]
     good = {"store_address": "127.0.0.1:1", "trainer_ranks": 2, "world_size": 4,
             "params": [{"name": "w", "dtype": "bfloat16", "shape": [4, 4]}]}
+    # Timeouts are seconds, finite and > 0, as EngineConfig takes them (null: the default).
+    for key in ("receive_timeout", "connect_timeout"):
+        for bad in (0, -1, float("nan"), float("inf")):
+            with pytest.raises(ValueError, match=key):
+                be.parse_init_info({**good, key: bad})
+        assert getattr(be.parse_init_info({**good, key: None}), key) is None
+    for bad in (0, -1.5, float("nan")):
+        with pytest.raises(ValueError, match="timeout"):
+            be.parse_update_info({"timeout": bad})
+    for key, bad in (("update_timeout", 0), ("connect_timeout", float("nan")),
+                     ("update_timeout", -3)):
+        with pytest.raises(ValueError, match=key):
+            backend.TrainerInitInfo(rank=0, world_size=2, **{key: bad})
     info = be.parse_init_info(good)
     assert info.params[0].shape == (4, 4) and info.rank_offset is None
     with pytest.raises(ValueError, match=r"unknown keys \['bogus'\]"):
@@ -212,6 +225,108 @@ def test_misuse_failure_and_recovery() -> None:
         job.shutdown_trainers()
         for w in job.workers:
             w.shutdown()
+
+
+def test_a_worker_failing_after_the_round_ends_every_session_and_recovery_works() -> None:
+    # Worker 0's load_weights raises after it consumed the round (the round itself
+    # committed): send_weights raises. The other worker's update succeeded, so vLLM still
+    # has its session open; the sender ends it (no version published), so that shutdown
+    # and init recover. Otherwise vLLM refuses shutdown_weight_transfer_engine there, and
+    # the layerwise reload of that worker stays open (every layer on the meta device).
+    from vllm.model_executor.model_loader import reload
+
+    job = _job()
+    job.init_trainers("vllm-post-commit")
+    try:
+        job.send(1)
+        job.models[0].fail_after_load = True
+        with pytest.raises(RuntimeError, match="injected"):
+            job.send(2)
+        job.models[0].fail_after_load = False
+        assert not any(w._weight_update_active for w in job.workers)
+        assert not reload.OPEN
+        assert job.client.versions == [None]  # the failed update published no version
+        job.shutdown_trainers()
+        job.init_trainers("vllm-post-commit")
+        job.send(3)
+        job.check(3)
+    finally:
+        job.shutdown_trainers()
+        for w in job.workers:
+            w.shutdown()
+
+
+def test_a_failed_finish_is_ended_and_recovery_works(monkeypatch: pytest.MonkeyPatch) -> None:
+    # finalize_layerwise_reload raises on worker 0 inside finish_weight_update. vLLM keeps
+    # its session open when finish raises; the sender's second finish ends it (the backend
+    # stays poisoned), so shutdown and init recover.
+    from vllm.model_executor.model_loader import reload
+
+    job = _job()
+    real = reload.finalize_layerwise_reload
+    boom = {"on": False}
+
+    def finalize(model: Any, cfg: Any) -> None:
+        real(model, cfg)
+        if boom["on"] and model is job.models[0]:
+            boom["on"] = False
+            raise RuntimeError("process_weights_after_loading failed (injected)")
+
+    monkeypatch.setattr(reload, "finalize_layerwise_reload", finalize)
+    job.init_trainers("vllm-finish-fails")
+    try:
+        boom["on"] = True
+        with pytest.raises(RuntimeError, match="injected"):
+            job.send(1)
+        assert not any(w._weight_update_active for w in job.workers)
+        with pytest.raises(RuntimeError, match="poisoned"):
+            job.workers[0].start_weight_update()
+        job.shutdown_trainers()
+        job.init_trainers("vllm-finish-fails")
+        job.send(2)
+        job.check(2)
+    finally:
+        job.shutdown_trainers()
+        for w in job.workers:
+            w.shutdown()
+
+
+def test_the_update_rpc_is_bounded_by_update_timeout() -> None:
+    # This rank's part of the round succeeded, the workers' update_weights RPC never
+    # returns (a lost reply): send_weights fails after update_timeout, saying so.
+    import threading
+    from concurrent.futures import Future
+
+    class Done:  # a round that succeeded on this trainer rank
+        def __init__(self) -> None:
+            self.future: Future[str] = Future()
+            self.future.set_result("ok")
+
+        def done(self) -> bool:
+            return True
+
+        def result(self) -> str:
+            return self.future.result()
+
+        def cancel(self) -> None:
+            pass
+
+    rpc: Future[None] = Future()
+    out: dict[str, BaseException | str] = {}
+
+    def call() -> None:
+        try:
+            out["result"] = backend._wait_with_rpc(Done(), rpc, "update_weights", grace=0.3)
+        except BaseException as exc:
+            out["error"] = exc
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(10.0)
+    rpc.set_result(None)  # lets a hung call go
+    assert not thread.is_alive(), "send_weights waited for the RPC without a bound"
+    err = out.get("error")
+    assert isinstance(err, TimeoutError) and "update_timeout" in str(err), out
 
 
 def test_a_trainer_that_reached_rank_0s_old_store_connects_again(
