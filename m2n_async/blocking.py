@@ -118,6 +118,8 @@ class _Loop:
         self._cm = start_blocking_portal("asyncio", name=name)
         self.portal: BlockingPortal = self._cm.__enter__()
         self.closed = False
+        #: the loop thread's ident: ``close`` cannot run there (it joins that thread)
+        self.thread_id: int = self.portal.call(threading.get_ident)
 
     def submit(self, fn: Callable[..., Awaitable[T]], /, *args: Any, **kwargs: Any
                ) -> Pending[T]:
@@ -140,10 +142,19 @@ class _Loop:
         return self.submit(fn, *args, **kwargs).result()
 
     def close(self) -> None:
+        self.refuse_on_loop("close()")
         if self.closed:
             return
         self.closed = True
         self._cm.__exit__(None, None, None)  # stops the portal and joins its thread
+
+    def refuse_on_loop(self, what: str) -> None:
+        """``LocalProtocolError`` when called on the loop thread itself (a progress callback
+        runs there): blocking on the loop from the loop would wait for itself."""
+        if threading.get_ident() == self.thread_id:
+            raise LocalProtocolError(f"{what} cannot be called on the engine's own event "
+                                     f"loop thread (e.g. from a progress callback); call it "
+                                     f"from another thread")
 
 
 class _PendingConnect(Pending[B]):
@@ -231,8 +242,12 @@ class _Blocking(Generic[E]):
     def close(self) -> None:
         """Close the engine (as ``close()`` on the async engine: from any state, shielded,
         bounded by ``abort_grace`` per step), then stop its event loop thread. Idempotent;
-        safe to call from any thread except the engine's own loop thread.
+        safe to call from any thread but the engine's own loop thread (a progress callback
+        runs there), where it raises ``LocalProtocolError`` and changes nothing.
         """
+        # Refused before anything changes, so that a later close() from a proper thread
+        # still closes the engine and stops the loop.
+        self._loop.refuse_on_loop("close()")
         with self._closing:
             if self._loop.closed:
                 return

@@ -145,3 +145,22 @@ def test_connect_failure_stops_the_loop_thread(address: str) -> None:
                                 world_size=2, params=[spec], config=CFG)
     time.sleep(0.1)
     assert "m2n-async-trainer3" not in {t.name for t in threading.enumerate()} - before
+
+
+def test_close_refused_on_the_loop_thread_leaves_a_later_close_working(address: str) -> None:
+    # close() on the engine's own loop thread (where a progress callback runs) is refused,
+    # and before anything changed: a close() from a proper thread still closes the engine
+    # and stops the loop thread.
+    trainer, worker, _ = _pair(address, "blocking-close-on-loop")
+    try:
+        loop_thread = trainer._loop.portal.call(threading.current_thread)
+        with pytest.raises(LocalProtocolError, match="own event loop thread"):
+            trainer._loop.portal.call(trainer.close)
+        assert trainer.state is EngineState.READY
+        trainer.close()
+        assert trainer.state is EngineState.CLOSED
+        loop_thread.join(10)
+        assert not loop_thread.is_alive(), "the loop thread still runs after close()"
+    finally:
+        trainer.close()
+        worker.close()
