@@ -740,7 +740,10 @@ class GpuTransportBase(Transport):
 
         A callback may run arbitrary user code (dequantize, fuse, copy into an engine's own
         storage), so it runs on a worker thread with this transport's device current —
-        never on the loop, whose lag budget is milliseconds.
+        never on the loop, whose lag budget is milliseconds. The tensor it gets is a view of
+        staging that a later bucket's transfer reuses, so the GPU work a callback enqueued
+        on that thread's current stream (a clone, a copy out) completes before this returns:
+        the transfer stream is not ordered after that stream otherwise.
         """
         if not callbacks:
             return
@@ -748,10 +751,13 @@ class GpuTransportBase(Transport):
 
         def call_all() -> None:
             torch = _torch()
-            if device is not None and device.type == "cuda":
+            cuda = device is not None and device.type == "cuda"
+            if cuda:
                 torch.cuda.set_device(device)
             for name, fn, tensor in callbacks:
                 fn(name, tensor)
+            if cuda:
+                torch.cuda.current_stream(device).synchronize()
 
         await anyio.to_thread.run_sync(call_all)
 

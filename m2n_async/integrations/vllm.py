@@ -372,13 +372,22 @@ class _LoadFeed:
     DEPTH = 2
 
     def __init__(self) -> None:
-        self._q: queue.Queue[tuple[str, torch.Tensor]] = queue.Queue(self.DEPTH)
+        self._q: queue.Queue[tuple[str, torch.Tensor, Any]] = queue.Queue(self.DEPTH)
         self._stopped = threading.Event()
         self.yielded = 0
         self.put_count = 0
 
     def put(self, name: str, tensor: torch.Tensor) -> None:
-        item = (name, tensor.clone())
+        import torch
+
+        copy = tensor.clone()
+        done = None
+        if copy.is_cuda:
+            # The clone runs on this thread's current stream; vLLM's thread may read it on
+            # another one: it waits for this event first (``items``).
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done.record(torch.cuda.current_stream(copy.device))
+        item = (name, copy, done)
         while not self._stopped.is_set():
             try:
                 self._q.put(item, timeout=0.05)
@@ -400,7 +409,12 @@ class _LoadFeed:
                     return
                 continue
             self.yielded += 1
-            yield item
+            name, tensor, done = item
+            if done is not None:
+                import torch
+
+                torch.cuda.current_stream(tensor.device).wait_event(done)
+            yield name, tensor
 
 
 def _reload_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:

@@ -112,8 +112,15 @@ async def coalesce_planes(ctx: RankCtx) -> dict[str, Any]:
             "calls": (sum(len(bucket_calls(plan, b, coalesce_below=thr, max_call_bytes=2 << 30))
                           for b in t.ctx.buckets) if coalesce else len(plan.params))}
         targets = None if trainer else zero_targets(plan, ctx.rank, ctx.device)
+        old: list[Any] = []  # moved targets' old storage, kept: a stale write stays visible
         try:
             for rnd in range(2):
+                if targets is not None and rnd == 1 and ctx.case.get("move_targets"):
+                    import torch
+
+                    for v in targets.values():  # new storage behind the same tensors
+                        old.append(v.data)
+                        v.data = torch.zeros_like(v)
                 sources = (source_shards(plan, ctx.rank, rnd, ctx.device, src_dtype)
                            if trainer else None)
                 await ctx.barrier(f"co-{tag}-{rnd}")

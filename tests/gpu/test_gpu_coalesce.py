@@ -56,3 +56,18 @@ def test_coalescing_mixed_model_bit_exact():
                 ("on-low-threshold+fp32src", True, 4096, 1 << 20, "float32")]
     case = {"plan": "mixed", "topology": "2+2", "variants": variants}
     _check(_ok(_run("coalesce_planes", case, 2, 4), 4), 2, variants)
+
+
+def test_targets_moved_between_rounds_get_the_bytes():
+    # Round 2 after every worker target's .data was reassigned (the same tensors, new
+    # storage): the scatter (the Triton copy through pointer tables, where Triton is
+    # installed) must write the new storage, not the old.
+    _require("m2n", 4)
+    variants = [("on", True, None, 1 << 20, None)]
+    case = {"plan": "mixed", "topology": "2+2", "variants": variants, "move_targets": True}
+    res = _ok(_run("coalesce_planes", case, 2, 4), 4)
+    for rank in (2, 3):
+        rec = res[rank]["on"]
+        assert rec["bad"] == [[], []], (rank, rec["bad"])
+        assert rec["moved"] == [rec["plan_bytes"]] * 2, (rank, rec)
+    assert res[0]["on"]["calls"] < res[0]["on"]["params"]  # stacked: a scatter to check
