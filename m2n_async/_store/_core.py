@@ -110,6 +110,15 @@ class StoreLimitError(StoreError):
 # a msgpack str header and a bin header, 5 bytes each at most.
 _ENTRY_OVERHEAD: Final[int] = 10
 _REPLY_OVERHEAD: Final[int] = 64  # the map header, the Items tag, the request id, the frame
+#: A job counter is never deleted (its job's generations must not repeat): its key is kept
+#: short, or a few adds could pin ``max_bytes`` until the server restarts.
+MAX_COUNTER_KEY: Final[int] = 512
+#: The keys of every tombstone together (they are outside ``max_bytes``): past it the oldest
+#: are forgotten, as past ``max_tombstones``.
+MAX_TOMBSTONE_BYTES: Final[int] = 64 << 20
+#: What one key a parked waiter indexes costs beyond its bytes (the index entries): a
+#: session's waiters index at most ``max_reply`` bytes of keys so counted.
+_INDEX_ENTRY_COST: Final[int] = 64
 
 
 def _key_bytes(key: str) -> int:
@@ -161,12 +170,13 @@ def _generation_of(key: str) -> tuple[str, int] | None:
 class Session:
     """One client of the store (one TCP connection, or one ``MemoryStore`` handle)."""
 
-    __slots__ = ("closed", "ephemeral", "id", "waiters")
+    __slots__ = ("closed", "ephemeral", "id", "waiter_bytes", "waiters")
 
     def __init__(self, session_id: int) -> None:
         self.id = session_id
         self.ephemeral: set[str] = set()
         self.waiters: set[Waiter] = set()
+        self.waiter_bytes = 0  # what its pending waiters index (``_INDEX_ENTRY_COST``)
         self.closed = False
 
 
@@ -189,8 +199,8 @@ class Snapshot:
 class Waiter:
     """A blocking operation: pending until ``done``; then ``result`` or ``error`` is set."""
 
-    __slots__ = ("done", "error", "keys_left", "kind", "n", "notify", "prefix", "result",
-                 "session", "watch")
+    __slots__ = ("cost", "done", "error", "keys_left", "kind", "n", "notify", "prefix",
+                 "result", "session", "watch")
 
     def __init__(self, session: Session, kind: WaiterKind, notify: Callable[[], None]) -> None:
         self.session = session
@@ -203,6 +213,7 @@ class Waiter:
         self.done = False
         self.result: bytes | Snapshot | None = None
         self.error: M2NError | None = None
+        self.cost = 0  # its share of ``Session.waiter_bytes``
 
 
 class _PrefixTrack:
@@ -239,6 +250,7 @@ class StoreCore:
         # is told about the first loss, the root cause, not whichever it lists first.
         self._tombstones: OrderedDict[str, int] = OrderedDict()
         self._losses = 0
+        self._tombstone_bytes = 0
         self._generations: dict[str, int] = {}
         self._max_tombstones = max_tombstones
         self._max_waiters = max_waiters_per_session
@@ -299,10 +311,14 @@ class StoreCore:
     def _lose(self, key: str, why: str) -> None:
         """Tombstone ``key`` and fail everyone watching it."""
         self._losses += 1
+        if key not in self._tombstones:
+            self._tombstone_bytes += _key_bytes(key)
         self._tombstones[key] = self._losses
         self._tombstones.move_to_end(key)
-        while len(self._tombstones) > self._max_tombstones:
-            self._tombstones.popitem(last=False)
+        while (len(self._tombstones) > self._max_tombstones
+               or self._tombstone_bytes > MAX_TOMBSTONE_BYTES):
+            old, _ = self._tombstones.popitem(last=False)
+            self._tombstone_bytes -= _key_bytes(old)
         for waiter in list(self._watchers.get(key, ())):
             self._finish(waiter, error=PeerLostError(f"store key {key!r} was lost: {why}",
                                                      key=key))
@@ -334,6 +350,12 @@ class StoreCore:
         protection = _protection(key)
         if protection == "claim":
             self._refuse(key, "add", protection)
+        if (protection == "counter" and key not in self._data
+                and _key_bytes(key) > MAX_COUNTER_KEY):
+            raise StoreLimitError(
+                f"add to a job counter of a {_key_bytes(key)}-byte key refused: a counter is "
+                f"never deleted, so its key is at most {MAX_COUNTER_KEY} bytes",
+                limit="max_counter_key")
         if protection == "counter" and delta < 0:
             raise StoreError(f"add to {key!r}: delta {delta} would move a job counter back, "
                              "which would hand out a generation or ticket twice (delta >= 0)")
@@ -572,6 +594,19 @@ class StoreCore:
             raise StoreError(f"store session {waiter.session.id} has {self._max_waiters} "
                              "blocking requests pending (the limit)")
         waiter.watch = tuple(dict.fromkeys(watch))
+        # Counted in bytes as well as in number: one Wait frame of short keys would
+        # otherwise hold tens of times its size in index entries, outside every quota.
+        cost = _key_bytes(waiter.prefix) + sum(
+            _key_bytes(k) + _INDEX_ENTRY_COST for k in (*waiter.keys_left, *waiter.watch))
+        session = waiter.session
+        if self._max_reply is not None and session.waiter_bytes + cost > self._max_reply:
+            raise StoreLimitError(
+                f"store session {session.id}: its pending blocking requests would index "
+                f"{session.waiter_bytes + cost} bytes of keys, past max_reply "
+                f"({self._max_reply} bytes); wait for fewer keys at once",
+                limit="max_reply")
+        waiter.cost = cost
+        session.waiter_bytes += cost
         for key in waiter.keys_left:
             self._key_waiters.setdefault(key, set()).add(waiter)
         if track is not None:
@@ -583,6 +618,8 @@ class StoreCore:
 
     def _unregister(self, waiter: Waiter) -> None:
         waiter.session.waiters.discard(waiter)
+        waiter.session.waiter_bytes -= waiter.cost
+        waiter.cost = 0
         for key in waiter.keys_left:
             _discard(self._key_waiters, key, waiter)
         for key in waiter.watch:
@@ -609,7 +646,8 @@ class StoreCore:
         new = old is None
         self._account(key, len(value) - (len(old) if old is not None else -_key_bytes(key)))
         self._data[key] = value
-        self._tombstones.pop(key, None)
+        if self._tombstones.pop(key, None) is not None:
+            self._tombstone_bytes -= _key_bytes(key)
         if new:
             self._key_added(key)
         self._maybe_advance_generation(key, value)

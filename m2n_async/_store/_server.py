@@ -437,7 +437,14 @@ class StoreServer:
                 await asyncio.sleep(delay)
                 continue
             delay = 0.0
-            if len(self._protocols) >= self._max_connections:
+            if len(self._protocols) >= self._max_connections and self._unauthenticated:
+                # A connection that has not authenticated gives way (the oldest): otherwise
+                # silent connections below max_unauthenticated could lock token holders out
+                # whenever the authenticated ones and they reach max_connections together.
+                next(iter(self._unauthenticated))._fail(0, "limit", (
+                    "store connection evicted before it authenticated: max_connections are "
+                    "open and it was the oldest waiting"), key="max_connections")
+            elif len(self._protocols) >= self._max_connections:
                 _refuse(conn, (
                     f"store at {self._address} has {len(self._protocols)} connections open, its "
                     f"limit max_connections; connection refused"), "max_connections")
@@ -551,7 +558,11 @@ class _ServerProtocol(asyncio.BufferedProtocol):
         if self._closing or self._rejected:
             return
         try:
+            before = self._reader.buffered
             self._reader.feed(data)
+            # A frame completed in these bytes: what is still held is of a newer frame, whose
+            # frame_timeout starts now (a pipelining client always holds part of one).
+            newer = self._reader.buffered < before + len(data)
             if self._reader.buffered != self._held and self._over_partial_budget():
                 return
             self._process()
@@ -560,6 +571,9 @@ class _ServerProtocol(asyncio.BufferedProtocol):
                     raise RemoteProtocolError(
                         f"store client sent {self._reader.buffered} bytes of a frame before "
                         f"authenticating (at most {_AUTH_MAX_PENDING} are held until then)")
+                if newer and self._frame_deadline is not None:
+                    self._frame_deadline.cancel()
+                    self._frame_deadline = None
                 if self._frame_deadline is None and self._session is not None:
                     self._frame_deadline = asyncio.get_running_loop().call_later(
                         self._server._frame_timeout, self._frame_expired)

@@ -287,6 +287,9 @@ async def test_unread_error_replies_count_toward_the_store_wide_budget() -> None
     groups, per_group = 40, 8
     runner = RunningServer(**OUTPUT_LIMITS)
     server = await runner.start()
+    # More waiters a session than max_reply (256 KiB here) lets it index: room for enough
+    # unread errors to fill the kernel's buffers and pass the budget with two connections.
+    server.core._max_reply = 64 << 20
     try:
         with anyio.fail_after(DEADLINE):
             async with await StoreClient.connect(server.address, token=TOKEN) as writer:
@@ -644,3 +647,113 @@ async def test_byte_quotas_refuse_writes_naming_the_quota(kind: str) -> None:
         await store.aclose()
         if kind == "tcp":
             await runner.stop()
+
+
+# --- found by review: limits that held in number but not in bytes, or not between frames ---
+
+async def test_frames_that_each_arrive_in_time_are_not_dropped() -> None:
+    # frame_timeout bounds one frame's arrival, not the connection's: a client whose every
+    # write ends mid-frame (pipelining) always holds part of one, yet each arrives in time.
+    runner = RunningServer(frame_timeout=0.5)
+    server = await runner.start()
+    try:
+        raw = await Raw.open(server, authenticate=True)
+        frames = [encode_frame(Set(i + 1, f"k{i}", b"x" * 100)) for i in range(8)]
+        stream = b"".join(frames)
+        cuts, pos = [], 0
+        for f in frames:
+            cuts.append(pos + len(f) // 2)  # every write ends in the middle of a frame
+            pos += len(f)
+        cuts.append(len(stream))
+        start = 0
+        for cut in cuts:  # each frame completes 0.2 s after its first byte (limit 0.5 s)
+            raw.writer.write(stream[start:cut])
+            await raw.writer.drain()
+            start = cut
+            await anyio.sleep(0.2)
+        replies = [await raw.read() for _ in frames]
+        assert all(isinstance(r, Ok) for r in replies), replies
+        raw.close()
+    finally:
+        await runner.stop()
+
+
+async def test_silent_connections_cannot_lock_out_a_token_holder() -> None:
+    # At max_connections, a connection that has not authenticated gives way to a new one,
+    # even below max_unauthenticated (default 64): a token holder always gets in.
+    runner = RunningServer(max_connections=8)
+    server = await runner.start()
+    try:
+        silent = [await Raw.open(server, authenticate=False) for _ in range(8)]
+        await healthy(server)
+        assert_limit(await silent[0].last(), "max_connections")  # the oldest was evicted
+        for raw in silent:
+            raw.close()
+    finally:
+        await runner.stop()
+
+
+async def test_a_job_counter_key_is_short() -> None:
+    # A job counter is never deleted: a long one would pin max_bytes until a restart.
+    runner = RunningServer(max_bytes=1_000_000)
+    server = await runner.start()
+    try:
+        async with await StoreClient.connect(server.address, token=TOKEN) as c:
+            with pytest.raises(StoreLimitError) as got:
+                await c.add("j" * 2000 + "/generation", 0)
+            assert got.value.limit == "max_counter_key"
+            assert await c.add("job/generation", 1) == 1  # a real one is fine
+            await c.delete_prefix("")
+            assert server.core.nbytes < 100
+            await c.set("x/data", b"v" * 900_000)
+    finally:
+        await runner.stop()
+
+
+async def test_parked_waiters_are_bounded_in_bytes() -> None:
+    # One session's pending waiters index at most max_reply bytes of keys (64 bytes of
+    # index per key counted): a Wait frame of short keys cannot hold tens of times its size.
+    from m2n_async._store._wire import Wait
+
+    runner = RunningServer(max_frame=1 << 20)  # max_reply = max_frame: 1 MiB
+    server = await runner.start()
+    try:
+        raw = await Raw.open(server, authenticate=True)
+        keys = 6000  # a ~55 KB frame indexing ~420 KB as counted: two fit, then refusals
+        for rid in range(1, 11):
+            raw.send(Wait(rid, tuple(f"{rid}/{i}" for i in range(keys))))
+        await raw.writer.drain()
+        refused = []
+        while len(refused) < 8 and (msg := await raw.read()) is not None:
+            assert isinstance(msg, Error), msg
+            assert (msg.kind, msg.key) == ("limit", "max_reply"), msg
+            refused.append(msg.rid)
+        assert refused == list(range(3, 11)), refused
+        assert server.core.pending_waiters == 2 * keys
+        await healthy(server)
+        raw.close()
+        await until(lambda: server.core.pending_waiters == 0, "the session's waiters gone")
+    finally:
+        await runner.stop()
+
+
+async def test_tombstones_are_bounded_in_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Tombstones are outside max_bytes: their keys together stay under MAX_TOMBSTONE_BYTES
+    # (here lowered to 4 MiB), the oldest forgotten first.
+    from m2n_async._store import _core
+    from m2n_async._store._wire import Delete, Flag
+
+    monkeypatch.setattr(_core, "MAX_TOMBSTONE_BYTES", 4 << 20)
+    runner = RunningServer(max_frame=1 << 20)
+    server = await runner.start()
+    try:
+        raw = await Raw.open(server, authenticate=True)
+        for rid in range(1, 11):  # lost deletes of absent 1 MB keys
+            raw.send(Delete(rid, f"t/{rid}/" + "x" * 1_000_000, True))
+            assert isinstance(await raw.read(), Flag)
+        held = sum(len(k) for k in server.core._tombstones)
+        assert 0 < held <= 4 << 20, held
+        assert f"t/10/{'x' * 1_000_000}" in server.core._tombstones  # the newest kept
+        raw.close()
+    finally:
+        await runner.stop()
