@@ -376,6 +376,7 @@ class _LoadFeed:
         self._stopped = threading.Event()
         self.yielded = 0
         self.put_count = 0
+        self.names: list[str] = []  # what ``put`` delivered this round, for the error
 
     def put(self, name: str, tensor: torch.Tensor) -> None:
         import torch
@@ -392,6 +393,7 @@ class _LoadFeed:
             try:
                 self._q.put(item, timeout=0.05)
                 self.put_count += 1
+                self.names.append(name)
                 return
             except queue.Full:
                 continue
@@ -659,9 +661,13 @@ class VLLMWorkerBackend:
                 raise
             result = pending.result()
             if feed.yielded != len(self._loaded) or feed.put_count != len(self._loaded):
-                raise RuntimeError(f"m2n_async: load_weights got {feed.yielded} of "
-                                   f"{len(self._loaded)} tensors")
+                missing = sorted(set(self._loaded) - set(feed.names))
+                raise RuntimeError(
+                    f"m2n_async: worker rank {self.rank}: load_weights got {feed.yielded} of "
+                    f"{len(self._loaded)} tensors ({feed.put_count} received; never received: "
+                    f"{missing[:5]}{' ...' if len(missing) > 5 else ''})")
             feed.yielded = feed.put_count = 0
+            feed.names.clear()
         if torch.device(self.device or "cpu").type == "cuda":
             torch.cuda.synchronize(self.device)  # the next forward reads what landed
         return result
