@@ -429,7 +429,8 @@ class _Engine:
         """Every rank reported the round ok: its version is this engine's now."""
         self._round = start.round
         self._version = start.version
-        self._state = EngineState.READY
+        if self._state is EngineState.UPDATING:  # close() during the outcome: stays CLOSED
+            self._state = EngineState.READY
 
     def _commit(self, start: RoundStart, outcome: RoundOutcome, waited: float,
                 t0: float) -> SyncResult:
@@ -511,6 +512,12 @@ class _Engine:
             if self._state is EngineState.UPDATING:
                 reason = "engine closed during a round"
                 self._poison_with(TransferError(f"rank {self.rank}: {reason}", rank=self.rank))
+                if self._rounds is not None:
+                    # The round's record names this rank before its data plane goes: a peer
+                    # whose transfer then fails finds the cause there, and is not blamed.
+                    # (When every rank had reported ok already, the round still commits.)
+                    core = self._rounds.core(self._round + 1)
+                    await self._rounds.post(core, core.closed(self.rank))
             await self._release(abort_reason=reason)
             self._state = EngineState.CLOSED
 

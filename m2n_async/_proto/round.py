@@ -65,7 +65,7 @@ class Cause(enum.Enum):
     ERROR = "error"  # the rank's own step failed (a bad shard, a load callback raised, ...)
     CANCELLED = "cancelled"  # the rank's caller cancelled it mid-round
     LOST = "lost"  # its store session ended: the process died or was disconnected
-    LEFT = "left"  # it closed its engine (a clean leave) before finishing its part
+    LEFT = "left"  # it closed its engine (a clean leave) before the round was decided
     DEADLINE = "deadline"  # it did not report by the round deadline: frozen, hung, too late
     STORE = "store"  # the control-plane store was lost (no rank is to blame: rank None)
     SUPERSEDED = "superseded"  # trainer rank 0 opened a newer generation of the job
@@ -196,6 +196,11 @@ class Round:
         return Failure(Cause.LEFT, rank, f"rank {self.named([rank])} left the job before "
                                          f"finishing its part of {self.where} (it closed its "
                                          f"engine)")
+
+    def closed(self, rank: int) -> Failure:
+        """``rank`` (this one) closed its engine while the round was in progress."""
+        return Failure(Cause.LEFT, rank, f"rank {self.named([rank])} closed its engine "
+                                         f"during {self.where}")
 
     def store_lost(self) -> Failure:
         return Failure(Cause.STORE, None, "the control-plane store was lost (no rank could "
