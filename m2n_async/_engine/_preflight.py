@@ -212,10 +212,12 @@ async def _run_phase(group: ControlGroup, machine: Handshake, inputs: PreflightI
         except Exception as exc:  # the diagnosis goes to every rank instead of raising here
             return machine.encode(machine.failure(exc))
 
+    end = anyio.current_time() + deadline  # one deadline for the phase, records included
     payloads = await _gather(group, phase.value, inputs.generation, deadline, produce, machine)
     machine.receive(payloads)  # PreflightError: the same on every rank
     if machine.wants_records:  # plans differ: every rank names where, from one more gather
-        await _exchange_records(group, machine, phase, inputs.generation, deadline)
+        left = max(end - anyio.current_time(), 1e-3)
+        await _exchange_records(group, machine, phase, inputs.generation, left)
 
 
 async def _exchange_records(group: ControlGroup, machine: Handshake, phase: Phase,

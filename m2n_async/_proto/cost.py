@@ -113,6 +113,25 @@ def cost_inputs(lanes: Mapping[str, tuple[float, float, float]],
     return CostInputs(tuple(out), int(coalesce_below))
 
 
+def costs_problem(costs: CostInputs | None) -> str | None:
+    """What makes a peer's ``CostInputs`` unusable (they decode from its envelope, so what
+    ``cost_inputs`` refuses locally can still arrive), or None."""
+    if costs is None:
+        return None
+    if costs.coalesce_below < 0:
+        return f"coalesce_below {costs.coalesce_below} < 0"
+    for c in costs.lanes:
+        terms = (c.call_seconds, c.param_seconds, c.bytes_per_second)
+        if c.lane not in LANE_NAMES:
+            return f"unknown transport {c.lane!r}"
+        if not all(math.isfinite(x) and x >= 0 for x in terms) or not c.bytes_per_second > 0:
+            return (f"{c.lane}: cost terms {terms} (finite, >= 0, bytes_per_second > 0 "
+                    f"expected)")
+        if c.bucket_bytes < 1:
+            return f"{c.lane}: bucket_bytes {c.bucket_bytes} < 1"
+    return None
+
+
 def parse_costs(text: str) -> dict[str, tuple[float, float, float]]:
     """Per-lane terms from JSON: ``{"m2n": [call_s, param_s, bytes_per_s], ...}``; lanes
     left out keep ``DEFAULT_LANES``. ``PlanError`` on anything else."""

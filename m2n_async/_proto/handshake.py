@@ -48,7 +48,7 @@ from typing import Final, NoReturn, TypeAlias, TypeVar
 
 import msgspec
 
-from m2n_async._proto.cost import Prediction, pick, predict
+from m2n_async._proto.cost import Prediction, costs_problem, pick, predict
 from m2n_async._proto.errors import (
     LocalProtocolError,
     PlanError,
@@ -855,7 +855,11 @@ class Handshake:
                 _add(failures, r, "the first worker did not ship its placements")
             elif r != t and d.placements is not None:
                 _add(failures, r, "only the first worker ships the placements")
-        # auto's choice is computed from these, so they must be the same everywhere
+        # auto's choice is computed from these, so they must be valid and the same everywhere
+        for r, d in dests.items():
+            problem = costs_problem(d.costs)
+            if problem is not None and r not in failures:
+                _add(failures, r, f"its cost inputs are invalid: {problem}")
         costs = {r: d.costs for r, d in dests.items() if r not in failures}
         _, odd_costs = _outliers(costs, _show_costs)
         for r, note in odd_costs.items():
@@ -916,9 +920,14 @@ class Handshake:
             for r in range(self.world_size):
                 _add(failures, r, f"the plan is invalid: {e}")
             return
-        chosen = choose_transport(plan, self._requested,
-                                  {r: d.capabilities for r, d in sorted(dests.items())},
-                                  dests[0].costs if 0 in dests else None)
+        try:
+            chosen = choose_transport(plan, self._requested,
+                                      {r: d.capabilities for r, d in sorted(dests.items())},
+                                      dests[0].costs if 0 in dests else None)
+        except (PlanError, ArithmeticError) as e:  # the same on every rank: same inputs
+            for r in range(self.world_size):
+                _add(failures, r, f"the transport could not be chosen: {e}")
+            return
         if isinstance(chosen, dict):
             for r, msg in chosen.items():
                 _add(failures, r, msg)

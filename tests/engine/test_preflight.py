@@ -408,6 +408,35 @@ async def test_a_rank_lost_to_the_records_exchange_leaves_the_chunk_diagnosis() 
 
 
 @pytest.mark.asyncio
+async def test_the_records_exchange_gets_what_is_left_of_the_phase_deadline(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A disagreement in source: the records gather that names the parameter is part of the
+    # phase, so it gets the phase's remaining time, not a fresh phase_timeout (a rank slow
+    # in the first gather and stuck in the second made every peer wait twice as long).
+    from m2n_async._engine import _preflight
+
+    t, n = 2, 2
+    log = Log()
+    inputs = {r: make_inputs(r, t, n, log) for r in range(t + n)}
+    mesh = Mesh((t, 1))
+    inputs[1] = dataclasses.replace(inputs[1], params=[
+        ParamSpec("w", "float32", (12, 6), Layout(mesh, (0, REPLICATE))),
+        ParamSpec("b", "float32", (12,), Layout(mesh, None))])
+    given: list[float] = []
+    real = _preflight._exchange_records
+
+    async def exchange(group: Any, machine: Any, phase: Any, generation: int,
+                       deadline: float) -> None:
+        given.append(deadline)
+        await real(group, machine, phase, generation, deadline)
+
+    monkeypatch.setattr(_preflight, "_exchange_records", exchange)
+    await run_world(t, n, phase_timeout=HANG_TIMEOUT, inputs=inputs, log=log)
+    identical_errors(log, t + n, "source")
+    assert len(given) == t + n and all(0 < d < HANG_TIMEOUT for d in given), given
+
+
+@pytest.mark.asyncio
 async def test_blocking_sync_callback_cannot_freeze_the_loop() -> None:
     t, n = 1, 2
     release = threading.Event()

@@ -635,6 +635,21 @@ def test_auto_chooses_by_predicted_cost_and_names_a_rank_whose_costs_differ() ->
     assert agreed is not None and agreed.transport == "m2n" and agreed.predicted_seconds is None
 
 
+@pytest.mark.parametrize("lane", [("m2n", 8e-5, 1e-6, 0.0, 1 << 28),           # bytes/s 0
+                                  ("m2n", 8e-5, 1e-6, 1e9, 0),                 # no buckets
+                                  ("m2n", float("nan"), 1e-6, 1e9, 1 << 28),   # NaN
+                                  ("rdma", 8e-5, 1e-6, 1e9, 1 << 28)])          # unknown
+def test_cost_inputs_a_peer_sends_out_of_range_are_a_preflight_error(lane: tuple) -> None:
+    # They decode (the local check that refuses them runs on the sender): every rank names
+    # the senders in destination, instead of auto's prediction dividing by zero.
+    from m2n_async._proto.messages import LaneCost
+
+    bad = CostInputs((LaneCost(*lane),), 0)
+    err = World(2, 3, costs=dict.fromkeys(range(5), bad)).fail_at(Phase.DESTINATION, {})
+    assert sorted(err.failures) == list(range(5)), err.failures
+    assert all("cost inputs are invalid" in f for f in err.failures.values()), err.failures
+
+
 def many_specs(t: int, n: int = 40, **odd: Any) -> list[ParamSpec]:
     """``n`` params p0, p1, ...; ``odd`` changes one: ``at=21`` and ``name=``/``shape=``/
     ``dtype=``/``placements=`` (the source layout's)."""
