@@ -40,6 +40,7 @@ error.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import functools
 import importlib
@@ -315,10 +316,13 @@ class RankPool:
                 self._start(i)
 
     def stacks(self, i: int, wait: float = 0.5) -> str:
-        """Every thread's stack of process ``i`` (faulthandler), or why there is none."""
+        """Every thread's stack of process ``i`` (faulthandler), or why there is none. A
+        stopped (frozen) process runs for the moment it takes to write them, then is
+        stopped again."""
         path = self._stacks_path(i)
         try:
             before = os.path.getsize(path)
+            stopped = _is_stopped(self.pid(i))
             # Pending before the process runs again: a stopped one dumps where it stopped
             # (the kernel delivers it on resuming, before the process's own next step).
             os.kill(self.pid(i), signal.SIGUSR1)
@@ -326,11 +330,16 @@ class RankPool:
         except (OSError, ProcessLookupError) as exc:
             return f"(no stacks: {exc})"
         deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            time.sleep(0.05)
-            if os.path.getsize(path) > before:
-                time.sleep(0.05)  # let it finish writing
-                break
+        try:
+            while time.monotonic() < deadline:
+                time.sleep(0.05)
+                if os.path.getsize(path) > before:
+                    time.sleep(0.05)  # let it finish writing
+                    break
+        finally:
+            if stopped:  # frozen it was, frozen it stays (a frozen-host test, not a slow one)
+                with contextlib.suppress(OSError):
+                    os.kill(self.pid(i), signal.SIGSTOP)
         with open(path) as f:
             f.seek(before)
             return f.read() or "(no stacks written)"
@@ -341,6 +350,9 @@ class RankPool:
         if len(jobs) > self.size:
             raise ValueError(f"{len(jobs)} jobs for a pool of {self.size} processes")
         self._pump()  # what earlier jobs left: a dead process's last words, late answers
+        for i in range(len(jobs)):
+            if self._busy[i]:  # an earlier job never collected (its test gave up): it runs
+                self.restart(i)
         self.ensure_alive()
         # A replaced process imports torch and the package first (seconds on a loaded
         # machine): wait for it, so that a job's short phase timeouts do not count it.
@@ -450,6 +462,8 @@ class RankPool:
         """Stacks of the ``missing`` processes that still run, then kill them all (so the
         pool stays usable); each is ``("killed", (exitcode, stacks))``."""
         stacks = {i: self.stacks(i) for i in missing if self.alive(i)}
+        self._pump()  # results that came while the stacks were taken count, not "killed"
+        missing = [i for i in missing if i not in self._outcomes]
         for i in missing:
             self.kill(i)
             self._outcomes[i] = ("killed", (self._procs[i].exitcode,
@@ -562,7 +576,22 @@ class RankPool:
         for r in self._readers:
             if r is not None:
                 r.close()
+        for p, q in zip(self._procs, self._jobs, strict=True):
+            if q is not None:  # its feeder thread and pipe
+                q.close()
+                q.join_thread()
+            if p is not None and not p.is_alive():
+                p.close()  # the spawn pipes' fds
         shutil.rmtree(self._dir, ignore_errors=True)
+
+def _is_stopped(pid: int) -> bool:
+    """Is process ``pid`` stopped (SIGSTOP: ``T`` or ``t`` in /proc/<pid>/stat)?"""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except OSError:
+        return False
+
 
 @contextmanager
 def store_thread(token: str) -> Iterator[str]:

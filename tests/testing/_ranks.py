@@ -156,3 +156,30 @@ async def stops_halfway_through_a_message(ctx: RankContext, *, rank: int) -> int
         os.write(ctx._events.fileno(), (1000).to_bytes(8, "big") + b"abc")
         os.kill(os.getpid(), signal.SIGSTOP)
     return ctx.rank
+
+
+async def counts_into(ctx: RankContext, *, path: str, rank: int) -> int:
+    """Rank ``rank`` writes a rising counter to ``path`` every 20 ms, for good; the others
+    wait (the test kills them)."""
+    if ctx.rank == rank:
+        n = 0
+        while True:
+            n += 1
+            with open(path, "w") as f:  # noqa: ASYNC230 - a few bytes: what the test reads
+                f.write(str(n))
+            await anyio.sleep(0.02)
+    await anyio.sleep(600)
+    return ctx.rank
+
+
+async def raises_while_stacks_are_taken(ctx: RankContext, *, stacks: str) -> int:
+    """Rank 0 raises, rank 1 hangs; rank 2 raises the moment the world starts taking rank
+    1's stacks (once ``fail_grace`` ran out), so its answer arrives during the give-up."""
+    if ctx.rank == 0:
+        raise ValueError("first")
+    if ctx.rank == 1:
+        await anyio.sleep(600)
+    # polled: the world writes the file from outside this process (nothing to await)
+    while not os.path.exists(stacks) or os.path.getsize(stacks) == 0:  # noqa: ASYNC240, ASYNC110
+        await anyio.sleep(0.002)
+    raise ValueError("second")

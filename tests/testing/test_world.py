@@ -3,13 +3,16 @@ events, a function the ranks cannot import."""
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
-from m2n_async.testing import LocalWorld, WorldHangError
+from m2n_async.testing import LocalWorld, WorldHangError, process_counts
 
-from ._ranks import hangs_on, returns_rank, tells
+from ._ranks import counts_into, hangs_on, raises_while_stacks_are_taken, returns_rank, tells
 
 World = Callable[[int, int], LocalWorld]
 
@@ -57,3 +60,57 @@ def test_a_wait_for_an_event_that_never_comes_keeps_the_results(m2n_world: World
     with pytest.raises(AssertionError, match="no 'never' event"):
         world.wait_event("never", timeout=3.0)  # the results arrive meanwhile, and are shown
     assert world.collect(run, timeout=20).values == [0, 1]  # and still collected
+
+
+def test_a_run_its_test_gave_up_on_does_not_hold_up_the_next(m2n_world: World) -> None:
+    # A test that fails between start and collect leaves its job running; the next run on
+    # the same (session) world replaces the processes still in it, instead of queueing
+    # behind them until its timeout with the previous run's stacks.
+    world = m2n_world(1, 1)
+    world.start(hangs_on, kwargs={"rank": 0})
+    with pytest.raises(AssertionError):
+        world.wait_event("never", timeout=1.0)  # the test's own check fails here
+    assert world.run(returns_rank, timeout=60).values == [0, 1]
+
+
+def test_stacks_of_a_frozen_rank_leave_it_frozen(m2n_world: World, tmp_path: Path) -> None:
+    world = m2n_world(1, 1)
+    path = str(tmp_path / "counter")
+    run = world.start(counts_into, kwargs={"path": path, "rank": 1})
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    world.freeze(1)
+    time.sleep(0.2)
+    assert "Current thread" in world.stacks(1)  # just looking
+    a = Path(path).read_text()
+    time.sleep(0.5)
+    b = Path(path).read_text()
+    world.restart(0)
+    world.restart(1)
+    del run
+    assert a == b, f"rank 1 runs again after stacks(): its counter went {a} -> {b}"
+
+
+def test_a_rank_that_raised_while_stacks_were_taken_is_not_reported_killed(
+        m2n_world: World) -> None:
+    world = m2n_world(1, 2)
+    stacks = world.pool._stacks_path(1)
+    res = world.run(raises_while_stacks_are_taken, kwargs={"stacks": stacks}, fail_grace=1,
+                    timeout=60)
+    assert [r.status for r in res] == ["error", "killed", "error"], [r.status for r in res]
+    assert "second" in str(res[2].error)
+
+
+def test_close_frees_the_worlds_threads_and_fds() -> None:
+    # After close(), with the world object still referenced (a fixture, a framework): the
+    # job queues' feeder threads and the processes' spawn pipes are gone too.
+    with LocalWorld(1, 1) as warm:  # multiprocessing's resource tracker, first imports
+        warm.run(returns_rank, timeout=60)
+    before = process_counts()
+    world = LocalWorld(1, 1)
+    world.run(returns_rank, timeout=60)
+    world.close()
+    after = process_counts()
+    # None left behind (a thread of an earlier test may end meanwhile: fewer is fine)
+    assert after[0] <= before[0] and after[1] <= before[1], (before, after)
