@@ -782,6 +782,9 @@ class LocalWorld:
         if trainers < 1 or workers < 1:
             raise ValueError(f"a world needs >= 1 trainer and >= 1 worker, got {trainers} + "
                              f"{workers}")
+        if store_address is not None and not token:
+            raise ValueError("LocalWorld(store_address=...) needs that store's token: a "
+                             "made-up one would be refused by it")
         self.trainers, self.workers = trainers, workers
         self.token = token or secrets.token_hex(16)
         self._store_cm = None

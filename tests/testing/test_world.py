@@ -114,3 +114,8 @@ def test_close_frees_the_worlds_threads_and_fds() -> None:
     after = process_counts()
     # None left behind (a thread of an earlier test may end meanwhile: fewer is fine)
     assert after[0] <= before[0] and after[1] <= before[1], (before, after)
+
+
+def test_an_external_store_needs_its_token() -> None:
+    with pytest.raises(ValueError, match="needs that store's token"):
+        LocalWorld(1, 1, store_address="127.0.0.1:1")
