@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from m2n_async.testing import process_counts
+from m2n_async.testing._resources import _comm
 
 if TYPE_CHECKING:
     from m2n_async.testing import RankContext, RankResult
@@ -48,14 +49,6 @@ def _sample() -> tuple[int, int, float]:
     with open("/proc/self/statm") as f:
         rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
     return threads, fds, rss
-
-
-def _comm(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:  # the task just went
-        return ""
 
 
 def _thread_names() -> str:

@@ -1183,7 +1183,7 @@ class GlooTransport(Transport):
                    peer: int | None) -> BaseException:
         where = self.ctx.where(round=self.round, bucket=staged.bucket.index, peer=peer)
         op = "send" if self.ctx.role == "trainer" else "recv"
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        text = _first_line(exc)
         if self._abort_reason is not None:
             return TransferError(f"gloo {op} aborted ({self._abort_reason}) at {where}",
                                  rank=self.ctx.rank, round=self.round)

@@ -193,8 +193,9 @@ def _parse(cls: type, what: str, d: object) -> dict[str, Any]:
                      if n not in d and f.default is dataclasses.MISSING
                      and f.default_factory is dataclasses.MISSING)
     types = _types_of(cls)
-    wrong = sorted(f"{k} ({type(v).__name__})" for k, v in d.items()
-                   if k in types and (not isinstance(v, types[k]) or isinstance(v, bool)))
+    wrong_keys = {k for k, v in d.items()
+                  if k in types and (not isinstance(v, types[k]) or isinstance(v, bool))}
+    wrong = sorted(f"{k} ({type(d[k]).__name__})" for k in wrong_keys)
     problems = []
     if unknown:
         problems.append(f"unknown keys {unknown}")
@@ -204,14 +205,20 @@ def _parse(cls: type, what: str, d: object) -> dict[str, Any]:
         problems.append(f"values of the wrong type {wrong}")
     # Seconds, as EngineConfig and sync_weights(timeout=) take them: finite and > 0.
     bad = sorted(f"{k}={v!r}" for k, v in d.items()
-                 if k.endswith("timeout") and isinstance(v, int | float)
-                 and not isinstance(v, bool) and not (math.isfinite(v) and v > 0))
+                 if k.endswith("timeout") and k not in wrong_keys and v is not None
+                 and not _is_seconds(v))
     if bad:
         problems.append(f"timeouts must be finite numbers of seconds > 0 (or null) {bad}")
     if problems:
         raise ValueError(f"m2n_async {what}: {'; '.join(problems)} (known keys: "
                          f"{sorted(fields)})")
     return dict(d)
+
+
+def _is_seconds(v: object) -> bool:
+    """A timeout as EngineConfig and ``sync_weights(timeout=)`` take it: finite and > 0."""
+    return (isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+            and v > 0)
 
 
 def _parse_params(raw: Sequence[object]) -> tuple[WireParam, ...]:
@@ -797,10 +804,7 @@ class TrainerInitInfo:
         # RPCs and the store connect here.
         for name in ("update_timeout", "connect_timeout"):
             v = getattr(self, name)
-            if v is None and name == "connect_timeout":
-                continue
-            if isinstance(v, bool) or not isinstance(v, int | float) or not (
-                    math.isfinite(v) and v > 0):
+            if not (v is None and name == "connect_timeout") and not _is_seconds(v):
                 raise ValueError(f"m2n_async TrainerInitInfo: {name} must be a finite number "
                                  f"of seconds > 0, got {v!r}")
 

@@ -386,17 +386,24 @@ async def test_a_worker_asking_another_placement_is_named_with_it_by_every_rank(
             "rank(s) [2, 4], (REPLICATE, 0) on rank(s) [3]") in err.failures[3], err.failures
 
 
+def trainer_1_differs(t: int, n: int, log: Log) -> dict[int, Any]:
+    """Every rank's inputs, trainer 1's source plan other than the rest (a source-phase
+    disagreement that the records exchange then locates)."""
+    inputs = {r: make_inputs(r, t, n, log) for r in range(t + n)}
+    mesh = Mesh((t, 1))
+    inputs[1] = dataclasses.replace(inputs[1], params=[
+        ParamSpec("w", "float32", (12, 6), Layout(mesh, (0, REPLICATE))),
+        ParamSpec("b", "float32", (12,), Layout(mesh, None))])
+    return inputs
+
+
 @pytest.mark.asyncio
 async def test_a_rank_lost_to_the_records_exchange_leaves_the_chunk_diagnosis() -> None:
     # Trainer 1 differs; worker 4 hangs in the gather of the records (the third call of its
     # group): every rank still raises one PreflightError, the one the chunk digests allow.
     t, n = 2, 3
     log = Log()
-    inputs = {r: make_inputs(r, t, n, log) for r in range(t + n)}
-    mesh = Mesh((t, 1))
-    inputs[1] = dataclasses.replace(inputs[1], params=[
-        ParamSpec("w", "float32", (12, 6), Layout(mesh, (0, REPLICATE))),
-        ParamSpec("b", "float32", (12,), Layout(mesh, None))])
+    inputs = trainer_1_differs(t, n, log)
     await run_world(t, n, phase_timeout=HANG_TIMEOUT, inputs=inputs, log=log,
                     fault=Fault("destination", 4, "hang"))
     err = identical_errors(log, t + n, "source")
@@ -417,11 +424,7 @@ async def test_the_records_exchange_gets_what_is_left_of_the_phase_deadline(
 
     t, n = 2, 2
     log = Log()
-    inputs = {r: make_inputs(r, t, n, log) for r in range(t + n)}
-    mesh = Mesh((t, 1))
-    inputs[1] = dataclasses.replace(inputs[1], params=[
-        ParamSpec("w", "float32", (12, 6), Layout(mesh, (0, REPLICATE))),
-        ParamSpec("b", "float32", (12,), Layout(mesh, None))])
+    inputs = trainer_1_differs(t, n, log)
     given: list[float] = []
     real = _preflight._exchange_records
 

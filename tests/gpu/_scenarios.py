@@ -98,6 +98,8 @@ async def coalesce_planes(ctx: RankCtx) -> dict[str, Any]:
     coalesce_below or None, bucket_bytes, source dtype or None), two rounds of different bytes
     each, every worker byte checked; byte counts vs the plan; the calls the lane should issue
     (``_proto.stacking.bucket_calls``) next to the parameter count."""
+    import torch
+
     from m2n_async._proto.stacking import COALESCE_BELOW_BYTES, bucket_calls
 
     plan = coalesce_plan(ctx.case)
@@ -116,8 +118,6 @@ async def coalesce_planes(ctx: RankCtx) -> dict[str, Any]:
         try:
             for rnd in range(2):
                 if targets is not None and rnd == 1 and ctx.case.get("move_targets"):
-                    import torch
-
                     for v in targets.values():  # new storage behind the same tensors
                         old.append(v.data)
                         v.data = torch.zeros_like(v)

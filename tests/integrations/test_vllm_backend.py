@@ -85,6 +85,12 @@ class Job:
         for t in self.trainers or ():
             t.shutdown()
 
+    def close(self) -> None:
+        """Every trainer and worker shut down (a test's last step, whatever happened)."""
+        self.shutdown_trainers()
+        for w in self.workers:
+            w.shutdown()
+
     def check(self, version: int) -> None:
         for r, m in enumerate(self.models):
             got = dict(m.named_parameters())
@@ -129,9 +135,7 @@ def test_three_rounds_bit_exact_in_place_and_through_load_weights() -> None:
             "initialize"] * 6
         assert not reload.OPEN
     finally:
-        job.shutdown_trainers()
-        for w in job.workers:
-            w.shutdown()
+        job.close()
 
 
 def test_init_info_keys_and_types_are_checked() -> None:
@@ -222,9 +226,7 @@ def test_misuse_failure_and_recovery() -> None:
         job.send(4)
         job.check(4)
     finally:
-        job.shutdown_trainers()
-        for w in job.workers:
-            w.shutdown()
+        job.close()
 
 
 def test_a_worker_failing_after_the_round_ends_every_session_and_recovery_works() -> None:
@@ -251,9 +253,7 @@ def test_a_worker_failing_after_the_round_ends_every_session_and_recovery_works(
         job.send(3)
         job.check(3)
     finally:
-        job.shutdown_trainers()
-        for w in job.workers:
-            w.shutdown()
+        job.close()
 
 
 def test_a_failed_finish_is_ended_and_recovery_works(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -286,9 +286,7 @@ def test_a_failed_finish_is_ended_and_recovery_works(monkeypatch: pytest.MonkeyP
         job.send(2)
         job.check(2)
     finally:
-        job.shutdown_trainers()
-        for w in job.workers:
-            w.shutdown()
+        job.close()
 
 
 def test_the_update_rpc_is_bounded_by_update_timeout() -> None:
@@ -372,9 +370,7 @@ def test_a_trainer_that_reached_rank_0s_old_store_connects_again(
         job.send(2)
         job.check(2)
     finally:
-        job.shutdown_trainers()
-        for w in job.workers:
-            w.shutdown()
+        job.close()
 
 
 def test_trainer_init_rejects_what_it_cannot_send() -> None:
