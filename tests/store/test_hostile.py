@@ -649,7 +649,7 @@ async def test_byte_quotas_refuse_writes_naming_the_quota(kind: str) -> None:
             await runner.stop()
 
 
-# --- found by review: limits that held in number but not in bytes, or not between frames ---
+# --- limits that must hold in bytes as well as in number, and per frame ---
 
 async def test_frames_that_each_arrive_in_time_are_not_dropped() -> None:
     # frame_timeout bounds one frame's arrival, not the connection's: a client whose every
