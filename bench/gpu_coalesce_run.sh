@@ -5,7 +5,9 @@
 # "GPU tests on the H200"), e.g.
 #     source .gpu/kit/install.sh && OUT=$OUT bash bench/gpu_coalesce_run.sh
 #     OUT=$OUT bash bench/gpu_coalesce_run.sh moe mixed threshold     # a subset, in this order
-# Steps: moe mixed dense large threshold tests (default: all, ~10-12 min on one H200).
+# Steps: moe mixed dense large threshold tests (default: all, ~10-12 min on one H200), and
+# moe-one-buffer / mixed-one-buffer (the model with each rank's sources and targets as views of
+# one buffer: the m2n lane reshards the stacks in place).
 set -u
 OUT=${OUT:-/tmp/m2n-gpu-out}
 mkdir -p "$OUT"
@@ -36,13 +38,17 @@ for s in "${steps[@]}"; do
     case $s in
         moe|mixed|dense|large)
             run_step "$s" "$PY" bench/gpu_sync_bench.py --model "$s" --timeout 420 --out "$JSON" ;;
+        moe-one-buffer|mixed-one-buffer)  # each stack's members back to back in one buffer
+            run_step "$s" "$PY" bench/gpu_sync_bench.py --model "${s%-one-buffer}" --one-buffer \
+                --no-broadcast --timeout 420 --out "$JSON" ;;
         threshold)
             run_step threshold "$PY" bench/gpu_sync_bench.py --threshold-sweep --timeout 420 \
                 --out "$JSON" ;;
         tests)
             STEP_TIMEOUT=${TESTS_TIMEOUT:-900} run_step tests env M2N_GPU_REPORT="$OUT/gpu-report.jsonl" "$PY" -m pytest tests/gpu \
                 -q -rs -p no:cacheprovider ;;
-        *) echo "unknown step $s (moe mixed dense large threshold tests)" | tee -a "$OUT/steps.log" ;;
+        *) echo "unknown step $s (moe mixed dense large moe-one-buffer mixed-one-buffer" \
+               "threshold tests)" | tee -a "$OUT/steps.log" ;;
     esac
 done
 echo "done: $OUT/steps.log, $OUT/goals.log, $JSON" | tee -a "$OUT/steps.log"

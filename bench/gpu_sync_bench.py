@@ -391,8 +391,17 @@ async def bench_rank(ctx: _world.RankCtx) -> dict[str, Any]:
     below = case["coalesce_below"]
     deadline = float(case["round_deadline"])
     sources = _world.source_shards(plan, ctx.rank, 0, dev) if trainer else None
-    sources32 = ({k: v.float() for k, v in sources.items()} if sources is not None else None)
     targets = None if trainer else _world.zero_targets(plan, ctx.rank, dev)
+    if case.get("one_buffer"):
+        # views of one buffer, each of the lane's stacks back to back: it reshards them in
+        # place (``M2NTransport._span``), as on a flat parameter buffer
+        order = [[plan.params[i].spec.name for i in call]
+                 for calls in lane_calls(plan, case["bucket_bytes"], below) for call in calls]
+        if sources is not None:
+            sources = _world.back_to_back(sources, order, dev)
+        if targets is not None:
+            targets = _world.back_to_back(targets, order, dev)
+    sources32 = ({k: v.float() for k, v in sources.items()} if sources is not None else None)
     # As the engine does at connect: the targets as Sink records once, not every round (a
     # plain mapping costs the lane a conversion per round, ~1 µs a target on its stage path).
     sinks = sink_map(targets) if targets is not None else None
@@ -1380,6 +1389,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--timeout", type=float, default=600.0, help="whole world (seconds)")
     ap.add_argument("--round-deadline", type=float, default=90.0,
                     help="seconds one pipeline or API round may take before it fails")
+    ap.add_argument("--one-buffer", action="store_true",
+                    help="sources and targets as views of one buffer per rank, each stack's "
+                         "members back to back (a flat parameter buffer): the m2n lane "
+                         "reshards those stacks in place")
     ap.add_argument("--store-process", action="store_true",
                     help="run the store in a process of its own (as `m2n-async store` beside "
                          "a job) instead of in trainer rank 0's event loop")
@@ -1426,7 +1439,7 @@ def build_case(args: argparse.Namespace) -> dict[str, Any]:
                  else args.broadcast)
     return {"model": args.model, "iters": args.iters, "slow_iters": args.slow_iters,
             "bucket_bytes": args.bucket_bytes, "max_inflight": args.max_inflight,
-            "max_cta": args.max_cta, "diagnose": args.diagnose,
+            "max_cta": args.max_cta, "diagnose": args.diagnose, "one_buffer": args.one_buffer,
             "store": "process" if args.store_process else "rank0",
             "coalesce_below": (COALESCE_BELOW_BYTES if args.coalesce_below is None
                                else args.coalesce_below),
@@ -1472,7 +1485,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 write_timeline_png(path, lanes)
                 summary[f"timeline_{label}"] = {"png": path, "lanes": lanes}
     print(json.dumps(summary, indent=1, default=repr))
-    title = ("threshold sweep" if args.threshold_sweep else f"model {args.model}")
+    title = ("threshold sweep" if args.threshold_sweep else f"model {args.model}"
+             + (" (sources and targets in one buffer)" if args.one_buffer else ""))
     print(f"\n== {title}, {args.trainers}+{args.workers}, {summary['wall_s']} s ==")
     for line in lines + goal_lines(summary.get("goals", [])):
         print(line)

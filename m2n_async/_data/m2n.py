@@ -15,7 +15,11 @@ Per bucket:
   cast/made contiguous on the pack stream (the fp32 master → bf16 case). A worker receives
   **in place** into target tensors that are contiguous, of the wire dtype and on our device;
   other sinks (load callbacks, CPU or strided targets) get a staging tensor, copied or handed
-  to the callback in ``unpack``. An event on the pack stream orders the transfer after the
+  to the callback in ``unpack``. A stacked call (``_proto.stacking``) packs its members into
+  one arena buffer with one multi-tensor copy, and the worker scatters it with another —
+  unless the members lie back to back in one storage (a flat parameter buffer, experts as
+  ``w[e]`` of one weight): then the stack is that storage, sent or received in place
+  (``_span``). An event on the pack stream orders the transfer after the
   producer; casts are fenced in chunks of ``GATE_BYTES``: after each chunk an event, and the
   transfer waits for a param's own chunk only, so the first reshard starts while the rest of
   the bucket is still being cast rather than after all of it.
@@ -83,6 +87,9 @@ __all__ = ["GATE_BYTES", "GROUP_MAX_BYTES", "M2NStaging", "M2NTransport"]
 log = logging.getLogger(__name__)
 
 _DTYPE = operator.attrgetter("dtype")
+_SHAPE = operator.attrgetter("shape")
+_IN_PLACE = operator.attrgetter("in_place")
+_TARGET = operator.attrgetter("target")
 
 #: Largest global tensor bytes in one ``nccl.m2n.group()``: M2N's default PACK slot is 2 GiB
 #: per rank and a fused bin over it fails. Global bytes bound every rank's share.
@@ -159,6 +166,8 @@ class M2NStaging(Staging):
     zero_copy: int = 0
     #: parameters that travelled inside a stacked call
     stacked_params: int = 0
+    #: stacked calls sent from / received into the caller's own storage (``_span``)
+    in_place_stacks: int = 0
     #: per buffer: it outlives the round (the caller's own tensor, zero-copy, or a view of a
     #: stack arena), so its descriptor may be reused
     persistent: list[bool] = field(default_factory=list)
@@ -233,6 +242,17 @@ class _StackArenas:
         self._busy.clear()
 
 
+def _stack_view(first: Any, shape: tuple[int, ...]) -> Any:
+    """A contiguous tensor of ``shape`` over the storage of ``first`` (a stack's first
+    member), starting where ``first`` starts (``M2NTransport._span`` checked the bounds)."""
+    strides = []
+    acc = 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= d
+    return first.as_strided(shape, tuple(reversed(strides)), first.storage_offset())
+
+
 #: Stacked buffers start at multiples of this many bytes inside an arena (any dtype's
 #: alignment, and the 256-byte alignment CUDA allocations have).
 _ALIGN = 256
@@ -264,11 +284,17 @@ class M2NTransport(GpuTransportBase):
         self._arenas = _StackArenas(ctx.settings.max_inflight)
         self._offsets: dict[int, tuple[int, dict[int, int]]] = {}
         self._views: dict[int, _StackViews] = {}
-        self._scatter: dict[int, tuple[Any, int, list[_Scatter],
+        self._scatter: dict[int, tuple[Any, Any, list[_Scatter],
                                        list[tuple[str, Any, Any]]]] = {}
         self._tables: dict[tuple[int, int, int], Any] = {}  # stack member pointer tables
         #: (bucket, call) -> (the sources' addresses, their device pointer table)
         self._src_tables: dict[tuple[int, int], tuple[list[int], Any]] = {}
+        #: (bucket, call) -> the first member, the members' addresses and, once the same
+        #: member was seen in two rounds running, the stacked view over them (``_span``)
+        self._spans: dict[tuple[int, int], tuple[weakref.ref[Any], list[int], Any]] = {}
+        #: worker: (bucket, call) -> (the sink records, the members' target tensors, or None
+        #: when some member is not a tensor written in place): decided once per records
+        self._span_targets: dict[tuple[int, int], tuple[Any, tuple[Any, ...] | None]] = {}
 
     @classmethod
     def identity(cls, settings: TransportSettings) -> dict[str, str]:
@@ -469,7 +495,8 @@ class M2NTransport(GpuTransportBase):
                     sinks: Mapping[str, SinkLike] | None = None) -> Staging:
         """See ``Transport.stage``: per call, zero-copy sources/targets where possible, else a
         cast or staging tensor on the pack stream; a stacked call packs its members with one
-        multi-tensor copy (``torch._foreach_copy_``, the cast included). Records the events
+        multi-tensor copy (the Triton copy or ``torch._foreach_copy_``, the cast included),
+        or none when they lie back to back in one storage (``_span``). Records the events
         the transfer waits on.
 
         Cancellation: nothing was submitted; the staging is dropped with the round.
@@ -495,13 +522,22 @@ class M2NTransport(GpuTransportBase):
             records = self.sink_records(sinks)
             torch = _torch()
             with streams.on(streams.pack):
-                stacks = self._stacks(st)
+                stacks = None  # the arena is taken only if some stack needs staging
                 for k, call in enumerate(calls):
                     p = call.geo
                     if call.stacked:
+                        span = self._target_span(st.bucket.index, k, call, records)
+                        if span is not None:  # received straight into the targets
+                            st.buffers.append(span[0])
+                            st.persistent.append(span[1])
+                            st.in_place_stacks += 1
+                            st.stacked_params += len(call.members)
+                            continue
                         for m in call.members:  # a missing target fails before the transfer
                             if m.name not in records:
                                 lookup_tensor(records, m.name, where)
+                        if stacks is None:
+                            stacks = self._stacks(st)
                         buf = stacks[k][0]
                         st.buffers.append(buf)
                         st.persistent.append(st.arena_slot is not None)
@@ -577,15 +613,15 @@ class M2NTransport(GpuTransportBase):
             table = self._tables[key] = pointer_table(parts, self.device)
         return table
 
-    def _source_table(self, st: M2NStaging, k: int, srcs: tuple[Any, ...]) -> Any:
-        """The device pointer table of call ``k``'s sources: last round's when every source
-        is where it was (reading 1024 addresses costs ~80 us; building and uploading a
-        new table ~200 us more on the H200 host), else a new one. None without the kernel.
-        The staging keeps the table until the copy ran."""
+    def _source_table(self, st: M2NStaging, k: int, srcs: tuple[Any, ...], ptrs: list[int]
+                      ) -> Any:
+        """The device pointer table of call ``k``'s sources (at addresses ``ptrs``): last
+        round's when every source is where it was (reading 1024 addresses costs ~80 us;
+        building and uploading a new table ~200 us more on the H200 host), else a new one.
+        None without the kernel. The staging keeps the table until the copy ran."""
         if not kernels_available() or not srcs[0].is_cuda:
             return None
         key = (st.bucket.index, k)
-        ptrs = list(map(_torch().Tensor.data_ptr, srcs))  # the C method: no frame per call
         hit = self._src_tables.get(key)
         if hit is not None and hit[0] == ptrs:
             table = hit[1]
@@ -595,13 +631,77 @@ class M2NTransport(GpuTransportBase):
         st.sources.append(table)
         return table
 
+    def _span(self, key: tuple[int, int], tensors: tuple[Any, ...], ptrs: list[int],
+              shape: tuple[int, ...], dtype: Any) -> tuple[Any, bool] | None:
+        """The stacked buffer of call ``key`` over its members' own bytes, when the members
+        (``tensors``, at addresses ``ptrs``) lie back to back in stack order inside one
+        storage, contiguous, of the member shape ``shape[1:]`` and ``dtype``, on this device:
+        then the reshard reads (trainer) or writes (worker) them in place, with no pack or
+        scatter copy. That is the layout of a trainer's flat parameter buffer (Megatron's
+        DDP keeps the parameters as views of one) and of experts addressed as ``w[e]`` of
+        one stacked weight. Else None.
+
+        Returns (buffer, kept): ``kept`` when the view is cached, because the same first
+        member at the same addresses was seen in the round before (the caller keeps these
+        tensors); a view built for one round only would otherwise hold storage the caller
+        already dropped (a lazily cast source, say) until the next round.
+        """
+        k = len(tensors)
+        step = _numel(shape[1:]) * dtype.itemsize
+        first = ptrs[0]
+        if ptrs[-1] - first != (k - 1) * step or ptrs != list(range(first, first + k * step,
+                                                                    step)):
+            self._spans.pop(key, None)
+            return None
+        t0 = tensors[0]
+        hit = self._spans.get(key)
+        if hit is not None and hit[0]() is t0 and hit[1] == ptrs:
+            if hit[2] is None:  # the second round running: worth keeping
+                hit = self._spans[key] = (hit[0], ptrs, _stack_view(t0, shape))
+            return hit[2], True
+        if not (t0.device == self.device
+                and all(map(operator.is_, map(_DTYPE, tensors), repeat(dtype)))
+                and all(map(_torch().Tensor.is_contiguous, tensors))
+                and all(map(operator.eq, map(_SHAPE, tensors), repeat(shape[1:])))):
+            self._spans.pop(key, None)
+            return None
+        storage = t0.untyped_storage()  # adjacent blocks of two allocations do not count
+        base = storage.data_ptr()
+        if not base <= first <= first + k * step <= base + storage.nbytes():
+            self._spans.pop(key, None)
+            return None
+        self._spans[key] = (weakref.ref(t0), ptrs, None)
+        return _stack_view(t0, shape), False
+
+    def _target_span(self, bucket: int, k: int, call: _Call, records: Mapping[str, Any]
+                     ) -> tuple[Any, bool] | None:
+        """Worker: ``_span`` over the targets of stacked call ``k``, when every member's sink
+        is a tensor written in place. Which members' targets those are is decided once per
+        records mapping (the engine's is fixed at connect); their addresses are read every
+        round, so a target given new storage is seen."""
+        key = (bucket, k)
+        hit = self._span_targets.get(key)
+        if hit is None or hit[0] is not records:
+            try:
+                sinks = call.fetch(records)
+            except KeyError:  # the staged path names the missing parameter
+                sinks = None
+            tensors = (tuple(map(_TARGET, sinks))
+                       if sinks is not None and all(map(_IN_PLACE, sinks)) else None)
+            hit = self._span_targets[key] = (records, tensors)
+        tensors = hit[1]
+        if tensors is None:
+            return None
+        ptrs = list(map(_torch().Tensor.data_ptr, tensors))  # the C method: one C-level pass
+        return self._span(key, tensors, ptrs, call.geo.dst_shape, call.geo.dtype)
+
     def _pack(self, st: M2NStaging, sources: Mapping[str, torch.Tensor], where: str) -> None:
         """Trainer, on the pack stream: one buffer per call. Casts are fenced every
         ``GATE_BYTES`` of staged bytes (module doc)."""
         torch = _torch()
         streams = self.streams
         assert streams is not None
-        stacks = self._stacks(st)
+        stacks = None  # the arena is taken only if some stack needs packing
         chunk_start, chunk_bytes = -1, 0
         for k, call in enumerate(st.calls):
             p = call.geo
@@ -620,6 +720,17 @@ class M2NTransport(GpuTransportBase):
                 wire = p.dtype
                 same = sum(map(operator.is_, map(_DTYPE, srcs), repeat(wire)))
                 casts = len(srcs) - same
+                ptrs = list(map(torch.Tensor.data_ptr, srcs))  # the C method: no frame per call
+                span = None if casts else self._span((st.bucket.index, k), srcs, ptrs,
+                                                     p.src_shape, wire)
+                if span is not None:  # sent from the sources themselves: nothing to pack
+                    st.buffers.append(span[0])
+                    st.persistent.append(span[1])
+                    st.in_place_stacks += 1
+                    st.stacked_params += len(srcs)
+                    continue
+                if stacks is None:
+                    stacks = self._stacks(st)
                 st.sources.extend(srcs)
                 buf, parts = stacks[k]
                 st.cast_bytes += casts * (buf.numel() // len(srcs)) * buf.element_size()
@@ -631,7 +742,8 @@ class M2NTransport(GpuTransportBase):
                 uniform = (first is wire and not casts) or all(
                     map(operator.is_, map(_DTYPE, srcs), repeat(first)))
                 if not (uniform
-                        and copy_many(parts, srcs, src_table=self._source_table(st, k, srcs),
+                        and copy_many(parts, srcs,
+                                      src_table=self._source_table(st, k, srcs, ptrs),
                                       dst_table=self._table(st, k, parts), uniform=True)):
                     torch._foreach_copy_(parts, list(srcs), non_blocking=True)
                 st.stacked_params += len(srcs)
@@ -814,10 +926,12 @@ class M2NTransport(GpuTransportBase):
         (1024 experts: ~0.5 ms of host time)."""
         key = st.bucket.index
         reusable = bool(st.staged) and all(st.persistent[k] for k in st.staged)
+        # which calls were staged is part of the key: a stack received in place one round
+        # (``_span``) may need its scatter the next
+        mark = (tuple(st.staged), st.buffers[st.staged[0]].data_ptr()) if reusable else None
         if reusable:
             hit = self._scatter.get(key)
-            if hit is not None and hit[0] is sinks and hit[1] == st.buffers[st.staged[0]]\
-                    .data_ptr():
+            if hit is not None and hit[0] is sinks and hit[1] == mark:
                 return hit[2], hit[3]
         records = self.sink_records(sinks)
         callbacks: list[tuple[str, Any, Any]] = []
@@ -846,7 +960,7 @@ class M2NTransport(GpuTransportBase):
             callbacks.sort(key=lambda c: order[c[0]])
         out = list(groups.values())
         if reusable:
-            self._scatter[key] = (sinks, st.buffers[st.staged[0]].data_ptr(), out, callbacks)
+            self._scatter[key] = (sinks, mark, out, callbacks)
         return out, callbacks
 
     def release(self, staging: Staging) -> None:
@@ -864,6 +978,8 @@ class M2NTransport(GpuTransportBase):
         self._scatter.clear()
         self._tables.clear()
         self._src_tables.clear()
+        self._spans.clear()
+        self._span_targets.clear()
         self._views.clear()
         self._arenas.clear()
         handle, self.handle = self.handle, None

@@ -174,6 +174,30 @@ def expected_shards(plan: Any, rank: int, version: int, device: Any) -> dict[str
             for p in plan.params}
 
 
+def back_to_back(tensors: Mapping[str, Any], groups: Any, device: Any) -> dict[str, Any]:
+    """Copies of ``tensors`` as views of one buffer: the names of each group of ``groups``
+    (sequences of names) back to back in that order, each group 256-byte aligned; names in no
+    group keep their own tensor. A flat parameter buffer (Megatron's DDP keeps its parameters
+    so), which lets the ``m2n`` lane reshard a stack in place."""
+    import torch
+
+    offsets: dict[str, int] = {}
+    total = 0
+    for group in groups:
+        total = -(-total // 256) * 256
+        for name in group:
+            offsets[name] = total
+            total += tensors[name].numel() * tensors[name].element_size()
+    buf = torch.zeros(total, dtype=torch.uint8, device=device)
+    out = dict(tensors)
+    for name, off in offsets.items():
+        t = tensors[name]
+        view = buf[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        out[name] = view
+    return out
+
+
 def zero_targets(plan: Any, rank: int, device: Any) -> dict[str, Any]:
     import torch
 

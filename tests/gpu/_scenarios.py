@@ -12,6 +12,7 @@ from m2n_async.testing._gpu import (
     LagMonitor,
     R,
     RankCtx,
+    back_to_back,
     close_transport,
     coalesce_layout_defs,
     expected_shards,
@@ -111,9 +112,30 @@ async def coalesce_planes(ctx: RankCtx) -> dict[str, Any]:
         thr = COALESCE_BELOW_BYTES if below is None else below
         rec: dict[str, Any] = {
             "params": len(plan.params), "buckets": len(t.ctx.buckets), "moved": [], "bad": [],
-            "calls": (sum(len(bucket_calls(plan, b, coalesce_below=thr, max_call_bytes=2 << 30))
-                          for b in t.ctx.buckets) if coalesce else len(plan.params))}
+            "calls": len(plan.params)}
         targets = None if trainer else zero_targets(plan, ctx.rank, ctx.device)
+        # "flat": sources and targets as views of one buffer, each stack's members back to
+        # back (a flat parameter buffer): the lane reshards those stacks in place
+        flat = ctx.case.get("flat", False)
+        calls = [call for b in t.ctx.buckets
+                 for call in bucket_calls(plan, b, coalesce_below=thr, max_call_bytes=2 << 30)]
+        rec["stacked_calls"] = sum(len(c) > 1 for c in calls) if coalesce else 0
+        if coalesce:
+            rec["calls"] = len(calls)
+        order = [[plan.params[i].spec.name for i in c] for c in calls] if flat else []
+        if targets is not None and flat:
+            targets = back_to_back(targets, order, ctx.device)
+        flat_sources: dict[str, Any] | None = None
+        stagings: list[Any] = []
+        stage = t.stage
+
+        async def counted(bucket: Any, stage: Any = stage, stagings: list[Any] = stagings,
+                          **kw: Any) -> Any:
+            st = await stage(bucket, **kw)
+            stagings.append(st)
+            return st
+
+        t.stage = counted
         old: list[Any] = []  # moved targets' old storage, kept: a stale write stays visible
         try:
             for rnd in range(2):
@@ -123,9 +145,18 @@ async def coalesce_planes(ctx: RankCtx) -> dict[str, Any]:
                         v.data = torch.zeros_like(v)
                 sources = (source_shards(plan, ctx.rank, rnd, ctx.device, src_dtype)
                            if trainer else None)
+                if sources is not None and flat:  # refilled in place, as an optimizer does
+                    if flat_sources is None:
+                        flat_sources = back_to_back(sources, order, ctx.device)
+                    for name, v in flat_sources.items():
+                        v.copy_(sources[name])
+                    sources = flat_sources
                 await ctx.barrier(f"co-{tag}-{rnd}")
+                del stagings[:]
                 stats = await run_round(t, round=rnd, deadline_s=60.0, sources=sources,
                                         sinks=targets)
+                rec.setdefault("in_place_stacks", []).append(
+                    sum(st.in_place_stacks for st in stagings))
                 rec["moved"].append(stats.nbytes)
                 if not trainer:
                     want = expected_shards(plan, ctx.rank, rnd, ctx.device)

@@ -71,3 +71,25 @@ def test_targets_moved_between_rounds_get_the_bytes():
         assert rec["bad"] == [[], []], (rank, rec["bad"])
         assert rec["moved"] == [rec["plan_bytes"]] * 2, (rank, rec)
     assert res[0]["on"]["calls"] < res[0]["on"]["params"]  # stacked: a scatter to check
+
+
+def test_stacks_in_one_buffer_are_resharded_in_place():
+    # Sources and targets as views of one buffer per rank, each stack's members back to
+    # back (a flat parameter buffer): every stacked call reads and writes those bytes
+    # themselves (no pack, no scatter), and every byte is right. With fp32 sources (a cast)
+    # the trainers pack as usual; the workers still receive in place.
+    _require("m2n", 4)
+    variants = [("on", True, None, 1 << 20, None),
+                ("on+fp32src", True, None, 1 << 20, "float32")]
+    case = {"plan": "mixed", "topology": "2+2", "variants": variants, "flat": True}
+    res = _ok(_run("coalesce_planes", case, 2, 4), 4)
+    for rank, per in res.items():
+        for tag, rec in per.items():
+            assert rec["stacked_calls"] > 0, (rank, tag, rec)
+            if rank >= 2:
+                assert rec["bad"] == [[], []], (rank, tag, rec["bad"])
+                assert rec["moved"] == [rec["plan_bytes"]] * 2, (rank, tag, rec)
+            every = tag == "on" or rank >= 2
+            assert rec["in_place_stacks"] == [rec["stacked_calls"] if every else 0] * 2, (
+                rank, tag, rec)
+            assert rec["teardown_finished"], (rank, tag, rec)

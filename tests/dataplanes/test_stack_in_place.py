@@ -1,0 +1,225 @@
+"""Stacked reshards over the caller's own bytes: members back to back in one storage.
+
+When a stacked call's members are, in stack order, adjacent views of one storage (a trainer's
+flat parameter buffer; experts addressed as ``w[e]`` of one stacked weight), the ``m2n`` lane
+sends from and receives into that storage itself: no pack copy, no scatter, no arena. These
+tests run the lane over the FAKE nccl runtime and check the bytes, that the in-place path is
+taken exactly where it may be, and that it is left again (with the bytes still right) when the
+tensors stop lying back to back.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from ._world import R, drive, expected, make_plan, raise_first, run_world, sources, targets
+
+pytestmark = pytest.mark.asyncio
+
+EXPERTS = 8
+# 8 experts of one geometry (one stacked call) and two norms of different shapes (single,
+# zero-copy calls)
+PLAN = make_plan([(f"e{i}", (16, 8), torch.bfloat16, (R, 0), (R, 1)) for i in range(EXPERTS)]
+                 + [("n0", (8,), torch.float32, None, None),
+                    ("n1", (4,), torch.float32, None, None)],
+                 (1, 2), (1, 2))
+# norms of one shape first, then the experts: two stacked calls, the first never in place
+# (own targets)
+TWO_STACKS = make_plan([(f"n{i}", (8,), torch.float32, None, None) for i in range(2)]
+                       + [(f"e{i}", (16, 8), torch.bfloat16, (R, 0), (R, 1))
+                          for i in range(EXPERTS)],
+                       (1, 2), (1, 2))
+STACKED = [f"e{i}" for i in range(EXPERTS)]
+
+
+def flat_views(like: dict[str, torch.Tensor], names: list[str], *, gap: int = 0,
+               fill: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One buffer holding ``names`` back to back (``gap`` spare elements after each), in
+    that order, as views; the other entries of ``like`` stay their own tensors."""
+    first = like[names[0]]
+    per = first.numel() + gap
+    buf = torch.zeros(per * len(names), dtype=first.dtype)
+    out = dict(like)
+    for i, n in enumerate(names):
+        view = buf[i * per:i * per + first.numel()].view(first.shape)
+        if fill:
+            view.copy_(like[n])
+        out[n] = view
+    return buf, out
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+async def run(src_of: Any, dst_of: Any, rounds: int = 3, plan: Any = PLAN
+              ) -> dict[int, list[Any]]:
+    """``rounds`` rounds; ``src_of(rank, rnd)`` / ``dst_of(rank, rnd, last)`` give each
+    round's sources / targets. Returns the stagings of each rank, checked bit-exact."""
+    kept: dict[int, list[Any]] = {}
+
+    async def body(rank: int, t: Any) -> None:
+        trainer = rank < plan.trainer_ranks
+        mine: dict[str, torch.Tensor] | None = None
+        kept[rank] = []
+        for rnd in range(rounds):
+            if not trainer:
+                mine = dst_of(rank, rnd, mine)
+            await drive(t, round=rnd, deadline=time.monotonic() + 30,
+                        sources=src_of(rank, rnd) if trainer else None, sinks=mine,
+                        max_inflight=2, keep=kept[rank])
+            if mine is not None:
+                bad = [k for k, v in expected(plan, rank, rnd).items() if not same(mine[k], v)]
+                assert not bad, f"rank {rank} round {rnd}: {bad} differ"
+        # what the lane holds after the last round (``close`` clears it all)
+        kept[rank].append({"arenas": len(t._arenas._bufs), "scatter": len(t._scatter),
+                           "own": sorted(t._own_side),
+                           "views kept": [v[2] is not None for v in t._spans.values()]})
+
+    raise_first(await run_world("m2n", plan, body=body, bucket_bytes=1 << 20))
+    return kept
+
+
+def flat_sources(rank: int, rnd: int, plan: Any = PLAN) -> dict[str, torch.Tensor]:
+    return flat_views(sources(plan, rank, rnd), STACKED)[1]
+
+
+async def test_stacks_in_one_buffer_move_in_place(fake_world: Any) -> None:
+    held: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
+    # trainers: persistent flat buffers refilled each round (an optimizer's parameters)
+    src: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
+
+    def src_of(rank: int, rnd: int) -> dict[str, torch.Tensor]:
+        fresh = sources(PLAN, rank, rnd)
+        if rank not in src:
+            src[rank] = flat_views(fresh, STACKED)
+        for n, v in src[rank][1].items():
+            v.copy_(fresh[n])
+        return src[rank][1]
+
+    def dst_of(rank: int, rnd: int, last: Any) -> dict[str, torch.Tensor]:
+        if rank not in held:
+            held[rank] = flat_views(targets(PLAN, rank), STACKED, fill=False)
+        return held[rank][1]
+
+    kept = await run(src_of, dst_of)
+    for rank, stagings in kept.items():
+        held_by_lane = stagings.pop()
+        for st in stagings:
+            assert st.in_place_stacks == 1 and st.stacked_params == EXPERTS, rank
+            assert st.zero_copy == 2 and st.nbytes == 0, rank  # no staging at all
+        assert held_by_lane == {"arenas": 0, "scatter": 0,  # no arena taken, nothing to scatter
+                                "own": [0, 8, 9],  # every own-side descriptor is reused
+                                "views kept": [True]}, rank
+    for rank, (buf, _views) in held.items():  # the bytes are in the worker's own buffer
+        want = expected(PLAN, rank, 2)
+        assert same(buf, torch.cat([want[n].reshape(-1) for n in STACKED]))
+
+
+def adjacent_allocations(like: dict[str, torch.Tensor], names: list[str]
+                         ) -> dict[str, torch.Tensor]:
+    """``names`` back to back in memory, but each its own storage (two allocations that
+    happen to touch): one reshard over all of them would cross storage bounds."""
+    first = like[names[0]]
+    per = first.numel() * first.element_size()
+    raw = memoryview(bytearray(per * len(names)))
+    out = dict(like)
+    for i, n in enumerate(names):
+        t = torch.frombuffer(raw[i * per:(i + 1) * per], dtype=first.dtype).view(first.shape)
+        t.copy_(like[n])
+        out[n] = t
+    return out
+
+
+@pytest.mark.parametrize("layout", ["separate", "gap", "reversed", "half", "two allocations"])
+async def test_members_not_back_to_back_are_packed(fake_world: Any, layout: str) -> None:
+    def arrange(like: dict[str, torch.Tensor], fill: bool) -> dict[str, torch.Tensor]:
+        if layout == "separate":
+            return like
+        if layout == "two allocations":
+            return adjacent_allocations(like, STACKED)
+        if layout == "gap":  # one spare element after each member
+            return flat_views(like, STACKED, gap=1, fill=fill)[1]
+        if layout == "reversed":  # back to back, but the last member first
+            return flat_views(like, STACKED[::-1], fill=fill)[1]
+        return flat_views(like, STACKED[:EXPERTS // 2], fill=fill)[1]  # half of them only
+
+    kept = await run(lambda rank, rnd: arrange(sources(PLAN, rank, rnd), True),
+                     lambda rank, rnd, last: last or arrange(targets(PLAN, rank), False))
+    for rank, stagings in kept.items():
+        stagings.pop()
+        assert all(st.in_place_stacks == 0 and st.stacked_params == EXPERTS
+                   for st in stagings), rank
+
+
+async def test_fp32_masters_in_one_buffer_are_cast_into_the_stack(fake_world: Any) -> None:
+    def src_of(rank: int, rnd: int) -> dict[str, torch.Tensor]:
+        return flat_views(sources(PLAN, rank, rnd, torch.float32), STACKED)[1]
+
+    kept: dict[int, list[Any]] = {}
+
+    async def body(rank: int, t: Any) -> None:
+        trainer = rank < PLAN.trainer_ranks
+        mine = None if trainer else targets(PLAN, rank)
+        kept[rank] = []
+        await drive(t, round=0, deadline=time.monotonic() + 30,
+                    sources=src_of(rank, 0) if trainer else None, sinks=mine,
+                    max_inflight=2, keep=kept[rank])
+        if mine is not None:
+            for k, v in expected(PLAN, rank, 0, via=torch.float32).items():
+                assert same(mine[k], v), (rank, k)
+
+    raise_first(await run_world("m2n", PLAN, body=body, bucket_bytes=1 << 20))
+    for rank in (0, 1):
+        (st,) = kept[rank]
+        assert st.in_place_stacks == 0 and st.cast_bytes > 0, rank
+
+
+@pytest.mark.parametrize("plan", [PLAN, TWO_STACKS], ids=["one stack", "two stacks"])
+async def test_targets_leaving_and_rejoining_one_buffer(fake_world: Any, plan: Any) -> None:
+    # rounds 0 and 3: targets in one buffer (in place); rounds 1 and 4: the same tensor
+    # objects get storage of their own (scatter); round 2: a new shared buffer again (in
+    # place). With two stacks, the other one is scattered every round: the scatter kept from
+    # the round before must not be reused when the set of scattered stacks changed. Old
+    # buffers stay alive: a write through a stale address would stay visible.
+    old: dict[int, list[torch.Tensor]] = {}
+
+    def dst_of(rank: int, rnd: int, last: Any) -> dict[str, torch.Tensor]:
+        if last is None:
+            buf, views = flat_views(targets(plan, rank), STACKED, fill=False)
+            old[rank] = [buf]
+            return views
+        if rnd % 2:
+            for n in STACKED:
+                last[n].data = torch.zeros_like(last[n])
+        else:
+            buf, fresh = flat_views(targets(plan, rank), STACKED, fill=False)
+            old[rank].append(buf)
+            for n in STACKED:
+                last[n].data = fresh[n]
+        return last
+
+    kept = await run(lambda rank, rnd: flat_sources(rank, rnd, plan), dst_of, rounds=5,
+                     plan=plan)
+    for rank in (2, 3):
+        stagings = kept[rank][:-1]
+        assert [st.in_place_stacks for st in stagings] == [1, 0, 1, 0, 1], rank
+        # each shared buffer holds the bytes of the last round it was the targets', untouched
+        # by the rounds after
+        for buf, rnd in zip(old[rank], (0, 2, 4), strict=True):
+            want = expected(plan, rank, rnd)
+            assert same(buf, torch.cat([want[n].reshape(-1) for n in STACKED])), (rank, rnd)
+
+
+async def test_fresh_buffers_each_round_are_not_kept(fake_world: Any) -> None:
+    # sources built anew every round (a lazy cast into a fresh flat buffer): the lane's
+    # view over them must not outlive the round, or it would hold the storage the caller
+    # dropped until the next one
+    kept = await run(flat_sources, lambda rank, rnd, last: last or targets(PLAN, rank))
+    for rank in (0, 1):
+        assert all(st.in_place_stacks == 1 for st in kept[rank][:-1]), rank
+        assert kept[rank][-1]["views kept"] == [False], rank
