@@ -46,19 +46,21 @@ from m2n_async._proto.errors import PlanError
 from m2n_async._proto.layout import REPLICATE, Layout, Mesh
 from m2n_async._proto.params import ParamSpec, ParamTransfer
 from m2n_async._proto.plan import (
+    M2N_MAX_CALL_BYTES,
     MAX_BUCKET_PARAMS,
     TransferPlan,
     carry_problem,
     complete_plan_digest,
     split_buckets,
 )
-from m2n_async._proto.stacking import COALESCE_BELOW_BYTES
+from m2n_async._proto.stacking import COALESCE_BELOW_BYTES, bucket_calls
 
 __all__ = [
     "PlanFile",
     "add_plan_command",
     "run_plan_command",
     "PlanSummary",
+    "StackCall",
     "format_summary",
     "load_plan_file",
     "parse_placements",
@@ -109,6 +111,17 @@ class Extreme(msgspec.Struct, frozen=True):
     param: str
 
 
+class StackCall(msgspec.Struct, frozen=True):
+    """One stacked reshard the ``m2n`` lane issues per round: ``members`` (in stack order,
+    which is plan order) of one geometry, in bucket ``bucket``. Laid out back to back in that
+    order in one buffer, they are resharded in place (docs/tuning.md)."""
+
+    bucket: int
+    shape: list[int]
+    dtype: str
+    members: list[str]
+
+
 class PlanSummary(msgspec.Struct, frozen=True):
     """What ``m2n-async plan`` prints (``--json`` prints this struct)."""
 
@@ -133,6 +146,10 @@ class PlanSummary(msgspec.Struct, frozen=True):
     #: coalescing at its default threshold; only transports that can carry the plan
     predicted: dict[str, str]
     auto: str  # what transport="auto" would choose on a host that runs every transport
+    #: the m2n lane's calls per round at its bucket size and the default ``coalesce_below``
+    m2n_calls: int = 0
+    #: the stacked ones among them
+    stacks: list[StackCall] = []
 
 
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -324,6 +341,18 @@ def summarize(plan: TransferPlan, *, source: str = "", bucket_bytes: int | None 
     # at the size of the transport it would run (auto's choice; else the first lane).
     size = lanes.bucket_bytes(auto if ok else lanes.LANES[0], bucket_bytes)
     buckets = split_buckets(plan, plan.buckets(size), MAX_BUCKET_PARAMS)
+    m2n_buckets = split_buckets(plan, plan.buckets(lanes.bucket_bytes("m2n", bucket_bytes)),
+                                MAX_BUCKET_PARAMS)
+    m2n_calls = 0
+    stacks = []
+    for b in m2n_buckets:
+        for call in bucket_calls(plan, b, coalesce_below=COALESCE_BELOW_BYTES,
+                                 max_call_bytes=M2N_MAX_CALL_BYTES):
+            m2n_calls += 1
+            if len(call) > 1:
+                spec = plan.params[call[0]].spec
+                stacks.append(StackCall(b.index, list(spec.shape), spec.dtype,
+                                        [plan.params[i].name for i in call]))
     ranks = [RankLoad(r, "trainer" if r < plan.trainer_ranks else "worker",
                       plan.send_bytes(r), plan.recv_bytes(r)) for r in range(plan.world_size)]
     return PlanSummary(
@@ -346,6 +375,8 @@ def summarize(plan: TransferPlan, *, source: str = "", bucket_bytes: int | None 
         transports=transports,
         predicted={t: predicted[t].describe().removeprefix(f"{t} ") for t in ok},
         auto=auto,
+        m2n_calls=m2n_calls,
+        stacks=stacks,
     )
 
 
@@ -358,8 +389,9 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def format_summary(s: PlanSummary, *, all_ranks: bool = False) -> str:
-    """The human-readable report; ranks are listed in full up to 16 (or with ``all_ranks``)."""
+def format_summary(s: PlanSummary, *, all_ranks: bool = False, stacks: bool = False) -> str:
+    """The human-readable report; ranks are listed in full up to 16 (or with ``all_ranks``),
+    the m2n lane's stacked calls with ``stacks``."""
     lines = [
         f"plan {s.source}" if s.source else "plan",
         f"  params       {s.params} ({human_bytes(s.total_bytes)}; "
@@ -393,6 +425,14 @@ def format_summary(s: PlanSummary, *, all_ranks: bool = False) -> str:
                      "m2n coalesced")
         for t, text in s.predicted.items():
             lines.append(f"    {t:<5} {text}{'   <- auto' if t == s.auto else ''}")
+    stacked = sum(len(c.members) for c in s.stacks)
+    lines.append(f"  m2n stacks   {len(s.stacks)} stacked calls of {stacked} params, "
+                 f"{s.m2n_calls - len(s.stacks)} single; {s.m2n_calls} calls a round"
+                 + ("" if stacks or not s.stacks else " (--stacks lists them)"))
+    if stacks:
+        for c in s.stacks:
+            lines.append(f"    bucket {c.bucket}: {len(c.members)} x {tuple(c.shape)} "
+                         f"{c.dtype}, in this order: {', '.join(c.members)}")
     return "\n".join(lines)
 
 
@@ -419,6 +459,10 @@ def add_plan_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument("--require", choices=lanes.LANES, default=None,
                    help="exit 1 unless this transport can carry the plan")
     p.add_argument("--all-ranks", action="store_true", help="list every rank")
+    p.add_argument("--stacks", action="store_true",
+                   help="list the m2n lane's stacked calls, each with its members in stack "
+                        "order (the order to lay them out in one buffer for in-place "
+                        "reshards)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
@@ -445,7 +489,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
     if args.json:
         print(msgspec.json.encode(summary).decode())
     else:
-        print(format_summary(summary, all_ranks=args.all_ranks))
+        print(format_summary(summary, all_ranks=args.all_ranks, stacks=args.stacks))
     carriers = [t for t, v in summary.transports.items() if v == "ok"]
     if args.require is not None and args.require not in carriers:
         print(f"m2n-async plan: transport {args.require!r} cannot carry this plan: "

@@ -305,3 +305,60 @@ shape = [4]
     with pytest.raises(PlanError, match=r"params\[1\] \('layers.3.w'\): declares 'layers.3.w', "
                                         r"which params\[0\] \('layers.\{i\}.w'\) already"):
         load_plan_file(_write(tmp_path, text))
+
+
+def test_stacks_are_the_m2n_lanes_calls_in_stack_order(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    # Two layers of interleaved experts (two geometries) and a norm per layer: the listing
+    # must be exactly the calls the m2n lane issues, members in the order to lay them out.
+    from m2n_async._proto.plan import M2N_MAX_CALL_BYTES, MAX_BUCKET_PARAMS, split_buckets
+    from m2n_async._proto.stacking import COALESCE_BELOW_BYTES, bucket_calls
+
+    text = """
+trainer_mesh = [2]
+worker_mesh = [2]
+bucket_bytes = "1MiB"
+
+[[params]]
+name = "l0.e{i}.up"
+repeat = 4
+dtype = "bfloat16"
+shape = [64, 32]
+
+[[params]]
+name = "l0.e{i}.down"
+repeat = 4
+dtype = "bfloat16"
+shape = [32, 64]
+
+[[params]]
+name = "l0.norm"
+dtype = "float32"
+shape = [32]
+
+[[params]]
+name = "l1.e{i}.up"
+repeat = 4
+dtype = "bfloat16"
+shape = [64, 32]
+"""
+    path = _write(tmp_path, text)
+    plan, bucket = load_plan_file(path)
+    s = summarize(plan, bucket_bytes=bucket)
+    want = [[plan.params[i].name for i in call]
+            for b in split_buckets(plan, plan.buckets(1 << 20), MAX_BUCKET_PARAMS)
+            for call in bucket_calls(plan, b, coalesce_below=COALESCE_BELOW_BYTES,
+                                     max_call_bytes=M2N_MAX_CALL_BYTES)]
+    assert s.m2n_calls == len(want) == 3
+    assert [c.members for c in s.stacks] == [m for m in want if len(m) > 1]
+    assert s.stacks[0].members == [f"l0.e{i}.up" for i in range(4)] + [
+        f"l1.e{i}.up" for i in range(4)]  # by geometry, not by name
+    assert (s.stacks[1].shape, s.stacks[1].dtype) == ([32, 64], "bfloat16")
+    rc, out, _ = _run(capsys, str(path))
+    assert rc == 0 and ("m2n stacks   2 stacked calls of 12 params, 1 single; 3 calls a round "
+                        "(--stacks lists them)") in out
+    rc, out, _ = _run(capsys, str(path), "--stacks")
+    assert rc == 0 and ("bucket 0: 4 x (32, 64) bfloat16, in this order: l0.e0.down, "
+                        "l0.e1.down, l0.e2.down, l0.e3.down") in out
+    rc, out, _ = _run(capsys, str(path), "--json")
+    assert rc == 0 and json.loads(out)["stacks"][1]["members"] == s.stacks[1].members
