@@ -655,10 +655,12 @@ class M2NTransport(GpuTransportBase):
             return None
         t0 = tensors[0]
         hit = self._spans.get(key)
-        if hit is not None and hit[0]() is t0 and hit[1] == ptrs:
-            if hit[2] is None:  # the second round running: worth keeping
-                hit = self._spans[key] = (hit[0], ptrs, _stack_view(t0, shape))
+        again = hit is not None and hit[0]() is t0 and hit[1] == ptrs
+        if again and hit is not None and hit[2] is not None:
+            # the kept view holds the storage, so nothing else can be at these addresses
             return hit[2], True
+        # Checked again in the second round too: the members may have been given storage of
+        # their own at the very same addresses (a freed block split by the allocator).
         if not (t0.device == self.device
                 and all(map(operator.is_, map(_DTYPE, tensors), repeat(dtype)))
                 and all(map(_torch().Tensor.is_contiguous, tensors))
@@ -670,8 +672,9 @@ class M2NTransport(GpuTransportBase):
         if not base <= first <= first + k * step <= base + storage.nbytes():
             self._spans.pop(key, None)
             return None
-        self._spans[key] = (weakref.ref(t0), ptrs, None)
-        return _stack_view(t0, shape), False
+        view = _stack_view(t0, shape)
+        self._spans[key] = (weakref.ref(t0), ptrs, view if again else None)
+        return view, again
 
     def _target_span(self, bucket: int, k: int, call: _Call, records: Mapping[str, Any]
                      ) -> tuple[Any, bool] | None:
@@ -691,6 +694,7 @@ class M2NTransport(GpuTransportBase):
             hit = self._span_targets[key] = (records, tensors)
         tensors = hit[1]
         if tensors is None:
+            self._spans.pop(key, None)  # a view kept from earlier rounds: let it go
             return None
         ptrs = list(map(_torch().Tensor.data_ptr, tensors))  # the C method: one C-level pass
         return self._span(key, tensors, ptrs, call.geo.dst_shape, call.geo.dtype)
@@ -721,8 +725,11 @@ class M2NTransport(GpuTransportBase):
                 same = sum(map(operator.is_, map(_DTYPE, srcs), repeat(wire)))
                 casts = len(srcs) - same
                 ptrs = list(map(torch.Tensor.data_ptr, srcs))  # the C method: no frame per call
-                span = None if casts else self._span((st.bucket.index, k), srcs, ptrs,
-                                                     p.src_shape, wire)
+                if casts:
+                    self._spans.pop((st.bucket.index, k), None)  # a kept view: let it go
+                    span = None
+                else:
+                    span = self._span((st.bucket.index, k), srcs, ptrs, p.src_shape, wire)
                 if span is not None:  # sent from the sources themselves: nothing to pack
                     st.buffers.append(span[0])
                     st.persistent.append(span[1])
