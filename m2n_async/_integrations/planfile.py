@@ -317,11 +317,14 @@ def load_plan_file(path: str | Path) -> tuple[TransferPlan, int | None]:
 
 
 def summarize(plan: TransferPlan, *, source: str = "", bucket_bytes: int | None = None,
-              bandwidth_bytes_per_second: float = 50e9) -> PlanSummary:
+              bandwidth_bytes_per_second: float = 50e9,
+              coalesce_below: int = COALESCE_BELOW_BYTES) -> PlanSummary:
     """Everything ``m2n-async plan`` reports about ``plan``.
 
     ``bucket_bytes`` None: each transport's default, as an engine whose config leaves it None
-    runs; the buckets reported are then those of the transport ``auto`` would choose."""
+    runs; the buckets reported are then those of the transport ``auto`` would choose.
+    ``coalesce_below``: the m2n lane's threshold (``EngineConfig.coalesce_below``; 0: an
+    engine with ``coalesce=False``)."""
     dtypes: dict[str, int] = {}
     best_in, best_out = Extreme(0, ""), Extreme(0, "")
     for i, p in enumerate(plan.params):
@@ -334,7 +337,7 @@ def summarize(plan: TransferPlan, *, source: str = "", bucket_bytes: int | None 
     transports = {t: carry_problem(plan, t) or "ok" for t in lanes.LANES}
     ok = [t for t in lanes.LANES if transports[t] == "ok"]
     sizes = {t: lanes.bucket_bytes(t, bucket_bytes) for t in DEFAULT_LANES}
-    costs = cost_inputs(DEFAULT_LANES, sizes, COALESCE_BELOW_BYTES)
+    costs = cost_inputs(DEFAULT_LANES, sizes, coalesce_below)
     predicted = predict(plan, costs, ok)
     auto = pick(predicted, ok)[0] if ok else "none"
     # What the engine runs: byte-budget buckets cut into runs of at most MAX_BUCKET_PARAMS,
@@ -346,7 +349,7 @@ def summarize(plan: TransferPlan, *, source: str = "", bucket_bytes: int | None 
     m2n_calls = 0
     stacks = []
     for b in m2n_buckets:
-        for call in bucket_calls(plan, b, coalesce_below=COALESCE_BELOW_BYTES,
+        for call in bucket_calls(plan, b, coalesce_below=coalesce_below,
                                  max_call_bytes=M2N_MAX_CALL_BYTES):
             m2n_calls += 1
             if len(call) > 1:
@@ -426,13 +429,15 @@ def format_summary(s: PlanSummary, *, all_ranks: bool = False, stacks: bool = Fa
         for t, text in s.predicted.items():
             lines.append(f"    {t:<5} {text}{'   <- auto' if t == s.auto else ''}")
     stacked = sum(len(c.members) for c in s.stacks)
+    if s.transports.get("m2n") != "ok":
+        return "\n".join(lines)
     lines.append(f"  m2n stacks   {len(s.stacks)} stacked calls of {stacked} params, "
                  f"{s.m2n_calls - len(s.stacks)} single; {s.m2n_calls} calls a round"
                  + ("" if stacks or not s.stacks else " (--stacks lists them)"))
     if stacks:
         for c in s.stacks:
-            lines.append(f"    bucket {c.bucket}: {len(c.members)} x {tuple(c.shape)} "
-                         f"{c.dtype}, in this order: {', '.join(c.members)}")
+            lines.append(f"    bucket {c.bucket}: {len(c.members)} of global shape "
+                         f"{tuple(c.shape)} {c.dtype}, in this order: {', '.join(c.members)}")
     return "\n".join(lines)
 
 
@@ -459,11 +464,22 @@ def add_plan_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument("--require", choices=lanes.LANES, default=None,
                    help="exit 1 unless this transport can carry the plan")
     p.add_argument("--all-ranks", action="store_true", help="list every rank")
+    p.add_argument("--coalesce-below", default=None, metavar="SIZE",
+                   help="the m2n lane's coalesce_below, e.g. 1MiB; 0 for coalesce=False "
+                        "(default: the engine's, "
+                        f"{human_bytes(COALESCE_BELOW_BYTES)})")
     p.add_argument("--stacks", action="store_true",
                    help="list the m2n lane's stacked calls, each with its members in stack "
                         "order (the order to lay them out in one buffer for in-place "
                         "reshards)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+def _coalesce_below(value: str | None) -> int:
+    """``--coalesce-below``: the engine's default when absent, 0 (coalescing off), a size."""
+    if value is None:
+        return COALESCE_BELOW_BYTES
+    return 0 if value.strip() == "0" else parse_size(value, "--coalesce-below")
 
 
 def run_plan_command(args: argparse.Namespace) -> int:
@@ -482,7 +498,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
         if not args.bandwidth > 0:
             raise PlanError(f"--bandwidth must be > 0 GB/s, got {args.bandwidth}")
         summary = summarize(plan, source=str(args.spec), bucket_bytes=bucket,
-                            bandwidth_bytes_per_second=args.bandwidth * 1e9)
+                            bandwidth_bytes_per_second=args.bandwidth * 1e9,
+                            coalesce_below=_coalesce_below(args.coalesce_below))
     except PlanError as e:
         print(f"m2n-async plan: {e}", file=sys.stderr)
         return 2

@@ -130,6 +130,7 @@ source = ["shard(0)"]
     assert "m2n   no: parameter 'counts' (source and destination): dtype int16" in out
     assert "nccl  ok" in out
     assert "(the 8 busiest of 33 ranks; --all-ranks lists every one)" in out
+    assert "m2n stacks" not in out  # no m2n calls to list for a plan m2n cannot carry
     rc, out, err = _run(capsys, str(path), "--require", "m2n")
     assert rc == 1 and "transport 'm2n' cannot carry this plan" in err
     rc, _, _ = _run(capsys, str(path), "--require", "gloo")
@@ -358,7 +359,15 @@ shape = [64, 32]
     assert rc == 0 and ("m2n stacks   2 stacked calls of 12 params, 1 single; 3 calls a round "
                         "(--stacks lists them)") in out
     rc, out, _ = _run(capsys, str(path), "--stacks")
-    assert rc == 0 and ("bucket 0: 4 x (32, 64) bfloat16, in this order: l0.e0.down, "
-                        "l0.e1.down, l0.e2.down, l0.e3.down") in out
+    assert rc == 0 and ("bucket 0: 4 of global shape (32, 64) bfloat16, in this order: "
+                        "l0.e0.down, l0.e1.down, l0.e2.down, l0.e3.down") in out
     rc, out, _ = _run(capsys, str(path), "--json")
     assert rc == 0 and json.loads(out)["stacks"][1]["members"] == s.stacks[1].members
+    # the job's own threshold: coalescing off, or below one expert's per-rank bytes
+    for value in ("0", "1KiB"):
+        rc, out, _ = _run(capsys, str(path), "--json", "--coalesce-below", value)
+        got = json.loads(out)
+        assert rc == 0 and (got["m2n_calls"], got["stacks"]) == (13, []), value
+        assert "(13 calls)" in got["predicted"]["m2n"], got["predicted"]
+    rc, _, err = _run(capsys, str(path), "--coalesce-below", "lots")
+    assert rc == 2 and "--coalesce-below" in err
