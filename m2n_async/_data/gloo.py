@@ -463,6 +463,9 @@ class GlooTransport(Transport):
         #: Peers whose op of this round failed or timed out in a wait (``waiting_on``: the
         #: wait thread may drop the op from ``_pending`` before the engine asks).
         self._failed_peers: set[int] = set()
+        #: the peer whose op the wait thread (one: buckets are waited in order) is blocked on,
+        #: or failed on: a timed-out op reads "completed" before ``_failed_peers`` has it
+        self._in_wait: int | None = None
         self._pg: Any = None
         self._adapter: StoreAdapter | None = None
         self._packings: dict[int, BucketPacking] = {}
@@ -1163,7 +1166,9 @@ class GlooTransport(Transport):
                 left = (_FORCE_CLOSE.total_seconds() if self._abort_reason is not None
                         else self.remaining())
                 try:
+                    self._in_wait = peer_rank
                     work.wait(datetime.timedelta(seconds=left))
+                    self._in_wait = None
                 except Exception as exc:
                     with self._lock:
                         self._failed_peers.add(peer_rank)
@@ -1368,16 +1373,20 @@ class GlooTransport(Transport):
         super().begin_round(round, deadline)
         with self._lock:
             self._failed_peers.clear()
+            self._in_wait = None
 
     def waiting_on(self) -> list[int]:
         with self._lock:
             pending = list(self._pending)
             stuck = set(self._failed_peers)
+        in_wait = self._in_wait  # one read: the wait thread may change it meanwhile
+        if in_wait is not None:
+            stuck.add(in_wait)
         for work, peer in pending:
             try:
-                # A wait that just timed out marks its op completed, not successful, before
-                # the wait thread records the peer in _failed_peers.
-                if not work.is_completed() or not work.is_success():
+                # Not ``is_success()``: torch deprecates it (and ``exception()``) with a
+                # warning on every call. A failed op is the one the wait thread is on.
+                if not work.is_completed():
                     stuck.add(peer)
             except Exception:  # a failed op: its peer is worth naming too
                 stuck.add(peer)

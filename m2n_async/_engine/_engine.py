@@ -901,4 +901,6 @@ def _sink_of(name: str, target: Any) -> Sink:
             placements = tuple(placements)
         return Sink.of(tensor, placements=placements)
     raise LocalProtocolError(f"target for parameter {name!r} must be (tensor, placements) or a "
-                             f"LoadTarget, got {type(target).__name__}")
+                             f"LoadTarget, got {type(target).__name__}; e.g. (t, None) for a "
+                             f"replicated tensor, (t, (REPLICATE, d)) for a shard of dim d "
+                             f"along the TP axis")

@@ -33,8 +33,9 @@ def _table(results: Iterable[RankResult]) -> str:
 
 
 def assert_same_failure(results: Sequence[RankResult], exc_type: type[BaseException]
-                        = Exception, *, culprit: int | None = _UNSET, cause: str | None =
-                        _UNSET, phase: str | None = _UNSET, round: int | None = _UNSET,
+                        = Exception, *, culprit: int | tuple[int, ...] | None = _UNSET,
+                        cause: str | None = _UNSET, phase: str | None = _UNSET,
+                        round: int | None = _UNSET,
                         ranks: Iterable[int] | None = None, same_text: bool = True
                         ) -> BaseException:
     """Every rank in ``ranks`` (default: every rank whose process did not die or freeze)
@@ -45,7 +46,8 @@ def assert_same_failure(results: Sequence[RankResult], exc_type: type[BaseExcept
     lacks count as None) and, with ``same_text``, one message. ``culprit``, ``cause``,
     ``phase``, ``round``, when given, are what those must be (``culprit=None`` is the store's
     failure: nobody to blame). A ``PreflightError``'s culprit is the set of ranks it names:
-    pass ``culprit=r`` for ``failures == {r: ...}``; a ``PeerLostError``'s is its ``ranks``.
+    pass ``culprit=r`` for ``failures == {r: ...}`` and the sorted tuple ``culprit=(r, s)``
+    for two or more; a ``PeerLostError``'s is its ``ranks``, likewise.
     """
     by_rank = {r.rank: r for r in results}
     chosen = (sorted(ranks) if ranks is not None

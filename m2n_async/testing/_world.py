@@ -198,6 +198,7 @@ def _child(index: int, jobs: Any, conn: Any, stacks_path: str) -> None:
         # the pool imports it on every rank's behalf, so the warning would be every rank's.
         warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
         import torch
+        import torch._subclasses.functional_tensor  # it warns again when first imported
 
     torch.set_num_threads(1)
     import m2n_async  # noqa: F401  - what every job imports, before the job's clock runs

@@ -181,4 +181,6 @@ async def test_a_malformed_target_is_refused_naming_its_parameter(target: Any,
         await WorkerEngine.connect(store=MemoryStore(), rank=1, trainer_ranks=1, world_size=2,
                                    targets={"w_row": target}, config=CFG)
     assert str(info.value) == (f"target for parameter 'w_row' must be (tensor, placements) "
-                               f"or a LoadTarget, got {kind}")
+                               f"or a LoadTarget, got {kind}; e.g. (t, None) for a replicated "
+                               f"tensor, (t, (REPLICATE, d)) for a shard of dim d along the TP "
+                               f"axis")
