@@ -755,11 +755,20 @@ class GpuTransportBase(Transport):
             if cuda:
                 torch.cuda.set_device(device)
             for name, fn, tensor in callbacks:
-                fn(name, tensor)
+                try:
+                    fn(name, tensor)
+                except Exception as exc:
+                    raise TransferError(
+                        f"{self.name}: load callback for parameter {name!r} raised at "
+                        f"{self.ctx.where(round=self.round)}: {exc!r}",
+                        rank=self.ctx.rank, round=self.round) from exc
             if cuda:
                 torch.cuda.current_stream(device).synchronize()
 
-        await anyio.to_thread.run_sync(call_all)
+        # abandon_on_cancel: a callback that hangs must not hold the round past its deadline
+        # or an abort (as the engine's source resolvers); its thread finishes on its own,
+        # holding its views (they keep the staging alive), and the round has failed by then
+        await anyio.to_thread.run_sync(call_all, abandon_on_cancel=True)
 
     # -- fail-stop ------------------------------------------------------------------------
 

@@ -223,6 +223,10 @@ def _launch(dsts: Sequence[Any], srcs: Sequence[Any], device: Any, *, check: boo
     blocks = triton.cdiv(rows * cols, _BLOCK)
     if blocks > 65535:  # the grid's second dim; pieces this large gain nothing here anyway
         return False
+    # the kernel's offsets (r * stride + c) are int32: a piece spanning 2**31 elements or
+    # more (a column block of a > 2 GiB byte view) would address out of bounds
+    if max((g[0] - 1) * g[2] + g[1] for g in (gs, gd)) >= 2**31:
+        return False
     st = src_table if src_table is not None else pointer_table(srcs, device)
     dt = dst_table if dst_table is not None else pointer_table(dsts, device)
     grid = (len(dsts), blocks)

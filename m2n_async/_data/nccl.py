@@ -23,14 +23,16 @@ Per bucket:
   (trainer) or recv (worker) of the bucket, in ascending peer order; then a blocking-sync
   event the completion waits on.
 * ``unpack`` (worker, unpack stream after the transfer event): scatters arena segments into the
-  targets' byte views (or into a temporary local shard for load callbacks and targets that
-  cannot be written as bytes) with one multi-tensor copy, then copies the temporaries into
-  their targets (one more) and calls load callbacks in plan order.
+  targets' byte views (or into a temporary local shard for targets that cannot be written as
+  bytes, and for load callbacks whose shard arrives in several pieces) with one multi-tensor
+  copy, then copies the temporaries into their targets (one more) and calls load callbacks in
+  plan order; a callback whose shard arrives whole, in one message, gets a view of the arena.
 
 Memory: the arena is ``Staging.nbytes`` (at most the bucket's bytes for this rank: a cast
 source's pieces are staged there instead of moving zero-copy); a source that had to be moved
-to our device or made contiguous counts too (the engine hands in neither). Abort and close
-are the base class's (bounded communicator abort on a daemon thread; DEVELOPERS "GPU notes":
+to our device or made contiguous counts too (the engine hands in neither), and so do the
+temporaries above: a callback's shard gathered from several peers is staged twice. Abort and
+close are the base class's (bounded communicator abort on a daemon thread; DEVELOPERS "GPU notes":
 an NCCL recv from a dead peer returns after abort).
 """
 
@@ -79,6 +81,9 @@ class NcclStaging(Staging):
     dst_bytes: dict[int, Any] = field(default_factory=dict)
     #: worker: (param index, temporary local shard) to copy into / hand to the sink
     temps: list[tuple[int, Any]] = field(default_factory=list)
+    #: worker: load-callback params that arrive as ONE whole segment of a packed peer
+    #: buffer: param index -> (index into ``packing.peers``, segment); handed an arena view
+    from_arena: dict[int, tuple[int, Any]] = field(default_factory=dict)
     keep: list[Any] = field(default_factory=list)   # cast sources, arena
     ready: Any = None
     transferred: Any = None
@@ -94,12 +99,29 @@ class NcclTransport(GpuTransportBase):
     def __init__(self, ctx: TransportContext) -> None:
         super().__init__(ctx)
         self._packings: dict[int, BucketPacking] = {}
+        #: worker, per bucket: param -> (peer index, segment) of the params that arrive whole
+        #: in one packed message (a load callback then gets a view of the arena)
+        self._whole: dict[int, dict[int, tuple[int, Any]]] = {}
 
     def _packing(self, bucket: Bucket) -> BucketPacking:
         got = self._packings.get(bucket.index)
         if got is None:
             got = plan_bucket(self.ctx.plan, bucket, self.ctx.rank)
             self._packings[bucket.index] = got
+        return got
+
+    def _whole_segments(self, index: int, pk: BucketPacking) -> dict[int, tuple[int, Any]]:
+        """The bucket's parameters that arrive as one whole segment of one packed message
+        (``_whole``), found once per bucket."""
+        got = self._whole.get(index)
+        if got is None:
+            count: dict[int, int] = {}
+            for pb in pk.peers:
+                for seg in pb.segments:
+                    count[seg.param] = count.get(seg.param, 0) + 1
+            got = self._whole[index] = {
+                seg.param: (k, seg) for k, pb in enumerate(pk.peers) if pb.direct is None
+                for seg in pb.segments if seg.whole and count[seg.param] == 1}
         return got
 
     def _local(self, i: int, t: Any, shape: tuple[int, ...], where: str) -> tuple[Any, bool]:
@@ -192,6 +214,7 @@ class NcclTransport(GpuTransportBase):
         if sinks is None:
             raise LocalProtocolError(f"nccl: worker stage without sinks at {where}")
         records = self.sink_records(sinks)
+        whole = self._whole_segments(bucket.index, pk)
         with streams.on(streams.pack):
             for i in pk.params:
                 p = plan.params[i]
@@ -203,6 +226,8 @@ class NcclTransport(GpuTransportBase):
                 if (sink.in_place and target.device == self.device and target.dtype == dtype
                         and target.is_contiguous() and tuple(target.shape) == shape):
                     st.dst_bytes[i] = byte_view(target)
+                elif not sink.in_place and i in whole:  # the arena holds the whole shard
+                    st.from_arena[i] = whole[i]
                 else:
                     if sink.in_place and tuple(target.shape) != shape:
                         raise PlanError(f"parameter {spec.name!r}: target shape "
@@ -291,6 +316,8 @@ class NcclTransport(GpuTransportBase):
                 pb = pk.peers[k]
                 buf = wires[pb.peer]
                 for seg in pb.segments:
+                    if seg.param in st.from_arena:
+                        continue
                     dst, src = unpack_pair(buf, seg, st.dst_bytes[seg.param])
                     dsts.append(dst)
                     srcs.append(src)
@@ -298,6 +325,15 @@ class NcclTransport(GpuTransportBase):
                 foreach_copy(dsts, srcs)
             into: list[Any] = []
             temps: list[Any] = []
+            handed: dict[int, tuple[str, Any, Any]] = {}
+            for i, (k, seg) in st.from_arena.items():
+                spec = plan.params[i].spec
+                raw = wires[pk.peers[k].peer][seg.offset:seg.offset + seg.nbytes]
+                dtype = torch_dtype(spec.dtype)
+                shape = tuple(plan.params[i].dst.shard_shape(tuple(spec.shape)))
+                if raw.data_ptr() % spec.itemsize:  # unaligned in the arena: a copy
+                    raw = raw.clone()
+                handed[i] = (spec.name, records[spec.name].target, raw.view(dtype).view(shape))
             for i, tmp in st.temps:
                 name = plan.params[i].spec.name
                 sink = records[name]
@@ -305,10 +341,11 @@ class NcclTransport(GpuTransportBase):
                     into.append(sink.target)
                     temps.append(tmp)
                 else:
-                    callbacks.append((name, sink.target, tmp))
+                    handed[i] = (name, sink.target, tmp)
+            callbacks = [handed[i] for i in pk.params if i in handed]  # plan order
             if into:  # targets that cannot take bytes (strided, another device): one more
                 foreach_copy(into, temps, non_blocking=True)
-        await self.finish_unpack(st, bool(st.scatter or st.temps), callbacks)
+        await self.finish_unpack(st, bool(st.scatter or st.temps or st.from_arena), callbacks)
 
     def release(self, staging: Staging) -> None:
         if isinstance(staging, NcclStaging):
@@ -316,4 +353,5 @@ class NcclTransport(GpuTransportBase):
             staging.keep = []
             staging.temps = []
             staging.dst_bytes = {}
+            staging.from_arena = {}
             staging.ready = staging.transferred = None

@@ -5,9 +5,11 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from typing import Any
 
 import anyio
 import pytest
+import torch
 
 from m2n_async._data import _cuda
 from m2n_async._data._transport import TransportSettings, transport_class
@@ -123,3 +125,38 @@ async def test_signal_wakes_the_loop_from_another_thread():
         await wait_threadsafe(s.add_done_callback)
     assert s.done() and s.error is None
     assert s.fire() is False  # first caller wins
+
+
+def test_the_triton_copy_declines_pieces_whose_offsets_pass_int32(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The kernel computes row * stride + column in int32: 8 column blocks (2048 x 1024 bytes,
+    # rows 2 MiB apart) of a 4 GiB byte view faulted on an H200 (illegal address). Such pieces
+    # must go to the fallback copy; the same blocks of a 1 GiB view still launch. A stand-in
+    # kernel records launches (no GPU here).
+    import types
+
+    from m2n_async._data import _kernels
+
+    launched: list[Any] = []
+
+    class Kernel:
+        def __getitem__(self, grid: Any) -> Any:
+            return lambda *a, **kw: launched.append(grid)
+
+    tl = types.SimpleNamespace(int8="i8", int16="i16", int32="i32", int64="i64",
+                               float32="f32", bfloat16="bf16", float16="f16", float64="f64")
+    triton = types.SimpleNamespace(cdiv=lambda a, b: -(-a // b))
+    monkeypatch.setitem(_kernels._state, "kernel", (Kernel(), triton, tl))
+    monkeypatch.setattr(_kernels, "pointer_table", lambda ts, dev: None)
+
+    def piece(row_stride: int) -> Any:
+        strides = (row_stride, 1)
+        return types.SimpleNamespace(dtype=torch.uint8, dim=lambda: 2, shape=(2048, 1024),
+                                     stride=lambda d=None: strides if d is None else strides[d],
+                                     is_cuda=True)
+
+    dsts = [piece(1024) for _ in range(8)]
+    assert _kernels._launch(dsts, [piece(1 << 21) for _ in range(8)], "cuda") is False
+    assert launched == []
+    assert _kernels._launch(dsts, [piece(1 << 19) for _ in range(8)], "cuda") is True
+    assert len(launched) == 1
