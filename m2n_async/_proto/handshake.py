@@ -356,6 +356,28 @@ def _show_costs(costs: object) -> str:
     return f"[{lanes}; coalesce below {costs.coalesce_below}]"
 
 
+def _cost_fields(costs: object) -> dict[str, object]:
+    """``costs`` as the settings a user sets: per lane ``bucket_bytes`` and the three cost
+    terms (``EngineConfig.costs`` / ``M2N_ASYNC_COSTS``), and ``coalesce_below`` (0: off)."""
+    if not isinstance(costs, CostInputs):
+        return {"cost inputs": "none"}
+    out: dict[str, object] = {}
+    for c in costs.lanes:
+        out[f"bucket_bytes on {c.lane}"] = c.bucket_bytes
+        out[f"cost terms of {c.lane}"] = (f"({c.call_seconds:g} s/call, {c.param_seconds:g} "
+                                          f"s/param, {c.bytes_per_second:g} B/s)")
+    out["coalesce_below"] = costs.coalesce_below
+    return out
+
+
+def _cost_difference(mine: object, theirs: object) -> str:
+    """Which settings differ between two ranks' cost inputs, with both values."""
+    a, b = _cost_fields(mine), _cost_fields(theirs)
+    diffs = [f"{k} {a.get(k, 'absent')} here, {b.get(k, 'absent')} there"
+             for k in {**a, **b} if a.get(k) != b.get(k)]
+    return "; ".join(diffs) or "no setting"
+
+
 def _short(ranks: Sequence[int], limit: int = 8) -> str:
     if len(ranks) <= limit:
         return str(list(ranks))
@@ -861,11 +883,15 @@ class Handshake:
             if problem is not None and r not in failures:
                 _add(failures, r, f"its cost inputs are invalid: {problem}")
         costs = {r: d.costs for r, d in dests.items() if r not in failures}
-        _, odd_costs = _outliers(costs, _show_costs)
+        ref_costs, odd_costs = _outliers(costs, _show_costs)
         for r, note in odd_costs.items():
-            _add(failures, r, f"cost inputs {_show_costs(costs[r])} differ: {note} "
-                              f"(EngineConfig.costs / M2N_ASYNC_COSTS, bucket_bytes and "
-                              f"coalesce settings must match on every rank)")
+            # what differs first, against the majority (or, with none, the lowest other rank)
+            other = ref_costs if ref_costs is not None else next(
+                v for q, v in sorted(costs.items()) if q != r)
+            _add(failures, r, f"its cost inputs differ ({_cost_difference(costs[r], other)}; "
+                              f"EngineConfig.costs / M2N_ASYNC_COSTS, bucket_bytes and "
+                              f"coalesce settings must match on every rank): "
+                              f"{_show_costs(costs[r])}, but {note}")
         workers = {r: (d.mesh_dims, d.placements_digest) for r, d in dests.items()
                    if r >= t and r not in failures}
         ref, odd = _outliers(workers, _show_destination)

@@ -627,7 +627,17 @@ def test_auto_chooses_by_predicted_cost_and_names_a_rank_whose_costs_differ() ->
     mixed = {**dict.fromkeys(range(5), costs), 3: dear}
     err = World(2, 3, costs=mixed).fail_at(Phase.DESTINATION, {})
     assert sorted(err.failures) == [3], err.failures
-    assert "cost inputs" in err.failures[3] and "differ" in err.failures[3]
+    assert err.failures[3].startswith(
+        "its cost inputs differ (cost terms of m2n (1 s/call, 0 s/param, 1e+09 B/s) here, "
+        "(8e-05 s/call, 1e-06 s/param, 2.4e+11 B/s) there; EngineConfig.costs"), err.failures[3]
+    # two ranks, no majority: each is told what differs from the other
+    buckets2 = {**buckets, "gloo": 1 << 20}
+    small = cost_inputs(DEFAULT_LANES, buckets2, 16 << 20)
+    err = World(1, 1, costs={0: costs, 1: small}).fail_at(Phase.DESTINATION, {})
+    assert sorted(err.failures) == [0, 1], err.failures
+    assert err.failures[1].startswith(
+        f"its cost inputs differ (bucket_bytes on gloo {1 << 20} here, {1 << 26} there;")
+    assert f"bucket_bytes on gloo {1 << 26} here, {1 << 20} there;" in err.failures[0]
     # without cost inputs: preference order, as before
     world = World(2, 3)
     world.run_to(Phase.DATA_PLANE)
