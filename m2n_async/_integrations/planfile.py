@@ -32,16 +32,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import msgspec
 
 from m2n_async._proto import lanes
-from m2n_async._proto.cost import DEFAULT_LANES, cost_inputs, pick, predict
+from m2n_async._proto.cost import (
+    COSTS_ENV,
+    DEFAULT_LANES,
+    cost_inputs,
+    parse_costs,
+    pick,
+    predict,
+)
 from m2n_async._proto.errors import PlanError
 from m2n_async._proto.layout import REPLICATE, Layout, Mesh
 from m2n_async._proto.params import ParamSpec, ParamTransfer
@@ -150,6 +158,9 @@ class PlanSummary(msgspec.Struct, frozen=True):
     m2n_calls: int = 0
     #: the stacked ones among them
     stacks: list[StackCall] = []
+    #: lane -> (call_seconds, param_seconds, bytes_per_second) the prediction used
+    cost_terms: dict[str, tuple[float, float, float]] = {}
+    default_costs: bool = True  # those are ``DEFAULT_LANES`` (no --costs, no M2N_ASYNC_COSTS)
 
 
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -318,13 +329,16 @@ def load_plan_file(path: str | Path) -> tuple[TransferPlan, int | None]:
 
 def summarize(plan: TransferPlan, *, source: str = "", bucket_bytes: int | None = None,
               bandwidth_bytes_per_second: float = 50e9,
-              coalesce_below: int = COALESCE_BELOW_BYTES) -> PlanSummary:
+              coalesce_below: int = COALESCE_BELOW_BYTES,
+              cost_terms: Mapping[str, tuple[float, float, float]] | None = None
+              ) -> PlanSummary:
     """Everything ``m2n-async plan`` reports about ``plan``.
 
     ``bucket_bytes`` None: each transport's default, as an engine whose config leaves it None
     runs; the buckets reported are then those of the transport ``auto`` would choose.
     ``coalesce_below``: the m2n lane's threshold (``EngineConfig.coalesce_below``; 0: an
-    engine with ``coalesce=False``)."""
+    engine with ``coalesce=False``). ``cost_terms``: per-lane terms the prediction uses
+    (``EngineConfig.costs``; None: ``DEFAULT_LANES``)."""
     dtypes: dict[str, int] = {}
     best_in, best_out = Extreme(0, ""), Extreme(0, "")
     for i, p in enumerate(plan.params):
@@ -337,7 +351,8 @@ def summarize(plan: TransferPlan, *, source: str = "", bucket_bytes: int | None 
     transports = {t: carry_problem(plan, t) or "ok" for t in lanes.LANES}
     ok = [t for t in lanes.LANES if transports[t] == "ok"]
     sizes = {t: lanes.bucket_bytes(t, bucket_bytes) for t in DEFAULT_LANES}
-    costs = cost_inputs(DEFAULT_LANES, sizes, coalesce_below)
+    terms = dict(DEFAULT_LANES if cost_terms is None else {**DEFAULT_LANES, **cost_terms})
+    costs = cost_inputs(terms, sizes, coalesce_below)
     predicted = predict(plan, costs, ok)
     auto = pick(predicted, ok)[0] if ok else "none"
     # What the engine runs: byte-budget buckets cut into runs of at most MAX_BUCKET_PARAMS,
@@ -380,6 +395,8 @@ def summarize(plan: TransferPlan, *, source: str = "", bucket_bytes: int | None 
         auto=auto,
         m2n_calls=m2n_calls,
         stacks=stacks,
+        cost_terms={t: terms[t] for t in sorted(terms)},
+        default_costs=cost_terms is None,
     )
 
 
@@ -424,10 +441,13 @@ def format_summary(s: PlanSummary, *, all_ranks: bool = False, stacks: bool = Fa
     for t, verdict in s.transports.items():
         lines.append(f"    {t:<5} {'ok' if verdict == 'ok' else 'no: ' + verdict}")
     if s.predicted:
-        lines.append("  predicted    one round with the default cost terms (docs/tuning.md), "
-                     "m2n coalesced")
+        which = ("the default cost terms (docs/tuning.md)" if s.default_costs
+                 else f"the cost terms of --costs / ${COSTS_ENV}")
+        lines.append(f"  predicted    one round with {which}, m2n coalesced")
         for t, text in s.predicted.items():
-            lines.append(f"    {t:<5} {text}{'   <- auto' if t == s.auto else ''}")
+            terms = "" if s.default_costs else "   [{:g} s/call, {:g} s/param, {:g} B/s]".format(
+                *s.cost_terms[t])
+            lines.append(f"    {t:<5} {text}{terms}{'   <- auto' if t == s.auto else ''}")
     stacked = sum(len(c.members) for c in s.stacks)
     if s.transports.get("m2n") != "ok":
         return "\n".join(lines)
@@ -468,11 +488,21 @@ def add_plan_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
                    help="the m2n lane's coalesce_below, e.g. 1MiB; 0 for coalesce=False "
                         "(default: the engine's, "
                         f"{human_bytes(COALESCE_BELOW_BYTES)})")
+    p.add_argument("--costs", default=None, metavar="JSON",
+                   help='per-lane cost terms for the prediction, as EngineConfig.costs: '
+                        '{"m2n": [call_s, param_s, bytes_per_s], ...} (default: '
+                        f'${COSTS_ENV}, else the built-in terms)')
     p.add_argument("--stacks", action="store_true",
                    help="list the m2n lane's stacked calls, each with its members in stack "
                         "order (the order to lay them out in one buffer for in-place "
                         "reshards)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+def _cost_terms(value: str | None) -> dict[str, tuple[float, float, float]] | None:
+    """``--costs``, else ``$M2N_ASYNC_COSTS`` (as an engine reads it), else None."""
+    text = value if value is not None else os.environ.get(COSTS_ENV, "")
+    return parse_costs(text) if text.strip() else None
 
 
 def _coalesce_below(value: str | None) -> int:
@@ -499,7 +529,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
             raise PlanError(f"--bandwidth must be > 0 GB/s, got {args.bandwidth}")
         summary = summarize(plan, source=str(args.spec), bucket_bytes=bucket,
                             bandwidth_bytes_per_second=args.bandwidth * 1e9,
-                            coalesce_below=_coalesce_below(args.coalesce_below))
+                            coalesce_below=_coalesce_below(args.coalesce_below),
+                            cost_terms=_cost_terms(args.costs))
     except PlanError as e:
         print(f"m2n-async plan: {e}", file=sys.stderr)
         return 2

@@ -379,3 +379,27 @@ shape = [64, 32]
         assert "(13 calls)" in got["predicted"]["m2n"], got["predicted"]
     rc, _, err = _run(capsys, str(path), "--coalesce-below", "lots")
     assert rc == 2 and "--coalesce-below" in err
+
+
+def test_the_prediction_takes_calibrated_cost_terms(monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    # As an engine: --costs (EngineConfig.costs), else $M2N_ASYNC_COSTS, else the defaults;
+    # the report says which terms it used, and auto follows them.
+    example = Path(__file__).resolve().parents[2] / "examples" / "plan.toml"
+    monkeypatch.delenv("M2N_ASYNC_COSTS", raising=False)
+    rc, out, _ = _run(capsys, str(example), "--json")
+    default = json.loads(out)
+    assert rc == 0 and default["default_costs"] and default["auto"] == "m2n"
+    dear_m2n = '{"m2n": [0.001, 0, 1e11]}'
+    rc, out, _ = _run(capsys, str(example), "--costs", dear_m2n)
+    assert rc == 0 and "with the cost terms of --costs / $M2N_ASYNC_COSTS" in out
+    assert "m2n   143 ms (103 calls)   [0.001 s/call, 0 s/param, 1e+11 B/s]" in out
+    assert ("nccl  28.1 ms (8 calls)   [0.00015 s/call, 3.5e-05 s/param, 2.4e+11 B/s]"
+            "   <- auto") in out
+    monkeypatch.setenv("M2N_ASYNC_COSTS", dear_m2n)
+    rc, out, _ = _run(capsys, str(example), "--json")
+    got = json.loads(out)
+    assert rc == 0 and not got["default_costs"] and got["auto"] == "nccl"
+    assert got["cost_terms"]["m2n"] == [0.001, 0.0, 1e11]
+    rc, _, err = _run(capsys, str(example), "--costs", '{"m2n": [1, 2]}')
+    assert rc == 2 and "cost terms must be JSON like" in err
