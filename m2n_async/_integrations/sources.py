@@ -75,6 +75,15 @@ def named_tensors(module: torch.nn.Module, *, buffers: bool = False,
     appear once, under their first name (as ``named_parameters`` yields them). Two tensors
     mapping to one name raise ``PlanError``.
     """
+    for path, sub in module.named_modules():
+        state = getattr(sub, "training_state", None)
+        if type(sub).__name__ == "FullyShardedDataParallel" and \
+                getattr(state, "name", None) != "SUMMON_FULL_PARAMS":
+            raise PlanError(
+                f"module {path or '<root>'!r} is FSDP1 (FullyShardedDataParallel): outside "
+                f"FSDP.summon_full_params its parameters are 1-D fragments of a flat shard "
+                f"with no per-parameter layout. Use FSDP2 (fully_shard), or derive specs and "
+                f"sync inside FSDP.summon_full_params(model)")
     items: list[tuple[str, torch.Tensor]] = []
     for fqn, p in module.named_parameters():
         if type(p).__name__ == "FlatParameter":

@@ -94,6 +94,8 @@ class LoadTarget:
         """Copy the received shard into ``view``: for non-contiguous slices of a fused tensor
         (e.g. one part of a dim-1 fused weight), which cannot be written in place.
         """
+        view = view.detach()  # a Parameter's view: copy_ must not be an autograd op
+
         def load(_name: str, received: torch.Tensor) -> None:
             view.copy_(received)
 
@@ -154,6 +156,8 @@ def fused_targets(fused: torch.Tensor, parts: Mapping[str, int], *, dim: int,
 
 
 def _style_name(name: str, style: TPStyle) -> str | int | None:
+    if isinstance(style, bool):
+        raise PlanError(f"TP plan entry for {name!r}: {style!r} is not a style or a tensor dim")
     if style is None or isinstance(style, int | str):
         if isinstance(style, str):
             key = style.lower()
@@ -164,15 +168,24 @@ def _style_name(name: str, style: TPStyle) -> str | int | None:
         return style
     cls = type(style).__name__
     # Match by class name so torch.distributed.tensor.parallel need not be imported here;
-    # only the weight placement matters to us, not the activation layouts.
-    if cls == "ColwiseParallel":
-        return "colwise"
-    if cls == "RowwiseParallel":
-        return "rowwise"
-    if cls in ("SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput"):
-        return None
+    # only the weight placement matters to us, not the activation layouts. Walk the MRO:
+    # torchao's Float8ColwiseParallel & co. subclass torch's styles.
+    for base in (k.__name__ for k in type(style).__mro__):
+        if base == "ColwiseParallel":
+            return "colwise"
+        if base == "RowwiseParallel":
+            return "rowwise"
+        if base in ("SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
+                    "PrepareModuleInputOutput"):
+            return None
     raise PlanError(f"TP plan entry for {name!r}: unsupported style {cls}; use 'colwise', "
                     f"'rowwise', 'replicate' or a tensor dim")
+
+
+def _glob(name: str, pattern: str) -> bool:
+    """parallelize_module's rule: ``*`` matches within one dotted segment, never across."""
+    parts, pats = name.split("."), pattern.split(".")
+    return len(parts) == len(pats) and all(map(fnmatch.fnmatchcase, parts, pats))
 
 
 def _shard_dim(modules: Mapping[str, torch.nn.Module], fqn: str, ndim: int,
@@ -181,10 +194,12 @@ def _shard_dim(modules: Mapping[str, torch.nn.Module], fqn: str, ndim: int,
     import torch
 
     owner_path, _, leaf = fqn.rpartition(".")
-    for pattern, style in tp_plan.items():
-        whole = fnmatch.fnmatchcase(fqn, pattern)
-        if not (whole or fnmatch.fnmatchcase(owner_path, pattern)):
-            continue
+    # parallelize_module's rule first ('*' within one segment), so an entry for a block
+    # ("layers.*") cannot shadow its children's; then '*' across dots ("*.q_proj").
+    hits = [(p, st) for p, st in tp_plan.items() if _glob(fqn, p) or _glob(owner_path, p)]
+    hits = hits or [(p, st) for p, st in tp_plan.items()
+                    if fnmatch.fnmatchcase(fqn, p) or fnmatch.fnmatchcase(owner_path, p)]
+    for pattern, style in hits[:1]:
         kind = _style_name(pattern, style)
         if kind is None:
             return None
@@ -237,8 +252,11 @@ def targets_from_module(module: torch.nn.Module, tp_plan: Mapping[str, TPStyle] 
     - a plain tensor, which must already be this worker's TP shard, takes them from
       ``tp_plan``: the first entry whose glob pattern matches the parameter name or its
       module's name decides — ``"colwise"``/``"rowwise"`` as torch's ``ColwiseParallel`` /
-      ``RowwiseParallel`` place that module type's weight and bias, ``"replicate"``/``None``,
-      or an explicit tensor dim; no match means replicated.
+      ``RowwiseParallel`` (or a subclass) place that module type's weight and bias,
+      ``"replicate"``/``None``, or an explicit tensor dim; no match means replicated.
+      Patterns are read as ``parallelize_module`` reads them, ``*`` within one dotted
+      segment (so an entry for a block, ``"layers.*"``, does not shadow its children's);
+      only where none matches so, ``*`` may cross dots (``"*.q_proj"``).
 
     ``loaders`` adds or overrides names with ``LoadTarget``s (fused or quantized layouts),
     which the engine delivers through their callbacks instead of in place.
@@ -247,7 +265,8 @@ def targets_from_module(module: torch.nn.Module, tp_plan: Mapping[str, TPStyle] 
 
     Raises:
         PlanError: naming the parameter, for a placement the core cannot express, an
-            unknown TP style, or a name declared twice.
+            unknown TP style, or a name declared twice; naming the entries, for TP plan
+            entries that match no module or parameter name (a typo, a missing prefix).
     """
     tp_plan = tp_plan or {}
     targets = WorkerTargets()
@@ -257,6 +276,12 @@ def targets_from_module(module: torch.nn.Module, tp_plan: Mapping[str, TPStyle] 
     renamed = named_tensors(module, buffers=buffers, rename=rename) if rename else clean
     by_id = {id(t): n for n, t in renamed.items()}
     modules = {_clean(fqn): sub for fqn, sub in module.named_modules()}
+    unmatched = [p for p in tp_plan
+                 if not any(fnmatch.fnmatchcase(n, p) for n in (*modules, *clean))]
+    if unmatched:
+        raise PlanError(f"TP plan entries {unmatched} match no module or parameter name "
+                        f"(names look like {next(iter(clean), '')!r}; a prefix such as "
+                        f"'model.' missing?)")
     for fqn, t in clean.items():
         name = by_id.get(id(t))
         if name is None:

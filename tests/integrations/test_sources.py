@@ -254,3 +254,20 @@ def test_non_contiguous_parameters_are_handed_over_contiguous() -> None:
 def test_a_shape_of_2_to_the_63_elements_is_refused() -> None:
     with pytest.raises(PlanError, match=r"2\*\*63 or more elements"):
         ParamSpec("huge", torch.bfloat16, (2**32, 2**31), Layout(Mesh((1, 1)), None))
+
+
+@pytest.mark.parametrize("orig_params", [False, True])
+def test_fsdp1_is_refused_outside_summon_full_params(fake_world, orig_params: bool) -> None:
+    # With use_orig_params=True the visible parameters are 1-D fragments of the flat shard
+    # (rank 1 read '0.weight' as (6,) replicated, the truth being (6, 8)): refused, saying
+    # what to use instead, like the FlatParameter of use_orig_params=False.
+    import warnings
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    with fake_world(1, 2), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = FSDP(nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 4)),
+                     use_orig_params=orig_params, device_id=torch.device("cpu"))
+        with pytest.raises(PlanError, match=r"FSDP.*summon_full_params|FlatParameter"):
+            specs_from_module(model)

@@ -8,6 +8,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -185,3 +186,81 @@ def test_non_contiguous_worker_parameters_are_copied_into() -> None:
     target.load("0.weight", received)
     assert torch.equal(model[0].weight.detach(), received)  # the model itself changed
     assert isinstance(targets["0.bias"], tuple)  # contiguous: still written in place
+
+
+class _Attn(nn.Module):
+    def __init__(self, tp: int = 1) -> None:
+        super().__init__()
+        self.q = nn.Linear(16, 32 // tp)
+        self.o = nn.Linear(32 // tp, 16)
+
+
+class _Layer(nn.Module):
+    def __init__(self, tp: int = 1) -> None:
+        super().__init__()
+        self.attn = _Attn(tp)
+        self.norm = nn.LayerNorm(16)
+
+
+class _Blocks(nn.Module):
+    def __init__(self, tp: int = 1) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_Layer(tp) for _ in range(2)])
+
+
+def test_an_entry_for_a_block_does_not_shadow_its_childrens() -> None:
+    # As parallelize_module reads the plan ('*' within one dotted segment): q Shard(0),
+    # o Shard(1); the block's own entry (activations only) says nothing about its weights.
+    plan = {"layers.*": PrepareModuleInput(), "layers.*.attn.q": ColwiseParallel(),
+            "layers.*.attn.o": RowwiseParallel()}
+    p = targets_from_module(_Blocks(4), plan).placements()
+    assert p["layers.0.attn.q.weight"] == (REPLICATE, 0)
+    assert p["layers.1.attn.o.weight"] == (REPLICATE, 1)
+    assert p["layers.0.norm.weight"] is None
+    # '*' across dots still works where nothing matches segment by segment
+    p = targets_from_module(_Blocks(4), {"*.q": "colwise", "*.o": "rowwise"}).placements()
+    assert (p["layers.1.attn.q.weight"], p["layers.1.attn.o.weight"]) == ((REPLICATE, 0),
+                                                                          (REPLICATE, 1))
+
+
+def test_a_plan_entry_that_matches_nothing_is_refused() -> None:
+    # a typo, or HF's base_model_tp_plan without the "model." prefix: everything would be
+    # replicated, and the mismatch only seen at connect without a word about the plan
+    with pytest.raises(PlanError, match=r"\['layers\.\*\.attn\.q_proj'\] match no module"):
+        targets_from_module(_Blocks(4), {"layers.*.attn.q_proj": "colwise",
+                                         "layers.*.attn.o": "rowwise"})
+
+
+def test_subclasses_of_torchs_styles_are_understood_and_a_bool_is_no_dim() -> None:
+    class Float8ColwiseParallel(ColwiseParallel):  # torchao's, as torchtitan uses it
+        pass
+
+    p = targets_from_module(_Blocks(4), {"layers.*.attn.q": Float8ColwiseParallel()})
+    assert p.placements()["layers.0.attn.q.weight"] == (REPLICATE, 0)
+    with pytest.raises(PlanError, match="True is not a style or a tensor dim"):
+        targets_from_module(_Blocks(4), {"layers.*.attn.q.weight": True})
+
+
+def test_a_fused_part_of_a_parameter_loads_on_another_thread() -> None:
+    # the lanes call loads on a worker thread, where grad mode is on: the view of a
+    # Parameter must not be an autograd op ("a view of a leaf Variable that requires grad")
+    import threading
+
+    from m2n_async._integrations.targets import fused_targets
+
+    w = nn.Parameter(torch.zeros(4, 6))
+    up = fused_targets(w, {"gate": 3, "up": 3}, dim=1, placements=(REPLICATE, 1))["up"]
+    assert isinstance(up, LoadTarget)
+    errors: list[BaseException] = []
+
+    def unpack() -> None:
+        try:
+            up.load("up", torch.ones(4, 3))
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=unpack)
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    assert bool(w.detach()[:, 3:].eq(1).all()) and bool(w.detach()[:, :3].eq(0).all())
