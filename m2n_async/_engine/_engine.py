@@ -420,6 +420,13 @@ class _Engine:
         """Steps 2 and 3 of the module docstring (``RoundDriver.run``), then the commit."""
         assert self._transport is not None and self._rounds is not None
         t0 = time.perf_counter()
+        if self._state is not EngineState.READY:
+            # close() ran while this call waited for the start: its transport is gone. The
+            # round's record names this rank as the one that left (what its peers' poll finds).
+            core = self._rounds.core(start.round)
+            with anyio.CancelScope(shield=True):
+                failure = await self._rounds.post(core, core.closed(self.rank))
+            raise core.error(failure)
         self._state = EngineState.UPDATING
         outcome = await self._rounds.run(start, self._transport, work, self._committed,
                                          self._poison_with)

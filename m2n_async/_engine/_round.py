@@ -20,7 +20,9 @@ in the round.
    the cause already there.
 2. *The outcome* (shielded, bounded by the deadline plus ``REPORT_WINDOW_S``): the rank
    writes its ``RoundDone`` by compare-and-set and gathers everybody's. Every ok → commit.
-   Otherwise the failure is the ``abort`` record; if none came by the deadline, the core's
+   Otherwise the failure is the ``abort`` record, once every missing report is written
+   ``aborted`` (compare-and-set: a report that lands first is judged instead, so no rank can
+   commit while another fails); if none came by the deadline, the core's
    deadline verdict names the rank without a report (or the one waited on), this rank writes
    that rank's ``done`` as ``late`` and the ``abort`` record (both compare-and-set), and reads
    back whichever record won.
@@ -40,7 +42,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import anyio
@@ -49,7 +51,7 @@ from m2n_async._data._transport import Transport
 from m2n_async._engine import _faults
 from m2n_async._engine._pipeline import PipelineStats, unwrap_group
 from m2n_async._proto.errors import M2NError, PeerLostError, TransferError
-from m2n_async._proto.messages import RoundStart, decode_as, encode
+from m2n_async._proto.messages import RoundDone, RoundStart, decode_as, encode
 from m2n_async._proto.round import (
     REPORT_WINDOW_S,
     Cause,
@@ -560,11 +562,19 @@ class RoundDriver:
             judged = core.judge(reports)
             if judged is Judgement.COMMIT:
                 return None  # every rank reported ok: no record can undo it
-            if dog.failure is not None:
-                return dog.failure
-            ab = await self.store.get(keys.abort)
-            if ab is not None:
-                return core.failure_of(ab)
+            recorded = dog.failure
+            if recorded is None:
+                ab = await self.store.get(keys.abort)
+                recorded = core.failure_of(ab) if ab is not None else None
+            if recorded is not None:
+                # A record decides only once no missing rank can still report ok: fence
+                # each missing report (compare-and-set), as the deadline path fences the
+                # late rank. One that reported just now: judge again with its report.
+                if judged is Judgement.WAIT and not await self._fence_missing(
+                        core, reports, recorded):
+                    raw = await self.store.gather(keys.done_prefix, 0)
+                    continue
+                return recorded
             verdict = core.deadline_verdict(reports, round_timeout)
             culprit = verdict.rank
             if verdict.cause is Cause.DEADLINE and culprit is not None and (
@@ -579,10 +589,24 @@ class RoundDriver:
             return await self.post(core, verdict)
         return await self.post(core, core.store_lost())  # reports that keep changing
 
+    async def _fence_missing(self, core: Round, reports: Mapping[int, RoundDone],
+                             failure: Failure) -> bool:
+        """Write every missing rank's ``done`` as aborted (compare-and-set); False if one of
+        them had reported meanwhile."""
+        for r in range(self.world_size):
+            if r not in reports:
+                swapped, _ = await self.store.compare_set(
+                    core.keys.done(r), None, encode(core.fenced_report(r, failure)))
+                if not swapped:
+                    return False
+        return True
+
     async def _record(self, core: Round, until: float) -> Failure:
         """The round's abort record, waiting for it until ``until`` (its writer writes this
         rank's late report first, then the record)."""
-        with anyio.move_on_after(max(until - anyio.current_time(), 0.0)):
+        # At least abort_grace: the peer that fenced this rank posts the record right after
+        # (one bounded request), however late this rank got here (frozen, a slow store).
+        with anyio.move_on_after(max(until - anyio.current_time(), self.abort_grace)):
             raw = await self.store.get(core.keys.abort, wait=True)
             assert raw is not None
             return core.failure_of(raw)

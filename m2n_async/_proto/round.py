@@ -238,6 +238,12 @@ class Round:
         return RoundDone(PROTO_VERSION, self.generation, self.round, rank, False,
                          failure.reason, 0, 0.0, Status.LATE.value, (), self.rank)
 
+    def fenced_report(self, rank: int, failure: Failure) -> RoundDone:
+        """The ``done`` record this rank writes for ``rank``, missing when the round's abort
+        record decided it: ``rank`` can no longer complete a set of ok reports."""
+        return RoundDone(PROTO_VERSION, self.generation, self.round, rank, False,
+                         failure.reason, 0, 0.0, Status.ABORTED.value, (), self.rank)
+
     def decode_reports(self, raw: Mapping[str, bytes]) -> dict[int, RoundDone] | Failure:
         """The gathered ``done`` records by rank, or the protocol failure of a bad one."""
         out: dict[int, RoundDone] = {}
