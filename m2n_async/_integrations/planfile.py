@@ -46,6 +46,8 @@ from m2n_async._proto.cost import (
     COSTS_ENV,
     DEFAULT_LANES,
     cost_inputs,
+    describe_terms,
+    m2n_round_calls,
     parse_costs,
     pick,
     predict,
@@ -54,14 +56,13 @@ from m2n_async._proto.errors import PlanError
 from m2n_async._proto.layout import REPLICATE, Layout, Mesh
 from m2n_async._proto.params import ParamSpec, ParamTransfer
 from m2n_async._proto.plan import (
-    M2N_MAX_CALL_BYTES,
     MAX_BUCKET_PARAMS,
     TransferPlan,
     carry_problem,
     complete_plan_digest,
     split_buckets,
 )
-from m2n_async._proto.stacking import COALESCE_BELOW_BYTES, bucket_calls
+from m2n_async._proto.stacking import COALESCE_BELOW_BYTES
 
 __all__ = [
     "PlanFile",
@@ -359,18 +360,10 @@ def summarize(plan: TransferPlan, *, source: str = "", bucket_bytes: int | None 
     # at the size of the transport it would run (auto's choice; else the first lane).
     size = lanes.bucket_bytes(auto if ok else lanes.LANES[0], bucket_bytes)
     buckets = split_buckets(plan, plan.buckets(size), MAX_BUCKET_PARAMS)
-    m2n_buckets = split_buckets(plan, plan.buckets(lanes.bucket_bytes("m2n", bucket_bytes)),
-                                MAX_BUCKET_PARAMS)
-    m2n_calls = 0
-    stacks = []
-    for b in m2n_buckets:
-        for call in bucket_calls(plan, b, coalesce_below=coalesce_below,
-                                 max_call_bytes=M2N_MAX_CALL_BYTES):
-            m2n_calls += 1
-            if len(call) > 1:
-                spec = plan.params[call[0]].spec
-                stacks.append(StackCall(b.index, list(spec.shape), spec.dtype,
-                                        [plan.params[i].name for i in call]))
+    calls = list(m2n_round_calls(plan, lanes.bucket_bytes("m2n", bucket_bytes), coalesce_below))
+    stacks = [StackCall(b, list(plan.params[call[0]].spec.shape), plan.params[call[0]].spec.dtype,
+                        [plan.params[i].name for i in call])
+              for b, call in calls if len(call) > 1]
     ranks = [RankLoad(r, "trainer" if r < plan.trainer_ranks else "worker",
                       plan.send_bytes(r), plan.recv_bytes(r)) for r in range(plan.world_size)]
     return PlanSummary(
@@ -393,7 +386,7 @@ def summarize(plan: TransferPlan, *, source: str = "", bucket_bytes: int | None 
         transports=transports,
         predicted={t: predicted[t].describe().removeprefix(f"{t} ") for t in ok},
         auto=auto,
-        m2n_calls=m2n_calls,
+        m2n_calls=len(calls),
         stacks=stacks,
         cost_terms={t: terms[t] for t in sorted(terms)},
         default_costs=cost_terms is None,
@@ -445,8 +438,7 @@ def format_summary(s: PlanSummary, *, all_ranks: bool = False, stacks: bool = Fa
                  else f"the cost terms of --costs / ${COSTS_ENV}")
         lines.append(f"  predicted    one round with {which}, m2n coalesced")
         for t, text in s.predicted.items():
-            terms = "" if s.default_costs else "   [{:g} s/call, {:g} s/param, {:g} B/s]".format(
-                *s.cost_terms[t])
+            terms = "" if s.default_costs else f"   [{describe_terms(s.cost_terms[t])}]"
             lines.append(f"    {t:<5} {text}{terms}{'   <- auto' if t == s.auto else ''}")
     stacked = sum(len(c.members) for c in s.stacks)
     if s.transports.get("m2n") != "ok":

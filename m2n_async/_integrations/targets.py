@@ -196,30 +196,31 @@ def _shard_dim(modules: Mapping[str, torch.nn.Module], fqn: str, ndim: int,
     owner_path, _, leaf = fqn.rpartition(".")
     # parallelize_module's rule first ('*' within one segment), so an entry for a block
     # ("layers.*") cannot shadow its children's; then '*' across dots ("*.q_proj").
-    hits = [(p, st) for p, st in tp_plan.items() if _glob(fqn, p) or _glob(owner_path, p)]
-    hits = hits or [(p, st) for p, st in tp_plan.items()
-                    if fnmatch.fnmatchcase(fqn, p) or fnmatch.fnmatchcase(owner_path, p)]
-    for pattern, style in hits[:1]:
-        kind = _style_name(pattern, style)
-        if kind is None:
-            return None
-        if isinstance(kind, int):
-            dim = kind + ndim if kind < 0 else kind
-            if not 0 <= dim < max(ndim, 1):
-                raise PlanError(f"parameter {fqn!r}: TP plan {pattern!r} shards dim {kind} "
-                                f"of a tensor of rank {ndim}")
-            return dim
-        owner = modules.get(owner_path)
-        if isinstance(owner, torch.nn.Embedding) and leaf == "weight":
-            return 1 if kind == "colwise" else 0
-        if ndim == 0:
-            return None
-        if kind == "colwise":
-            return 0
-        # rowwise: the input dim of a [out, in] weight; a 1-D bias is added after the
-        # all-reduce, so every TP rank holds all of it.
-        return 1 if ndim >= 2 else None
-    return None
+    pattern = next((p for p in tp_plan if _glob(fqn, p) or _glob(owner_path, p)), None)
+    if pattern is None:
+        pattern = next((p for p in tp_plan if fnmatch.fnmatchcase(fqn, p)
+                        or fnmatch.fnmatchcase(owner_path, p)), None)
+    if pattern is None:
+        return None
+    kind = _style_name(pattern, tp_plan[pattern])
+    if kind is None:
+        return None
+    if isinstance(kind, int):
+        dim = kind + ndim if kind < 0 else kind
+        if not 0 <= dim < max(ndim, 1):
+            raise PlanError(f"parameter {fqn!r}: TP plan {pattern!r} shards dim {kind} "
+                            f"of a tensor of rank {ndim}")
+        return dim
+    owner = modules.get(owner_path)
+    if isinstance(owner, torch.nn.Embedding) and leaf == "weight":
+        return 1 if kind == "colwise" else 0
+    if ndim == 0:
+        return None
+    if kind == "colwise":
+        return 0
+    # rowwise: the input dim of a [out, in] weight; a 1-D bias is added after the
+    # all-reduce, so every TP rank holds all of it.
+    return 1 if ndim >= 2 else None
 
 
 def _dtensor_placements(name: str, t: Any) -> Placements:

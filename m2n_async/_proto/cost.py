@@ -27,7 +27,7 @@ plan by the pure handshake, identically everywhere. Pure functions: no torch, no
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Final, NamedTuple
 
 import msgspec
@@ -51,6 +51,8 @@ __all__ = [
     "LaneCost",
     "Prediction",
     "cost_inputs",
+    "describe_terms",
+    "m2n_round_calls",
     "parse_costs",
     "pick",
     "predict",
@@ -146,14 +148,29 @@ def parse_costs(text: str) -> dict[str, tuple[float, float, float]]:
     return merged
 
 
+def describe_terms(terms: tuple[float, float, float]) -> str:
+    """One lane's ``(call_seconds, param_seconds, bytes_per_second)`` for a message."""
+    call, param, rate = terms
+    return f"{call:g} s/call, {param:g} s/param, {rate:g} B/s"
+
+
+def m2n_round_calls(plan: TransferPlan, bucket_bytes: int, coalesce_below: int
+                    ) -> Iterator[tuple[int, tuple[int, ...]]]:
+    """The ``m2n`` lane's reshard calls of one round, in order, as ``(bucket index, plan
+    indices)``: the buckets the engine runs (``split_buckets`` at ``MAX_BUCKET_PARAMS``), each
+    cut into calls by ``bucket_calls`` (``coalesce_below`` 0: one call per parameter)."""
+    for b in split_buckets(plan, plan.buckets(bucket_bytes), MAX_BUCKET_PARAMS):
+        for call in bucket_calls(plan, b, coalesce_below=coalesce_below,
+                                 max_call_bytes=M2N_MAX_CALL_BYTES):
+            yield b.index, call
+
+
 def _calls(plan: TransferPlan, lane: str, bucket_bytes: int, coalesce_below: int) -> int:
-    buckets = split_buckets(plan, plan.buckets(bucket_bytes), MAX_BUCKET_PARAMS)
     if lane != "m2n":
-        return len(buckets)
+        return len(split_buckets(plan, plan.buckets(bucket_bytes), MAX_BUCKET_PARAMS))
     if coalesce_below <= 0:
         return len(plan.params)
-    return sum(len(bucket_calls(plan, b, coalesce_below=coalesce_below,
-                                max_call_bytes=M2N_MAX_CALL_BYTES)) for b in buckets)
+    return sum(1 for _ in m2n_round_calls(plan, bucket_bytes, coalesce_below))
 
 
 def predict(plan: TransferPlan, costs: CostInputs, lanes: Sequence[str] | None = None

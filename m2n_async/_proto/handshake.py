@@ -48,7 +48,7 @@ from typing import Final, NoReturn, TypeAlias, TypeVar
 
 import msgspec
 
-from m2n_async._proto.cost import Prediction, costs_problem, pick, predict
+from m2n_async._proto.cost import Prediction, costs_problem, describe_terms, pick, predict
 from m2n_async._proto.errors import (
     LocalProtocolError,
     PlanError,
@@ -350,9 +350,9 @@ def _outliers(values: Mapping[int, _H], show: Callable[[object], str] = repr
 def _show_costs(costs: object) -> str:
     if not isinstance(costs, CostInputs):
         return "none"
-    lanes = ", ".join(f"{c.lane}: {c.call_seconds:g} s/call, {c.param_seconds:g} s/param, "
-                      f"{c.bytes_per_second:g} B/s, buckets {c.bucket_bytes}"
-                      for c in costs.lanes)
+    lanes = ", ".join(f"{c.lane}: "
+                      f"{describe_terms((c.call_seconds, c.param_seconds, c.bytes_per_second))}"
+                      f", buckets {c.bucket_bytes}" for c in costs.lanes)
     return f"[{lanes}; coalesce below {costs.coalesce_below}]"
 
 
@@ -364,8 +364,8 @@ def _cost_fields(costs: object) -> dict[str, object]:
     out: dict[str, object] = {}
     for c in costs.lanes:
         out[f"bucket_bytes on {c.lane}"] = c.bucket_bytes
-        out[f"cost terms of {c.lane}"] = (f"({c.call_seconds:g} s/call, {c.param_seconds:g} "
-                                          f"s/param, {c.bytes_per_second:g} B/s)")
+        terms = (c.call_seconds, c.param_seconds, c.bytes_per_second)
+        out[f"cost terms of {c.lane}"] = f"({describe_terms(terms)})"
     out["coalesce_below"] = costs.coalesce_below
     return out
 
