@@ -66,6 +66,7 @@ class Args:
     max_inflight: int = 3
     trainers: int = 2
     workers: int = 2
+    api_marks: str | None = None
 
     @property
     def world(self) -> int:
@@ -110,6 +111,10 @@ async def _bench_rank(ctx: RankContext, *, args: Args) -> RankFigures:
     """One rank process of the world (torch imported, one torch thread): every part, its
     figures returned."""
     out = RankFigures(ctx.rank)
+    if args.api_marks:
+        import api_marks  # bench/, beside this script
+
+        api_marks.install(args.api_marks)
     if not args.profile:
         await _rank(args, ctx.rank, out)
         return out
@@ -212,14 +217,24 @@ async def _rank(args: Args, rank: int, out: RankFigures) -> None:
     try:
         for layout in ("mixed", "aligned"):
             if layout in args.parts:
+                _tag(args, layout)
                 out.throughput.append(Throughput(layout))
                 await _part_throughput(args, rank, out.throughput[-1])
                 dist.barrier()
         if "tiny" in args.parts:
+            _tag(args, "tiny")
             await _part_tiny(args, rank, out)
             dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _tag(args: Args, part: str) -> None:
+    """``--api-marks``: the rounds that follow belong to ``part``."""
+    if args.api_marks:
+        import api_marks
+
+        api_marks.set_tag(part)
 
 
 async def _part_throughput(args: Args, rank: int, out: Throughput) -> None:
@@ -414,7 +429,8 @@ def _run(ns: argparse.Namespace) -> list[RankFigures]:
             LocalWorld(ns.trainers, ns.workers, job_prefix="bench") as world:
         args = Args(ns.size_mb, ns.rounds, ns.tiny_params, ns.tiny_rounds, ns.bucket_mb,
                     world.address, world.token, os.path.join(tmp, "pg"), ns.profile,
-                    tuple(ns.parts.split(",")), ns.max_inflight, ns.trainers, ns.workers)
+                    tuple(ns.parts.split(",")), ns.max_inflight, ns.trainers, ns.workers,
+                    api_marks=ns.api_marks)
         try:
             res = world.run(_bench_rank, kwargs={"args": args}, timeout=ns.timeout,
                             fail_grace=_FAIL_GRACE)
@@ -451,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--profile", metavar="DIR", default=None,
                     help="cProfile every rank process (main thread) into DIR/rankN.prof")
+    ap.add_argument("--api-marks", metavar="DIR", default=None,
+                    help="record every rank's sync_weights/receive steps into DIR and print "
+                         "their timeline per part at the end (bench/api_marks.py)")
     ap.add_argument("--parts", default="mixed,aligned,tiny",
                     help="comma-separated parts to run (mixed, aligned, tiny); default all")
     ap.add_argument("--trainers", type=int, default=2, help="trainer processes (default 2)")
@@ -540,6 +559,11 @@ def main(argv: list[str] | None = None) -> int:
     worst = max(_p99(v) for k, v in lags if "control" not in k)
     print(f"   event-loop lag p99 (worst sync_weights part): {worst * 1e3:.2f} ms  "
           f"(goal <= 5 ms) {'OK' if worst <= 5e-3 else 'MISSED'}")
+    if ns.api_marks:
+        import api_marks
+
+        print(f"\n4. the public API's steps, by part (bench/api_marks.py, {ns.api_marks})")
+        print(api_marks.summarize(ns.api_marks, skip=1))
     return 0
 
 

@@ -750,6 +750,10 @@ async def api_paths(ctx: _world.RankCtx, case: dict[str, Any], plan: Any, source
 
     trainer = ctx.rank < ctx.trainer_ranks
     deadline = float(case["round_deadline"])
+    if case.get("api_marks"):
+        import api_marks  # bench/, beside this script
+
+        api_marks.install(case["api_marks"])
     cfg = m2n_async.EngineConfig(
         transport=case["api_transport"], bucket_bytes=case["bucket_bytes"],
         max_inflight=case["max_inflight"], max_cta=case.get("max_cta"), device=str(ctx.device),
@@ -771,6 +775,10 @@ async def api_paths(ctx: _world.RankCtx, case: dict[str, Any], plan: Any, source
 
     def sync(tag: str, srcs: Any) -> Callable[[], Awaitable[None]]:
         async def run() -> None:
+            if case.get("api_marks"):
+                import api_marks
+
+                api_marks.set_tag(tag)
             if trainer:
                 res = await eng[0].sync_weights(srcs)
             else:
@@ -1407,6 +1415,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--api", action=argparse.BooleanOptionalAction, default=True,
                     help="time the public API (TrainerEngine/WorkerEngine, bf16 and fp32 "
                          "sources), last in the run")
+    ap.add_argument("--api-marks", metavar="DIR", default=None,
+                    help="record each rank's public-API steps into DIR and print their "
+                         "timeline (bench/api_marks.py)")
     ap.add_argument("--api-transport", default="auto", choices=("auto", "m2n", "nccl"))
     ap.add_argument("--sweep", action="store_true",
                     help="m2n over bucket_bytes x max_inflight x max_cta (1 iteration each)")
@@ -1445,6 +1456,7 @@ def build_case(args: argparse.Namespace) -> dict[str, Any]:
                                else args.coalesce_below),
             "round_deadline": args.round_deadline, "timeline": bool(args.timeline),
             "broadcast": broadcast, "api": args.api, "api_transport": args.api_transport,
+            "api_marks": os.path.abspath(args.api_marks) if args.api_marks else None,
             "sweep": [[int(bb) << 20, int(mi), None if cta == "none" else int(cta)]
                       for bb in args.sweep_bucket_mb.split(",")
                       for mi in args.sweep_inflight.split(",")
@@ -1490,6 +1502,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\n== {title}, {args.trainers}+{args.workers}, {summary['wall_s']} s ==")
     for line in lines + goal_lines(summary.get("goals", [])):
         print(line)
+    if args.api_marks:
+        import api_marks
+
+        print(f"\n== the public API's steps (bench/api_marks.py, {args.api_marks}) ==")
+        print(api_marks.summarize(args.api_marks))
     if args.out:
         with open(args.out, "a") as f:
             f.write(json.dumps(summary, default=repr) + "\n")

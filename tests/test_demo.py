@@ -237,14 +237,22 @@ def test_demo_rejects_bad_arguments() -> None:
     assert "--trainers" in err.getvalue()
 
 
-def test_cpu_sync_bench_tiny() -> None:
+def test_cpu_sync_bench_tiny(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "cpu_sync_bench.py"), "--tiny"],
+    marks = tmp_path / "marks"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "cpu_sync_bench.py"), "--tiny",
+                           "--api-marks", str(marks)],
                           capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     for piece in ("sync_weights / raw gloo", "host overhead per parameter", "event-loop lag p99"):
         assert piece in out, out
+    # --api-marks: every rank's steps, per part (the tiny part's worker is engine rank 1)
+    steps = out[out.index("the public API's steps"):]
+    for piece in ("rank 0 (trainer): mixed", "rank 3 (worker): aligned",
+                  "rank 1 (worker): tiny", "round.publish_start", "round.wait_start",
+                  "sources.bucket", "lane.stage", "lane.unpack", "round._outcome"):
+        assert piece in steps, steps
 
 
 def test_demo_dumps_the_stacks_of_a_hung_rank(monkeypatch: pytest.MonkeyPatch,
