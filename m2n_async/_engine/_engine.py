@@ -54,7 +54,7 @@ from m2n_async._data._transport import (
 )
 from m2n_async._engine._config import EngineConfig, EngineState, SyncResult
 from m2n_async._engine._generation import join_generation
-from m2n_async._engine._pipeline import PipelineStats, run_pipeline
+from m2n_async._engine._pipeline import PipelineStats, run_pipeline, unwrap_group
 from m2n_async._engine._preflight import PreflightInputs, PreflightOutcome, run_preflight
 from m2n_async._engine._round import JobEnded, RoundDriver, RoundOutcome
 from m2n_async._engine._sources import (  # _INLINE_PARAMS: re-exported for callers
@@ -428,8 +428,13 @@ class _Engine:
                 failure = await self._rounds.post(core, core.closed(self.rank))
             raise core.error(failure)
         self._state = EngineState.UPDATING
-        outcome = await self._rounds.run(start, self._transport, work, self._committed,
-                                         self._poison_with)
+        try:
+            outcome = await self._rounds.run(start, self._transport, work, self._committed,
+                                             self._poison_with)
+        except BaseExceptionGroup as group:
+            # The driver's task group wraps what is raised after the outcome (the
+            # round.commit fault point): the caller gets the exception itself, as raised.
+            raise unwrap_group(group) from None
         return self._commit(start, outcome, waited, t0)
 
     def _committed(self, start: RoundStart) -> None:

@@ -25,7 +25,9 @@ The points (each with its coordinates):
   bucket — with ``freeze``, a rank frozen between rounds.
 - ``round.bucket`` (``rank``, ``round``, ``bucket``): before bucket ``bucket`` is staged.
 - ``round.commit`` (``rank``, ``round``, ``version``): every rank reported ok and this rank
-  committed ``version`` (observed by the world; a fault here acts after the commit).
+  committed ``version`` (observed by the world; a fault here acts after the commit). ``raise``
+  here fails no other rank: this rank's ``sync_weights``/``receive`` raises the
+  ``InjectedFault`` itself, with the version advanced and the engine READY.
 
 Actions: ``raise`` (``InjectedFault``), ``hang`` (an await that never returns but can be
 cancelled), ``freeze`` (the process stops itself with ``SIGSTOP``: its sockets stay open, as a

@@ -1,6 +1,7 @@
 """Engine guards: argument checks before a round, one round per engine at a
-time, a cancel that lands while rank 0 publishes the round, and a rank that fails or is
-cancelled while connecting (its peers hear it at once, in the same phase's terms)."""
+time, a cancel that lands while rank 0 publishes the round, a rank that fails or is
+cancelled while connecting (its peers hear it at once, in the same phase's terms), and an
+exception raised after the commit (the caller gets it as raised; the engine stays READY)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from m2n_async import (
     TransferError,
     WorkerEngine,
 )
-from m2n_async.testing import MemoryStore
+from m2n_async._engine import _faults
+from m2n_async.testing import Fault, InjectedFault, MemoryStore
 
 from ._plans import make_plan, source_shards
 from .test_engine_local import CFG, DEFS, _check, _close, _connect_all, _round, _targets
@@ -290,3 +292,39 @@ async def test_cancel_while_the_outcome_is_gathered_ends_the_round_like_every_ra
         assert t.version == w.version == 2
     finally:
         await _close(t, w)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+async def test_a_raise_at_the_commit_point_reaches_its_caller_as_raised(rank: int) -> None:
+    # The fault acts after the commit, inside the round driver's task group: the caller
+    # gets InjectedFault itself (not an exception group), the version advanced on every
+    # rank, and the engine, READY, takes the next round.
+    plan = make_plan(DEFS[:1], (1, 1), (1, 1))
+    trainers, workers = await _connect_all(MemoryStore(), plan)
+    got: dict[int, Any] = {}
+
+    async def side(e: Any) -> None:
+        try:
+            got[e.rank] = await (e.sync_weights(source_shards(plan, 0, 1)) if e.rank == 0
+                                 else e.receive())
+        except Exception as exc:
+            got[e.rank] = exc
+
+    _faults.arm([Fault("round.commit", "raise", rank=rank, round=1)])
+    try:
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                for e in (*trainers, *workers):
+                    tg.start_soon(side, e)
+        _faults.disarm()
+        assert type(got[rank]) is InjectedFault, got[rank]
+        assert "round.commit (rank" in str(got[rank])
+        assert got[1 - rank].version == 1, got[1 - rank]
+        assert trainers[0].version == workers[0].version == 1
+        assert trainers[0].state.value == workers[0].state.value == "ready"
+        _check(plan, workers, 1)
+        await _round(trainers, workers, lambda e: e.sync_weights(source_shards(plan, 0, 2)))
+        assert trainers[0].version == workers[0].version == 2
+    finally:
+        _faults.disarm()
+        await _close(*trainers, *workers)

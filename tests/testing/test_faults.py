@@ -16,6 +16,7 @@ from m2n_async import PeerLostError, PreflightError, TransferError
 from m2n_async._engine import _faults
 from m2n_async.testing import (
     Fault,
+    InjectedFault,
     LocalWorld,
     RankResult,
     WorldResult,
@@ -122,6 +123,15 @@ def test_a_rank_frozen_between_rounds_keeps_the_first_version(m2n_world: World) 
 def test_a_raise_at_round_start_is_that_ranks_error(m2n_world: World) -> None:
     res = _run(m2n_world(2, 2), Fault("round.start", "raise", rank=0, round=1))
     assert_same_failure(res, TransferError, culprit=0, cause="error", round=1)
+
+
+def test_a_raise_at_round_commit_is_raised_as_is_after_every_rank_committed(
+        m2n_world: World) -> None:
+    res = _run(m2n_world(2, 2), Fault("round.commit", "raise", rank=3, round=1))
+    assert type(res[3].error) is InjectedFault, res[3].error  # itself, not a group
+    assert "injected fault at round.commit" in str(res[3].error)
+    assert_committed(res, 1)  # the commit came first, on every rank
+    assert [res[r].value["versions"] for r in (0, 1, 2)] == [[1]] * 3
 
 
 def test_the_assertion_sees_ranks_that_disagree() -> None:
