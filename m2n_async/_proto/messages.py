@@ -14,7 +14,7 @@ from typing import Final, TypeAlias, TypeVar
 
 import msgspec
 
-from m2n_async._proto.errors import RemoteProtocolError
+from m2n_async._proto.errors import PlanError, RemoteProtocolError
 from m2n_async._proto.params import ParamSpec, ParamTransfer
 
 PROTO_VERSION: Final[int] = 2
@@ -114,11 +114,31 @@ class DestinationPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True, t
 
 
 class DataPlaneIdentity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Local facts of the chosen data plane that must be equal on every rank."""
+    """Local facts of the chosen data plane that must be equal on every rank.
+
+    ``env`` names each variable once: the ``data_plane`` phase compares it as a mapping,
+    where a second value of a name would replace the first and could hide a mismatch (or
+    name the wrong value). A name given twice is refused with ``PlanError`` where the
+    identity is built, and off the wire as an invalid envelope naming its sender.
+    """
 
     libnccl_version: str | None
     max_cta: int | None
     env: tuple[tuple[str, str], ...]  # sorted (name, value) of the variables that must match
+
+    def __post_init__(self) -> None:
+        # Runs on construction, on msgspec.structs.replace (the handshake's normalization to
+        # str) and on decode; a few dozen entries, so a set is cheap enough.
+        env = self.env
+        if len({entry[0] for entry in env}) == len(env):
+            return
+        values: dict[str, list[str]] = {}
+        for name, value in env:
+            values.setdefault(name, []).append(value)
+        twice = "; ".join(f"{name}: {', '.join(repr(v) for v in vs)}"
+                          for name, vs in sorted(values.items()) if len(vs) > 1)
+        raise PlanError(f"data-plane identity gives a variable more than once ({twice}); "
+                        "each name must appear once, with the one value every rank compares")
 
 
 class DataPlaneReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):

@@ -386,6 +386,25 @@ async def test_a_worker_asking_another_placement_is_named_with_it_by_every_rank(
             "rank(s) [2, 4], (REPLICATE, 0) on rank(s) [3]") in err.failures[3], err.failures
 
 
+@pytest.mark.asyncio
+async def test_an_identity_giving_a_variable_twice_is_named_by_every_rank_at_once() -> None:
+    # Rank 2's identity gives NCCL_RESHARD_X twice: compared as a mapping, its last value
+    # ("1", the others' value) would have hidden the "0".
+    t, n = 2, 3
+    log = Log()
+    inputs = {r: make_inputs(r, t, n, log) for r in range(t + n)}
+    twice = (("NCCL_RESHARD_X", "0"), ("NCCL_RESHARD_X", "1"))
+    inputs[2] = dataclasses.replace(
+        inputs[2], data_plane_identity=lambda name: DataPlaneIdentity(None, None, twice))
+    t0 = time.monotonic()
+    await run_world(t, n, phase_timeout=5.0, inputs=inputs, log=log)
+    err = identical_errors(log, t + n, "data_plane")
+    assert sorted(err.failures) == [2]
+    assert "local step failed: PlanError" in err.failures[2], err.failures
+    assert "more than once (NCCL_RESHARD_X: '0', '1')" in err.failures[2], err.failures
+    assert max(log.done_at.values()) - t0 < 2.5  # a failed step, not a deadline
+
+
 def trainer_1_differs(t: int, n: int, log: Log) -> dict[int, Any]:
     """Every rank's inputs, trainer 1's source plan other than the rest (a source-phase
     disagreement that the records exchange then locates)."""

@@ -517,6 +517,31 @@ def test_data_plane_names_the_differing_variable() -> None:
     assert "NCCL_RESHARD_Y=on" in err.failures[1]
 
 
+def test_data_plane_identity_gives_each_variable_once() -> None:
+    # Compared as a mapping, a name given twice keeps one value: (X=0, X=1) against the
+    # others' X=1 would agree, and the 0 would never be named.
+    with pytest.raises(PlanError, match=r"more than once \(NCCL_RESHARD_X: '0', '1'\)"):
+        DataPlaneIdentity("2.30.7", None, (("NCCL_RESHARD_X", "0"), ("NCCL_RESHARD_X", "1"),
+                                           ("NCCL_RESHARD_Y", "on")))
+    # Names equal once the machine makes them text collide there, in the local step.
+    world = World(1, 1)
+    world.run_to(Phase.DATA_PLANE)
+    odd = DataPlaneIdentity("2.30.7", None, ((1, "a"), ("1", "b")))  # type: ignore[arg-type]
+    with pytest.raises(PlanError, match="1: 'a', 'b'"):
+        world.machines[0].data_plane(odd)
+
+
+def test_data_plane_names_the_rank_whose_envelope_gives_a_variable_twice() -> None:
+    def twice(env: msgspec.Struct) -> bytes:
+        d = as_dict(env)
+        d["identity"]["env"] = [["NCCL_RESHARD_X", "0"], ["NCCL_RESHARD_X", "1"]]
+        return msgspec.msgpack.encode(d)
+    err = World(2, 3).fail_at(Phase.DATA_PLANE, {1: twice})
+    assert list(err.failures) == [1], err.failures
+    assert "invalid envelope" in err.failures[1] and "$.identity" in err.failures[1]
+    assert "NCCL_RESHARD_X: '0', '1'" in err.failures[1]
+
+
 def test_data_plane_versions_and_agreed_facts() -> None:
     world = World(2, 3)
     world.identity[0] = DataPlaneIdentity("2.28.9", None, (("NCCL_RESHARD_X", "1"),))
