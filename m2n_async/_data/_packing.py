@@ -33,7 +33,11 @@ shard in elements, and the copy that packs does the cast (``Tensor.copy_`` round
 ``Tensor.to``: to nearest, ties to even). No cast copy of the shard is made first, and a cast
 source never moves zero-copy (its bytes are not the wire's). A region that does not start at
 a multiple of the wire item size in the buffer (a message mixing dtypes of different sizes)
-cannot be viewed typed; it is cast into a temporary of its own size and copied as bytes.
+cannot be viewed typed; it is cast into a temporary of its own size and copied as bytes. That
+temporary is memory the bucket holds: the staging keeps it until release and counts it in
+``Staging.nbytes``, so the reported peak is what was really held (torch cannot cast straight
+into an unaligned region: ``view(dtype)`` refuses it, and a typed store there is a misaligned
+access, which CUDA faults on).
 
 Executors copy many segments with ONE multi-tensor call (``torch._foreach_copy_``, chunked by
 ``FOREACH_CHUNK``): per-segment ``copy_`` calls cost a dispatcher round trip each, which
@@ -421,14 +425,15 @@ def _typed_region(src: torch.Tensor, seg: Segment, itemsize: int) -> torch.Tenso
 
 
 def pack_pair(buf: torch.Tensor, seg: Segment, src: torch.Tensor, wire: torch.dtype,
-              base: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+              base: int = 0, *, temps: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(destination in ``buf``, source) of one segment for a multi-tensor copy.
 
     ``buf`` is flat uint8 holding buffer offsets ``base`` on; ``src`` the param's local shard
     (contiguous). Same dtype as the wire: both sides as bytes (bit-exact for every dtype).
     Another dtype (a float cast, checked by the caller): both typed, so the copy casts; when
     the destination is not aligned to the wire item size, the cast goes through a temporary
-    of the segment's size and the pair is bytes again (module docstring).
+    of the segment's size, appended to ``temps``, and the pair is bytes again (module
+    docstring): the caller's staging holds and counts what ``temps`` gets.
     """
     a = seg.offset - base
     piece = buf[a:a + seg.nbytes]
@@ -445,6 +450,7 @@ def pack_pair(buf: torch.Tensor, seg: Segment, src: torch.Tensor, wire: torch.dt
         return (typed if seg.span is not None and not seg.whole
                 else typed.view(region.shape)), region
     cast = region.to(wire).contiguous()  # unaligned: a temporary of this segment's size
+    temps.append(cast)
     return piece, byte_view(cast).view(-1)  # its bytes in row-major order: the wire order
 
 

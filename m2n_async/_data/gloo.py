@@ -34,7 +34,10 @@ same ``_foreach_copy_`` calls as everything else, typed (wire dtype in the arena
 in the shard), so there is no cast copy of the shard and no second pass. Its messages never
 move zero-copy; they are staged in the arena, which grows (once, at the first round that
 casts) to what the bucket then stages — at most the bucket's bytes for this rank, the bound
-the pipeline already holds. ``Staging.cast_bytes`` counts the wire bytes produced by casting.
+the pipeline already holds. A cast segment at an arena offset not aligned to the wire dtype
+goes through a temporary of its size (``_packing``), which the staging holds until release
+and counts in ``Staging.nbytes`` beside the arena. ``Staging.cast_bytes`` counts the wire
+bytes produced by casting.
 
 Staging comes from ``max_inflight`` equal arenas (sized once from this rank's largest bucket;
 the trainer's are allocated and touched in ``prepare``), so pages are faulted in once, not
@@ -421,6 +424,9 @@ class GlooStaging(Staging):
     packing: BucketPacking | None = None
     messages: list[tuple[int, Message, torch.Tensor, bool]] = field(default_factory=list)
     arena: torch.Tensor | None = None
+    #: the temporaries of casts at unaligned offsets (``_CAST_TEMP``): counted in ``nbytes``
+    #: beside the arena, so they are held until release like it
+    temps: list[torch.Tensor] = field(default_factory=list)
 
 
 class _UnpackPlan(NamedTuple):
@@ -944,14 +950,16 @@ class GlooTransport(Transport):
     def _copy_from(self, copies: _Copies, sources: Mapping[str, torch.Tensor],
                    get: Callable[[int], torch.Tensor],
                    get_flat: Callable[[int], torch.Tensor],
-                   batch: tuple[list[torch.Tensor], list[torch.Tensor]]) -> int:
+                   batch: tuple[list[torch.Tensor], list[torch.Tensor]],
+                   temps: list[torch.Tensor]) -> int:
         """Add ``copies``' (destination, source) pairs to ``batch``, running a
         ``_foreach_copy_`` whenever it holds ``_FOREACH_CHUNK`` of them (the caller runs the
         rest): the whole bucket's segments go through multi-tensor copies, casts included.
         Whole shards need no view per round (the engine checked their shape and contiguity).
         Chunked because this Python loop holds the GIL and the torch call releases it: the
         event loop never waits for the GIL behind thousands of tiny parameters. Returns the
-        wire bytes produced by casting."""
+        wire bytes produced by casting; the temporaries of unaligned casts go to ``temps``
+        (the staging's, which counts them)."""
         names, dtypes = self._names, self._dtypes
         bdsts, bsrcs = batch
         cast_bytes = 0
@@ -973,8 +981,12 @@ class GlooTransport(Transport):
                     src = t.reshape(-1)[arg[0]:arg[1]]
                 else:
                     region = (t.reshape(1) if t.dim() == 0 else t)[arg]
-                    src = region if how == _CAST_STRIDED else byte_view(
-                        region.to(dtypes[i]).contiguous())
+                    if how == _CAST_STRIDED:
+                        src = region
+                    else:  # _CAST_TEMP
+                        tmp = region.to(dtypes[i]).contiguous()
+                        temps.append(tmp)
+                        src = byte_view(tmp)
             bdsts.append(dst)
             bsrcs.append(src)
             if len(bdsts) >= _FOREACH_CHUNK:
@@ -1025,10 +1037,12 @@ class GlooTransport(Transport):
                     staged.messages.append((peer.peer, msg, buf, False))
                     continue
                 staged.cast_bytes += self._copy_from(
-                    self._copies(msg, buf, cacheable, cast), sources, get, get_flat, batch)
+                    self._copies(msg, buf, cacheable, cast), sources, get, get_flat, batch,
+                    staged.temps)
                 staged.messages.append((peer.peer, msg, buf, False))
         if batch[0]:
             foreach_copy(*batch)
+        staged.nbytes += sum(t.numel() * t.element_size() for t in staged.temps)
         staged.seconds["pack"] = time.perf_counter() - t0
         return staged
 
@@ -1366,6 +1380,7 @@ class GlooTransport(Transport):
                 self._arenas.release(staging.arena)
             staging.arena = None
             staging.messages.clear()
+            staging.temps.clear()
 
     # -- abort / close -------------------------------------------------------------------
 

@@ -30,8 +30,10 @@ Per bucket:
 
 Memory: the arena is ``Staging.nbytes`` (at most the bucket's bytes for this rank: a cast
 source's pieces are staged there instead of moving zero-copy); a source that had to be moved
-to our device or made contiguous counts too (the engine hands in neither), and so do the
-temporaries above: a callback's shard gathered from several peers is staged twice. Abort and
+to our device or made contiguous counts too (the engine hands in neither), so does the
+temporary of a cast segment at an offset not aligned to the wire dtype (``_packing``), held
+until release, and so do the temporaries above: a callback's shard gathered from several
+peers is staged twice. Abort and
 close are the base class's (bounded communicator abort on a daemon thread; DEVELOPERS "GPU notes":
 an NCCL recv from a dead peer returns after abort).
 """
@@ -84,7 +86,7 @@ class NcclStaging(Staging):
     #: worker: load-callback params that arrive as ONE whole segment of a packed peer
     #: buffer: param index -> (index into ``packing.peers``, segment); handed an arena view
     from_arena: dict[int, tuple[int, Any]] = field(default_factory=dict)
-    keep: list[Any] = field(default_factory=list)   # cast sources, arena
+    keep: list[Any] = field(default_factory=list)   # sources, arena, cast temporaries
     ready: Any = None
     transferred: Any = None
     zero_copy: int = 0
@@ -189,6 +191,7 @@ class NcclTransport(GpuTransportBase):
                     st.nbytes += need
                 dsts: list[Any] = []
                 srcs: list[Any] = []
+                temps: list[Any] = []  # casts at unaligned offsets: held and counted
                 off = 0
                 for pb in pk.peers:
                     d = pb.direct
@@ -201,12 +204,16 @@ class NcclTransport(GpuTransportBase):
                     view = arena[off:off + pb.nbytes]
                     off += pb.nbytes
                     for seg in pb.segments:
-                        dst, src = pack_pair(view, seg, local[seg.param], wire[seg.param])
+                        dst, src = pack_pair(view, seg, local[seg.param], wire[seg.param],
+                                             temps=temps)
                         dsts.append(dst)
                         srcs.append(src)
                         if seg.param in cast:
                             st.cast_bytes += seg.nbytes
                     st.wires.append((pb.peer, view))
+                for tmp in temps:  # until release: the pack stream reads them, and they count
+                    st.keep.append(tmp)
+                    st.nbytes += tmp.numel() * tmp.element_size()
                 if dsts:  # every peer's packed segments, casts included: one multi-tensor copy
                     foreach_copy(dsts, srcs)
             st.ready = streams.record(streams.pack)

@@ -146,12 +146,13 @@ class SyncResult:
     ``summary()`` prints them labelled.
     ``efficiency`` is the plan's lower bound over ``seconds`` when
     ``EngineConfig.link_bytes_per_second`` is set. ``peak_extra_bytes`` is the peak staging
-    held by the pipeline (≤ ``max_inflight x bucket_bytes``). ``transport`` is the agreed data
-    plane and ``reason`` why it was chosen, followed by how it runs when it says more (``m2n``:
-    grouped submission or ordered single reshards, and why). ``cast_bytes`` (trainer) is how
-    many of ``bytes`` this rank produced by casting a source to the wire dtype while packing
-    (fp32 master weights, bf16 on the wire); 0 when every source already had the wire dtype,
-    and on a worker.
+    held by the pipeline (≤ ``max_inflight x bucket_bytes``, plus the temporaries of casts
+    that land at unaligned offsets: docs/tuning.md, "Casting while packing"). ``transport``
+    is the agreed data plane and ``reason`` why it was chosen, followed by how it runs when it
+    says more (``m2n``: grouped submission or ordered single reshards, and why).
+    ``cast_bytes`` (trainer) is how many of ``bytes`` this rank produced by casting a source
+    to the wire dtype while packing (fp32 master weights, bf16 on the wire); 0 when every
+    source already had the wire dtype, and on a worker.
     ``loop_stall_seconds`` is how long this rank's event loop was not available to the
     engine during the round: a probe beside the round sleeps 10 ms at a time and sums how
     late it woke (each wake-up later than 2 ms, counted whole). A loop is late when a task

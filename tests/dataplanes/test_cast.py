@@ -4,7 +4,8 @@ A trainer's fp32 (or fp64) shards of bf16/fp16 parameters are cast by the transp
 packs; the workers' bytes must equal ``shard.to(wire_dtype)`` exactly (round to nearest even),
 for values that need rounding, exact ties, subnormals, infinities and NaN. The ``nccl`` lane
 casts in its one multi-tensor packing copy (never a cast copy of the shard, never zero-copy
-for a cast source) and counts the cast bytes in ``Staging.cast_bytes``.
+for a cast source) and counts the cast bytes in ``Staging.cast_bytes``; what its stage
+allocates (the arena, the temporary of a cast at an unaligned offset) is ``Staging.nbytes``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from m2n_async._data._transport import Staging, Transport
 
@@ -104,7 +106,8 @@ async def test_cast_while_packing_bit_exact(fake_world: Any, name: str,
                            for piece in plan.pieces_from(i, rank))
             assert sum(st.cast_bytes for st in stagings) == want > 0
             # the cast lands in the staging (at most what the bucket moves), no cast copies
-            assert all(st.nbytes <= st.nbytes_moved for st in stagings)
+            # of shards; only a cast at an unaligned offset adds a temporary of its size
+            assert all(st.nbytes <= st.nbytes_moved + st.cast_bytes for st in stagings)
 
 
 async def test_nccl_uncast_stays_zero_copy_beside_cast(fake_world: Any) -> None:
@@ -133,3 +136,54 @@ async def test_nccl_uncast_stays_zero_copy_beside_cast(fake_world: Any) -> None:
         a, b = kept[rank]
         assert (a.zero_copy, b.zero_copy) == (0, 1)  # type: ignore[attr-defined]
         assert a.cast_bytes == a.nbytes == 8 * 8 * 2 and (b.cast_bytes, b.nbytes) == (0, 0)
+
+
+class _Allocations(TorchDispatchMode):
+    """Bytes of every tensor an op creates on this thread while active (no view, no in-place
+    or out= result): what a stage really allocates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nbytes = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for ret, t in zip(func._schema.returns, outs, strict=False):
+            if ret.alias_info is None and isinstance(t, torch.Tensor):
+                self.nbytes += t.untyped_storage().nbytes()
+        return out
+
+
+async def test_nccl_counts_the_temporary_of_an_unaligned_cast(fake_world: Any) -> None:
+    # 3 bytes of uint8 first: the fp32 -> bf16 cast behind it starts at an odd offset of the
+    # peer buffer and goes through a temporary, which the staging holds and counts.
+    plan = make_plan([("flag", (3,), torch.uint8, None, None),
+                      ("odd", (6,), torch.bfloat16, None, None)], (1, 1), (1, 1))
+    seen: dict[str, int] = {}
+
+    async def body(rank: int, t: Transport) -> None:
+        t.begin_round(0, time.monotonic() + 30)
+        try:
+            (bucket,) = t.ctx.buckets
+            if rank < plan.trainer_ranks:
+                srcs = cast_sources(plan, rank, 0)
+                with _Allocations() as alloc:  # stage does not yield: only this rank's ops
+                    st = await t.stage(bucket, sources=srcs)
+                seen.update(allocated=alloc.nbytes, nbytes=st.nbytes)
+                await t.transfer(st).wait()
+            else:
+                sinks = targets(plan, rank)
+                st = await t.stage(bucket, sinks=sinks)
+                await t.transfer(st).wait()
+                await t.unpack(st, sinks)
+                for k, want in cast_expected(plan, rank, 0).items():
+                    assert same_bytes(sinks[k], want), k
+            t.release(st)
+        finally:
+            t.end_round()
+
+    raise_first(await run_world("nccl", plan, body=body, bucket_bytes=1 << 20))
+    assert seen["allocated"] == 3 + 12 + 12  # the arena, and the temporary of the cast
+    assert seen["nbytes"] == seen["allocated"]

@@ -1,16 +1,18 @@
 """The Gloo transport's staging, in one process: ``_pack`` on the trainers, an in-memory
 "wire", ``_alloc_recv`` + ``_unpack`` on the workers — over several rounds, so that the views
 cached per message and arena slot are reused, and with new source tensors and in-place
-updates between rounds, so that a cache can never serve stale bytes. Plus the arena slots
-and the cross-peer issue order."""
+updates between rounds, so that a cache can never serve stale bytes. Plus the arena slots,
+the cross-peer issue order, and a pack's memory: all it allocates is in ``Staging.nbytes``."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from m2n_async._data._native import NativeThread
 from m2n_async._data._transport import TransportContext, TransportSettings
@@ -233,3 +235,49 @@ def test_issue_order_interleaves_peers_and_keeps_each_pairs_order() -> None:
     for p in (1, 2):
         assert [b for q, b in order if q == p] == bufs[p]  # per-pair order kept
     assert len(order) == 7
+
+
+class _Allocations(TorchDispatchMode):
+    """Bytes of every tensor an op creates on this thread while active (no view, no in-place
+    or out= result): what a pack really allocates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nbytes = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for ret, t in zip(func._schema.returns, outs, strict=False):
+            if ret.alias_info is None and isinstance(t, torch.Tensor):
+                self.nbytes += t.untyped_storage().nbytes()
+        return out
+
+
+def test_a_cast_at_an_unaligned_offset_is_counted_in_the_staging() -> None:
+    # uint8 of 3 bytes first: the fp32 -> bf16 casts behind it start at odd offsets in the
+    # packed message, so they go through temporaries; those are memory the bucket holds.
+    plan = make_plan([("flag", (3,), torch.uint8, None, None),
+                      ("odd", (6,), torch.bfloat16, None, None),
+                      ("w", (4, 4), torch.bfloat16, (R, 0), (R, 1))], (1, 1), (1, 1))
+    world = _World(plan, 1 << 20, 1)
+    tr = world.tr[0]
+    bp = tr.packing(world.buckets[0])
+    src = {k: (v.float() if v.dtype == torch.bfloat16 else v)
+           for k, v in source_shards(plan, 0, version=1).items()}
+    want = torch.cat([_bytes(src["flag"]), _bytes(src["odd"].to(torch.bfloat16)),
+                      _bytes(src["w"].to(torch.bfloat16))])
+    try:
+        tr.release(tr._pack(bp, src))  # the first cast grows the arena: allocated here
+        with _Allocations() as alloc:
+            staged = tr._pack(bp, src)
+        assert staged.arena is not None
+        assert alloc.nbytes == (6 + 16) * 2  # a temporary per unaligned cast, no more
+        assert staged.nbytes == staged.arena.numel() + alloc.nbytes
+        ((_, _, buf, direct),) = staged.messages
+        assert not direct and torch.equal(buf, want)
+        tr.release(staged)
+        assert not staged.temps  # released with the arena
+    finally:
+        world.close()
