@@ -434,8 +434,20 @@ class _Engine:
         except BaseExceptionGroup as group:
             # The driver's task group wraps what is raised after the outcome (the
             # round.commit fault point): the caller gets the exception itself, as raised.
-            raise unwrap_group(group) from None
+            exc = unwrap_group(group)
+            self._undecided(exc)
+            raise exc from None
+        except BaseException as exc:
+            self._undecided(exc)
+            raise
         return self._commit(start, outcome, waited, t0)
+
+    def _undecided(self, exc: BaseException) -> None:
+        """The driver raised with the round neither committed nor poisoned here (an error
+        it does not translate, from a step that has no such error by design): this engine
+        cannot know what its peers decided, so it takes no further round."""
+        if self._state is EngineState.UPDATING:
+            self._poison_with(exc)
 
     def _committed(self, start: RoundStart) -> None:
         """Every rank reported the round ok: its version is this engine's now."""

@@ -14,6 +14,7 @@ import anyio
 import pytest
 
 from m2n_async import (
+    EnginePoisonedError,
     LocalProtocolError,
     PeerLostError,
     PreflightError,
@@ -327,4 +328,46 @@ async def test_a_raise_at_the_commit_point_reaches_its_caller_as_raised(rank: in
         assert trainers[0].version == workers[0].version == 2
     finally:
         _faults.disarm()
+        await _close(*trainers, *workers)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+async def test_an_untranslated_error_in_the_outcome_poisons_the_engine(
+        rank: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # An exception the round driver does not translate (here: from its outcome step, which
+    # has none by design) leaves the round undecided on that rank: its engine must not stay
+    # UPDATING, as if a round were still running, but refuse further rounds as POISONED.
+    from m2n_async._engine._round import RoundDriver
+
+    plan = make_plan(DEFS[:1], (1, 1), (1, 1))
+    trainers, workers = await _connect_all(MemoryStore(), plan)
+    outcome = RoundDriver._outcome
+
+    async def broken(self: Any, *a: Any, **kw: Any) -> Any:
+        if self.rank == rank:
+            raise RuntimeError("outcome step broke")
+        return await outcome(self, *a, **kw)
+
+    monkeypatch.setattr(RoundDriver, "_outcome", broken)
+    got: dict[int, Any] = {}
+
+    async def side(e: Any) -> None:
+        try:
+            got[e.rank] = await (e.sync_weights(source_shards(plan, 0, 1), timeout=2)
+                                 if e.rank == 0 else e.receive())
+        except Exception as exc:
+            got[e.rank] = exc
+
+    try:
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                for e in (*trainers, *workers):
+                    tg.start_soon(side, e)
+        broke = (*trainers, *workers)[rank]
+        assert type(got[rank]) is RuntimeError, got[rank]
+        assert broke.state.value == "poisoned", broke.state
+        with pytest.raises(EnginePoisonedError, match="outcome step broke"):
+            await (broke.sync_weights(source_shards(plan, 0, 2)) if rank == 0
+                   else broke.receive(timeout=1))
+    finally:
         await _close(*trainers, *workers)
