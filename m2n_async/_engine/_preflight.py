@@ -4,9 +4,10 @@ Theory of operation: a thin I/O loop in the httpcore style. Per phase it (1) run
 local step inside ``try/except`` — a failing step becomes a ``PhaseFailure`` envelope, because
 the peers need the diagnosis and would otherwise wait out the deadline for it; (2) all-gathers
 the encoded envelope; (3) hands the bytes to ``Handshake.receive``, which raises the same
-``PreflightError`` on every rank when any rank failed or disagreed. Steps (1) and (2) run under
-one deadline per phase, ``phase_timeout + per_param_timeout * n_params`` (bigger plans ship
-more specs and placements, and take longer to validate).
+``PreflightError`` on every rank when any rank failed or disagreed (on the failing rank,
+chained to its own exception). Steps (1) and (2) run under one deadline per phase,
+``phase_timeout + per_param_timeout * n_params`` (bigger plans ship more specs and placements,
+and take longer to validate).
 
 When ``source`` or ``destination`` finds plans that differ, the phase takes one more gather
 before it raises: the records the chunk digests point at (``Handshake.records``), from which
@@ -36,7 +37,7 @@ import anyio
 import msgspec
 
 from m2n_async._engine import _faults
-from m2n_async._proto.errors import PeerLostError, StoreError
+from m2n_async._proto.errors import PeerLostError, PreflightError, StoreError
 from m2n_async._proto.handshake import Event, Handshake, Phase, PreflightPlan
 from m2n_async._proto.messages import (
     CostInputs,
@@ -202,6 +203,8 @@ async def _off_loop(fn: Callable[[], _R]) -> _R:
 
 async def _run_phase(group: ControlGroup, machine: Handshake, inputs: PreflightInputs,
                      phase: Phase, deadline: float) -> None:
+    local: list[Exception] = []  # this rank's own failure of the phase, if any
+
     async def produce() -> bytes:
         if phase is Phase.HELLO:
             await group.join()  # liveness first: peers must see this rank die from now on
@@ -210,11 +213,18 @@ async def _run_phase(group: ControlGroup, machine: Handshake, inputs: PreflightI
                 await _faults.hit("handshake.phase", rank=group.rank, phase=phase.value)
             return machine.encode(await _local_envelope(machine, inputs, phase))
         except Exception as exc:  # the diagnosis goes to every rank instead of raising here
+            local.append(exc)
             return machine.encode(machine.failure(exc))
 
     end = anyio.current_time() + deadline  # one deadline for the phase, records included
     payloads = await _gather(group, phase.value, inputs.generation, deadline, produce, machine)
-    machine.receive(payloads)  # PreflightError: the same on every rank
+    try:
+        machine.receive(payloads)  # PreflightError: the same on every rank
+    except PreflightError as error:
+        if not local:
+            raise
+        # Same text as the peers'; the failing rank also keeps its own traceback.
+        raise error from local[0]
     if machine.wants_records:  # plans differ: every rank names where, from one more gather
         left = max(end - anyio.current_time(), 1e-3)
         await _exchange_records(group, machine, phase, inputs.generation, left)

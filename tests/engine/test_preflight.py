@@ -261,6 +261,9 @@ async def test_phase_failure(monkeypatch: pytest.MonkeyPatch, t: int, n: int, ph
         if kind == "local":
             assert list(first.failures) == [bad]
             assert first.failures[bad].startswith("local step failed: RuntimeError: injected")
+            # the failing rank's own error is chained to what its local step raised
+            cause = errors[bad].__cause__
+            assert isinstance(cause, RuntimeError) and str(cause).startswith("injected")
         else:
             assert set(first.failures) == expected_disagreers(phase, bad, t, n), first
     elif kind == "hang":
