@@ -30,6 +30,7 @@ from collections.abc import (
     AsyncIterator,
     Awaitable,
     Callable,
+    Iterable,
     Iterator,
     Mapping,
     Sequence,
@@ -131,6 +132,8 @@ class _Engine:
         self._job_closed = False
         self._job_end = "trainer rank 0 closed the job"
         self._busy: str | None = None  # the sync_weights/receive call in progress, if any
+        # An argument refused before connect (a worker's malformed target), for hello to report
+        self._argument_error: Exception | None = None
 
     # -- public read-only facts ------------------------------------------------------------
 
@@ -314,6 +317,14 @@ class _Engine:
                                  timeout=c.phase_timeout, watch=self._watch)
                 await self._connect_data_plane(rdv)
         except BaseException as exc:
+            refused = self._argument_error
+            if refused is not None and isinstance(exc, Exception) and not isinstance(
+                    exc, PreflightError):
+                # The handshake failed before (or while) its hello reported the refusal: say
+                # it here, or this rank's own mistake is lost behind a timeout.
+                exc.add_note(f"rank {self.rank} refused its own arguments before the "
+                             f"handshake, which failed before it could report that: "
+                             f"{type(refused).__name__}: {refused}")
             self._state = EngineState.POISONED
             self._poison = exc
             with anyio.CancelScope(shield=True):
@@ -774,8 +785,13 @@ class WorkerEngine(_Engine):
         self._mesh_dims = mesh_dims
         # Each target read once, here: its record says where the shard goes, its placements
         # and what the plan checks; the lanes get this very mapping every bucket.
-        self._sinks = SinkMap((name, _sink_of(name, target))
-                              for name, target in targets.items())
+        try:
+            self._sinks = _sink_map(targets)
+        except Exception as exc:
+            # Not raised here: the peers are already in the handshake, and would wait out its
+            # first phase for this rank. Its hello reports it instead, to every rank.
+            self._sinks = SinkMap()
+            self._argument_error = exc
 
     @classmethod
     async def connect(cls, address: str | tuple[str, int] | None = None, *,
@@ -795,6 +811,21 @@ class WorkerEngine(_Engine):
         target and vice versa (checked in the handshake). Raises as
         ``TrainerEngine.connect``.
 
+        Malformed ``targets`` (not a mapping, or a value that is neither ``(tensor,
+        placements)`` nor a ``LoadTarget``, such as a bare tensor) are not raised before
+        connecting: the peers are already in the handshake and would wait out
+        ``config.phase_timeout`` for this rank. It joins and fails the ``hello`` phase
+        instead, so every rank raises the same ``PreflightError`` once every rank arrived,
+        with ``failures == {rank: "local step failed: LocalProtocolError: target for
+        parameter 'w' must be (tensor, placements) or a LoadTarget, got Tensor; e.g. ..."}``;
+        on this rank its ``__cause__`` is that ``LocalProtocolError``. Placements or
+        ``mesh_dims`` that are not two ints fail the ``destination`` phase the same way
+        (``PlanError`` text). Should the handshake fail before ``hello`` could report the
+        refusal (trainer rank 0 never opened the generation: ``TimeoutError``), this rank's
+        error carries it as a note. A ``rank`` outside ``[trainer_ranks, world_size)``, or
+        not exactly one of ``address`` and ``store``, raises ``LocalProtocolError`` at once:
+        such a rank cannot join.
+
         Cancellation: as ``TrainerEngine.connect``.
         """
         if not 0 <= trainer_ranks <= rank < world_size:
@@ -803,8 +834,10 @@ class WorkerEngine(_Engine):
                                      f"{trainer_ranks}, world_size={world_size}")
         cfg = config or EngineConfig()
         dims = mesh_dims if mesh_dims is not None else (world_size - trainer_ranks, 1)
+        if isinstance(dims, Iterable):  # anything else: the destination phase names it
+            dims = tuple(dims)  # type: ignore[assignment]
         st, owns = await cls._open_store(address, token, store)
-        engine = cls(targets=targets, mesh_dims=tuple(dims), store=st,  # type: ignore[arg-type]
+        engine = cls(targets=targets, mesh_dims=dims, store=st,
                      owns_store=owns, rank=rank, trainer_ranks=trainer_ranks,
                      world_size=world_size, config=cfg)
         await engine._connect(timeout)
@@ -818,7 +851,7 @@ class WorkerEngine(_Engine):
             dst_placements={name: s.placements for name, s in self._sinks.items()},
             transport=self.config.transport, capabilities=self._capabilities,
             data_plane_identity=self._identity, prepare_runtime=self._prepare_runtime,
-            costs=self._costs())
+            costs=self._costs(), argument_error=self._argument_error)
 
     def _in_place(self, plan: TransferPlan) -> frozenset[int] | None:
         # Targets given as tensors take their messages in place; load callbacks need staging.
@@ -910,6 +943,17 @@ class WorkerEngine(_Engine):
                 raise
 
 
+def _sink_map(targets: Mapping[str, Any]) -> SinkMap:
+    """``WorkerEngine.connect``'s ``targets`` as records, one per name (``_sink_of``);
+    ``LocalProtocolError`` when it is no mapping, or naming the parameter whose target is
+    malformed."""
+    if not isinstance(targets, Mapping):
+        raise LocalProtocolError(f"targets must be a mapping of parameter name -> (tensor, "
+                                 f"placements) or LoadTarget, got {type(targets).__name__}; "
+                                 f"e.g. targets_from_module(model, tp_plan)")
+    return SinkMap((name, _sink_of(name, target)) for name, target in targets.items())
+
+
 def _sink_of(name: str, target: Any) -> Sink:
     """The record of one worker target: where its shard goes (the tensor, written in place,
     or a ``LoadTarget``'s callback), its placements, and what the plan checks (the tensor, or
@@ -921,7 +965,9 @@ def _sink_of(name: str, target: Any) -> Sink:
                     declared=target)
     if isinstance(target, tuple) and len(target) == 2:
         tensor, placements = target
-        if placements is not None:
+        # Anything not iterable (an int, say) goes on as it is: the destination phase names
+        # the parameter and the value, on every rank.
+        if isinstance(placements, Iterable):
             placements = tuple(placements)
         return Sink.of(tensor, placements=placements)
     raise LocalProtocolError(f"target for parameter {name!r} must be (tensor, placements) or a "

@@ -9,6 +9,11 @@ chained to its own exception). Steps (1) and (2) run under one deadline per phas
 ``phase_timeout + per_param_timeout * n_params`` (bigger plans ship more specs and placements,
 and take longer to validate).
 
+An argument the engine refused before the handshake (``PreflightInputs.argument_error``: a
+worker's malformed target) is the ``hello`` phase's local failure: the rank still joins and
+reports it there, so every rank raises it at once instead of waiting out ``hello``'s deadline
+for a rank that never arrives.
+
 When ``source`` or ``destination`` finds plans that differ, the phase takes one more gather
 before it raises: the records the chunk digests point at (``Handshake.records``), from which
 every rank names the first differing parameter and field.
@@ -86,6 +91,9 @@ class PreflightInputs:
     prepare_runtime: Callable[[PreflightPlan], Awaitable[None]]
     #: what ``auto`` predicts each lane's round from (``_proto.cost``); None: preference
     costs: CostInputs | None = None
+    #: an argument the engine refused before the handshake (a worker's malformed target):
+    #: ``hello``'s local step raises it, so it reaches every rank as that phase's failure
+    argument_error: Exception | None = None
 
     @property
     def n_params(self) -> int:
@@ -177,6 +185,8 @@ def _check_inputs(group: ControlGroup, inputs: PreflightInputs, phase_timeout: f
 async def _local_envelope(machine: Handshake, inputs: PreflightInputs, phase: Phase
                           ) -> msgspec.Struct:
     if phase is Phase.HELLO:
+        if inputs.argument_error is not None:
+            raise inputs.argument_error  # the peers are waiting for this rank: tell them why
         return machine.hello()
     if phase is Phase.SOURCE:
         return machine.source(inputs.params if inputs.role == "trainer" else None)

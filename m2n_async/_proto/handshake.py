@@ -546,6 +546,9 @@ class Handshake:
         if mesh_dims is None or dst_placements is None:
             raise PlanError(f"worker rank {self.rank} was given no mesh_dims or "
                             f"dst_placements")
+        if not isinstance(mesh_dims, tuple | list):  # tuple() of it would not say what it is
+            raise PlanError(f"worker rank {self.rank}: mesh_dims must be two positive ints "
+                            f"(replicas, tp), got {mesh_dims!r}")
         dims = Mesh(tuple(mesh_dims)).dims  # type: ignore[arg-type]  # validates two ints > 0
         names = [s.name for s in specs]
         missing = [n for n in names if n not in dst_placements]

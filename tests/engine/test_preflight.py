@@ -20,7 +20,7 @@ import anyio.lowlevel
 import msgspec
 import pytest
 
-from m2n_async import PeerLostError, PreflightError
+from m2n_async import LocalProtocolError, PeerLostError, PreflightError
 from m2n_async._engine._preflight import (
     PreflightInputs,
     PreflightOutcome,
@@ -485,6 +485,25 @@ async def test_blocking_sync_callback_cannot_freeze_the_loop() -> None:
         e = log.outcome[r]
         assert isinstance(e, TimeoutError) and "rank(s) [2] did not arrive" in str(e)
         assert "preflight phase 'destination'" in str(e)
+
+
+@pytest.mark.asyncio
+async def test_an_argument_refused_before_the_handshake_fails_hello_on_every_rank() -> None:
+    t, n, bad = 2, 3, 3
+    log0 = Log()
+    refused = LocalProtocolError("target for parameter 'w' must be (tensor, placements) or "
+                                 "a LoadTarget, got Tensor")
+    inputs = {r: make_inputs(r, t, n, log0) for r in range(t + n)}
+    inputs[bad] = dataclasses.replace(inputs[bad], argument_error=refused)
+    started = time.monotonic()
+    # Far beyond the bound below: nobody may wait out the phase for the refusing rank.
+    log = await run_world(t, n, phase_timeout=60.0, inputs=inputs)
+    first = identical_errors(log, t + n, "hello")
+    assert first.failures == {bad: f"local step failed: LocalProtocolError: {refused}"}
+    assert log.outcome[bad].__cause__ is refused
+    assert log0.prepared == []
+    done = log.done_at.values()
+    assert max(done) - started < 5.0 and max(done) - min(done) < 1.0, log.done_at
 
 
 @pytest.mark.asyncio

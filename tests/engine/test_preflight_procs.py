@@ -10,6 +10,10 @@ says so with ``ctx.event("reached")``, on which the test SIGKILLs it where the c
 Each rank sets a ``finished`` key once its preflight ended (the hanging rank awaits every
 peer's, keeping its session until they reported) and returns a JSON-able dict of how it
 ended (no pickle of exceptions); the killed rank comes back as a ``"dead"`` ``RankResult``.
+
+One case runs the engines themselves (``_engine_rank``): a worker given a malformed target
+must fail the first phase on every process at once, not leave its peers waiting out the
+phase for it.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from m2n_async import PeerLostError, PreflightError
 from m2n_async._engine._preflight import run_preflight
 from m2n_async._proto.handshake import PreflightPlan
 from m2n_async._store import ControlGroup, StoreClient
-from m2n_async.testing import LocalWorld, RankContext, WorldResult
+from m2n_async.testing import LocalWorld, RankContext, WorldResult, assert_same_failure
 
 from .test_preflight import GEN, Log, make_inputs, specs
 
@@ -168,3 +172,55 @@ def test_sigkilled_rank_is_named_at_once(m2n_world: World) -> None:
         # only rules out waiting for the 30 s deadline, with room for a loaded 2-core box
         # (3 s failed there twice while other jobs ran).
         assert out["done"] - killed_at < 10.0, out["done"] - killed_at
+
+
+BARE_TARGET_RANK = 2
+BARE_TARGET_BOUND = 2.0  # after the worker's error; room for a loaded 2-core box
+
+
+async def _engine_rank(ctx: RankContext) -> None:
+    """One rank connects its engine; rank ``BARE_TARGET_RANK`` passes a bare tensor as its
+    target. Says when it failed (``"failed"``, wall time), then raises."""
+    import torch
+
+    from m2n_async import Layout, Mesh, ParamSpec, TrainerEngine, WorkerEngine
+
+    # Far beyond the test's bound: a peer waiting out the phase fails the test.
+    cfg = ctx.config(phase_timeout=60.0)
+    try:
+        if ctx.is_trainer:
+            spec = ParamSpec("w", torch.float32, (16,), Layout(Mesh((1, 1)), None))
+            e: Any = await TrainerEngine.connect(**ctx.connect_kwargs, params=[spec],
+                                                 config=cfg)
+        else:
+            w = torch.zeros(16)
+            target = w if ctx.rank == BARE_TARGET_RANK else (w, None)
+            e = await WorkerEngine.connect(**ctx.connect_kwargs, targets={"w": target},
+                                           config=cfg)
+    except Exception:
+        ctx.event("failed", time.time())
+        raise
+    await e.close()
+
+
+@pytest.mark.slow
+def test_a_worker_with_a_bare_tensor_target_fails_every_process_at_once(
+        m2n_world: World) -> None:
+    world = m2n_world(T, N)
+    # fail_grace: a rank still waiting this long after the first one raised is killed, and
+    # the test fails on it (as it did while the peers waited out the phase for the worker).
+    run = world.start(_engine_rank)
+    failed = {ev.rank: ev.payload for ev in world.events(run, timeout=30.0, fail_grace=5.0)
+              if ev.name == "failed"}
+    res = world.collect(run, timeout=30.0, fail_grace=5.0)
+    err = assert_same_failure(res, PreflightError, culprit=BARE_TARGET_RANK, phase="hello")
+    assert isinstance(err, PreflightError)
+    assert err.failures[BARE_TARGET_RANK] == (
+        "local step failed: LocalProtocolError: target for parameter 'w' must be (tensor, "
+        "placements) or a LoadTarget, got Tensor; e.g. (t, None) for a replicated tensor, "
+        "(t, (REPLICATE, d)) for a shard of dim d along the TP axis")
+    for r in res:
+        assert f"rank {BARE_TARGET_RANK}: " in str(r.error) and "'w'" in str(r.error), r
+    assert sorted(failed) == [0, 1, 2], failed
+    for r, at in failed.items():
+        assert at - failed[BARE_TARGET_RANK] < BARE_TARGET_BOUND, (r, failed)

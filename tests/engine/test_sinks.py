@@ -1,10 +1,14 @@
 """A worker's targets become one ``Sink`` record per name, once, at connect: the user's
 mapping is read in one pass, the lanes get the engine's ``SinkMap`` itself every bucket (no
 conversion, no second look at the targets), and a malformed target is refused with the
-error naming its parameter, as before. Every rank is a task of one event loop (real Gloo)."""
+error naming its parameter — not before connecting, where the peers already in the handshake
+would wait out its phase for this worker, but in its first phase, so every rank raises that
+error at once. Every rank is a task of one event loop (real Gloo)."""
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -16,6 +20,7 @@ from m2n_async import (
     EngineConfig,
     LoadTarget,
     LocalProtocolError,
+    PreflightError,
     TrainerEngine,
     WorkerEngine,
 )
@@ -167,6 +172,59 @@ async def test_targets_become_records_once_per_connect(monkeypatch: pytest.Monke
             await engines[r].close()
 
 
+#: The hint of a malformed target's error, after "got {kind}; ".
+HINT = ("e.g. (t, None) for a replicated tensor, (t, (REPLICATE, d)) for a shard of dim d "
+        "along the TP axis")
+#: Far beyond the bound of each case: a peer left waiting for the worker fails the test.
+LONG_PHASE = dataclasses.replace(CFG, phase_timeout=60)
+CASE_BOUND = 10.0
+
+
+async def _connect_with(targets: Any, mesh_dims: Any = (1, 1)
+                        ) -> tuple[dict[str, BaseException | str], dict[str, float]]:
+    """Trainer 0 and worker 1 (with ``targets``) connect; what each raised, and when."""
+    plan = make_plan(DEFS[:1], (1, 1), (1, 1))
+    store = MemoryStore()
+    got: dict[str, BaseException | str] = {}
+    when: dict[str, float] = {}
+
+    async def connect(side: str) -> None:
+        try:
+            if side == "trainer":
+                e: Any = await TrainerEngine.connect(
+                    store=store.session(), rank=0, trainer_ranks=1, world_size=2,
+                    params=[p.spec for p in plan.params], config=LONG_PHASE)
+            else:
+                e = await WorkerEngine.connect(
+                    store=store.session(), rank=1, trainer_ranks=1, world_size=2,
+                    targets=targets, mesh_dims=mesh_dims, config=LONG_PHASE)
+            got[side] = "connected"
+            await e.close()
+        except Exception as exc:
+            got[side] = exc
+        when[side] = time.monotonic()
+
+    with anyio.fail_after(CASE_BOUND):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(connect, "worker")
+            tg.start_soon(connect, "trainer")
+    return got, when
+
+
+def _same_preflight_error(got: dict[str, BaseException | str], when: dict[str, float],
+                          phase: str) -> str:
+    """Both sides raised one PreflightError of ``phase`` naming worker rank 1, the trainer
+    within a second of the worker; the worker's diagnosis."""
+    worker, trainer = got["worker"], got["trainer"]
+    for exc in (worker, trainer):
+        assert isinstance(exc, PreflightError), got
+        assert (exc.phase, list(exc.failures)) == (phase, [1]), exc
+    assert isinstance(worker, PreflightError) and isinstance(trainer, PreflightError)
+    assert str(trainer) == str(worker) and trainer.failures == worker.failures
+    assert abs(when["trainer"] - when["worker"]) < 1.0, when
+    return worker.failures[1]
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("target, kind", [
     (torch.zeros(12, 3), "Tensor"),
@@ -175,12 +233,50 @@ async def test_targets_become_records_once_per_connect(monkeypatch: pytest.Monke
     (None, "NoneType"),
     (lambda name, tensor: None, "function"),
 ], ids=["bare-tensor", "1-tuple", "3-tuple", "none", "callable"])
-async def test_a_malformed_target_is_refused_naming_its_parameter(target: Any,
-                                                                  kind: str) -> None:
-    with pytest.raises(LocalProtocolError) as info:
+async def test_a_malformed_target_fails_hello_on_every_rank_naming_its_parameter(
+        target: Any, kind: str) -> None:
+    got, when = await _connect_with({"w_row": target})
+    text = (f"target for parameter 'w_row' must be (tensor, placements) or a LoadTarget, "
+            f"got {kind}; {HINT}")
+    assert _same_preflight_error(got, when, "hello") == (
+        f"local step failed: LocalProtocolError: {text}")
+    # The worker's own error keeps the refusal it found, with its traceback.
+    cause = got["worker"].__cause__  # type: ignore[union-attr]
+    assert isinstance(cause, LocalProtocolError) and str(cause) == text
+
+
+@pytest.mark.asyncio
+async def test_targets_that_are_no_mapping_fail_hello_on_every_rank() -> None:
+    pairs = [("w_row", (torch.zeros(12, 3), (R, 1)))]  # dict(...) forgotten
+    got, when = await _connect_with(pairs)
+    assert _same_preflight_error(got, when, "hello") == (
+        "local step failed: LocalProtocolError: targets must be a mapping of parameter name "
+        "-> (tensor, placements) or LoadTarget, got list; e.g. targets_from_module(model, "
+        "tp_plan)")
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("placements, mesh_dims, says", [
+    (0, (1, 1), "parameter 'w_row' (destination side): placements must be two ints "
+                "(REPLICATE or a tensor dim), got 0"),
+    ((R, 1), 1, "worker rank 1: mesh_dims must be two positive ints (replicas, tp), got 1"),
+], ids=["placements-int", "mesh-dims-int"])
+async def test_placements_or_mesh_dims_that_are_no_pair_fail_destination_on_every_rank(
+        placements: Any, mesh_dims: Any, says: str) -> None:
+    got, when = await _connect_with({"w_row": (torch.zeros(12, 3), placements)}, mesh_dims)
+    assert _same_preflight_error(got, when, "destination") == (
+        f"local step failed: PlanError: {says}")
+
+
+@pytest.mark.asyncio
+async def test_a_refused_target_is_noted_when_the_handshake_never_reports_it() -> None:
+    # No trainer: rank 0 never opens the generation, so hello never runs.
+    cfg = dataclasses.replace(CFG, phase_timeout=0.2)
+    with anyio.fail_after(CASE_BOUND), pytest.raises(TimeoutError) as info:
         await WorkerEngine.connect(store=MemoryStore(), rank=1, trainer_ranks=1, world_size=2,
-                                   targets={"w_row": target}, config=CFG)
-    assert str(info.value) == (f"target for parameter 'w_row' must be (tensor, placements) "
-                               f"or a LoadTarget, got {kind}; e.g. (t, None) for a replicated "
-                               f"tensor, (t, (REPLICATE, d)) for a shard of dim d along the TP "
-                               f"axis")
+                                   targets={"w_row": torch.zeros(12, 3)}, config=cfg)
+    assert "trainer rank 0 to open generation 1" in str(info.value)
+    assert info.value.__notes__ == [
+        "rank 1 refused its own arguments before the handshake, which failed before it could "
+        "report that: LocalProtocolError: target for parameter 'w_row' must be (tensor, "
+        f"placements) or a LoadTarget, got Tensor; {HINT}"]

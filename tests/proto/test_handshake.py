@@ -458,6 +458,14 @@ def test_destination_local_step_names_missing_and_extra_params() -> None:
         world.machines[1].destination(("gloo",), (1, 1), {"w": (REPLICATE, 1), "zz": None})
 
 
+def test_destination_local_step_names_mesh_dims_that_are_no_pair() -> None:
+    world = World(1, 1)
+    world.run_to(Phase.DESTINATION)
+    with pytest.raises(PlanError, match=r"^worker rank 1: mesh_dims must be two positive ints "
+                                        r"\(replicas, tp\), got 2$"):
+        world.machines[1].destination(("gloo",), 2, {"w": (REPLICATE, 1), "b": None})  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("t,n", [(1, 1), (2, 3)])
 def test_auto_falls_back_and_says_why(t: int, n: int) -> None:
     lacking = t + n - 1
