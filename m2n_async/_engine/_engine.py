@@ -581,7 +581,13 @@ class TrainerEngine(_Engine):
 
     def __init__(self, *, params: Sequence[ParamSpec], **kw: Any) -> None:
         super().__init__(**kw)
-        self._params = tuple(params)
+        try:
+            self._params = _param_specs(params)
+        except LocalProtocolError as exc:
+            # Not raised here: the peers are already in the handshake, and would wait out its
+            # first phase for this rank. Its hello reports it instead, to every rank.
+            self._params = ()
+            self._argument_error = exc
         self._expect: list[_Expect] = []
         self._names: list[str] = []
 
@@ -604,6 +610,16 @@ class TrainerEngine(_Engine):
         the store (another job with the same name, or a process of an earlier run still
         connected) and did not release it within ``config.phase_timeout``; it names the
         holder (host, pid, since when, generation), and nothing of that job was touched.
+
+        ``params`` that is no sequence of ``ParamSpec`` (a ``torch.nn.Module`` passed as it
+        is, say: ``specs_from_module(model, tp_plan)`` makes the specs) is not raised before
+        connecting: the peers are already in the handshake and would wait out
+        ``config.phase_timeout`` for this rank. It joins and fails the ``hello`` phase
+        instead, so every rank raises the same ``PreflightError`` naming this rank and the
+        entry (on this rank chained to the ``LocalProtocolError``), as a worker's malformed
+        target does (``WorkerEngine.connect``). A ``rank`` outside ``[0, trainer_ranks)``, or
+        not exactly one of ``address`` and ``store``, raises ``LocalProtocolError`` at once:
+        such a rank cannot join.
 
         Cancellation: everything created so far is released (shielded); peers of this
         generation then fail their handshake (they see this rank lost). Connect again for a
@@ -631,7 +647,7 @@ class TrainerEngine(_Engine):
             params=self._params, mesh_dims=None, dst_placements=None,
             transport=self.config.transport, capabilities=self._capabilities,
             data_plane_identity=self._identity, prepare_runtime=self._prepare_runtime,
-            costs=self._costs())
+            costs=self._costs(), argument_error=self._argument_error)
 
     async def sync_weights(self, weights: Weights, *, version: int | None = None,
                            timeout: float | None = None,  # noqa: ASYNC109 - DESIGN §3 API
@@ -763,6 +779,22 @@ class TrainerEngine(_Engine):
             return stats
 
         return await self._run_round(start, work, time.perf_counter() - t0)
+
+
+def _param_specs(params: Sequence[ParamSpec]) -> tuple[ParamSpec, ...]:
+    """``TrainerEngine.connect``'s ``params`` as a tuple; ``LocalProtocolError`` when it is
+    no sequence of ``ParamSpec`` (a module passed as it is, say), naming the first entry that
+    is not one."""
+    hint = "e.g. specs_from_module(model, tp_plan) or [ParamSpec(name, dtype, shape, layout)]"
+    if isinstance(params, str | bytes | Mapping) or not isinstance(params, Iterable):
+        raise LocalProtocolError(f"params must be a sequence of ParamSpec, got "
+                                 f"{type(params).__name__}; {hint}")
+    specs = tuple(params)
+    for i, spec in enumerate(specs):
+        if not isinstance(spec, ParamSpec):
+            raise LocalProtocolError(f"params[{i}] must be a ParamSpec, got "
+                                     f"{type(spec).__name__}; {hint}")
+    return specs
 
 
 def _check_bytes(stats: PipelineStats, want: int, verb: str, rank: int) -> None:

@@ -180,10 +180,13 @@ LONG_PHASE = dataclasses.replace(CFG, phase_timeout=60)
 CASE_BOUND = 10.0
 
 
-async def _connect_with(targets: Any, mesh_dims: Any = (1, 1)
+async def _connect_with(targets: Any, mesh_dims: Any = (1, 1), params: Any = None
                         ) -> tuple[dict[str, BaseException | str], dict[str, float]]:
-    """Trainer 0 and worker 1 (with ``targets``) connect; what each raised, and when."""
+    """Trainer 0 (with ``params``, default the plan's specs) and worker 1 (with
+    ``targets``) connect; what each raised, and when."""
     plan = make_plan(DEFS[:1], (1, 1), (1, 1))
+    if params is None:
+        params = [p.spec for p in plan.params]
     store = MemoryStore()
     got: dict[str, BaseException | str] = {}
     when: dict[str, float] = {}
@@ -193,7 +196,7 @@ async def _connect_with(targets: Any, mesh_dims: Any = (1, 1)
             if side == "trainer":
                 e: Any = await TrainerEngine.connect(
                     store=store.session(), rank=0, trainer_ranks=1, world_size=2,
-                    params=[p.spec for p in plan.params], config=LONG_PHASE)
+                    params=params, config=LONG_PHASE)
             else:
                 e = await WorkerEngine.connect(
                     store=store.session(), rank=1, trainer_ranks=1, world_size=2,
@@ -212,17 +215,17 @@ async def _connect_with(targets: Any, mesh_dims: Any = (1, 1)
 
 
 def _same_preflight_error(got: dict[str, BaseException | str], when: dict[str, float],
-                          phase: str) -> str:
-    """Both sides raised one PreflightError of ``phase`` naming worker rank 1, the trainer
-    within a second of the worker; the worker's diagnosis."""
+                          phase: str, culprit: int = 1) -> str:
+    """Both sides raised one PreflightError of ``phase`` naming rank ``culprit``, within a
+    second of each other; the culprit's diagnosis."""
     worker, trainer = got["worker"], got["trainer"]
     for exc in (worker, trainer):
         assert isinstance(exc, PreflightError), got
-        assert (exc.phase, list(exc.failures)) == (phase, [1]), exc
+        assert (exc.phase, list(exc.failures)) == (phase, [culprit]), exc
     assert isinstance(worker, PreflightError) and isinstance(trainer, PreflightError)
     assert str(trainer) == str(worker) and trainer.failures == worker.failures
     assert abs(when["trainer"] - when["worker"]) < 1.0, when
-    return worker.failures[1]
+    return worker.failures[culprit]
 
 
 @pytest.mark.asyncio
@@ -242,6 +245,24 @@ async def test_a_malformed_target_fails_hello_on_every_rank_naming_its_parameter
         f"local step failed: LocalProtocolError: {text}")
     # The worker's own error keeps the refusal it found, with its traceback.
     cause = got["worker"].__cause__  # type: ignore[union-attr]
+    assert isinstance(cause, LocalProtocolError) and str(cause) == text
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("params, says", [
+    (torch.nn.Linear(3, 12), "params must be a sequence of ParamSpec, got Linear"),
+    ({"w_row": None}, "params must be a sequence of ParamSpec, got dict"),
+    ([torch.zeros(12, 3)], "params[0] must be a ParamSpec, got Tensor"),
+], ids=["module", "mapping", "tensor"])
+async def test_trainer_params_that_are_no_specs_fail_hello_on_every_rank(
+        params: Any, says: str) -> None:
+    # The trainer's twin of a malformed target: the workers do not wait out phase_timeout.
+    got, when = await _connect_with({"w_row": (torch.zeros(12, 3), (R, 1))}, params=params)
+    text = (f"{says}; e.g. specs_from_module(model, tp_plan) or [ParamSpec(name, dtype, "
+            f"shape, layout)]")
+    assert _same_preflight_error(got, when, "hello", culprit=0) == (
+        f"local step failed: LocalProtocolError: {text}")
+    cause = got["trainer"].__cause__  # type: ignore[union-attr]
     assert isinstance(cause, LocalProtocolError) and str(cause) == text
 
 
