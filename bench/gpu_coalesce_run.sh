@@ -7,7 +7,8 @@
 #     OUT=$OUT bash bench/gpu_coalesce_run.sh moe mixed threshold     # a subset, in this order
 # Steps: moe mixed dense large threshold tests (default: all, ~10-12 min on one H200), and
 # moe-one-buffer / mixed-one-buffer (the model with each rank's sources and targets as views of
-# one buffer: the m2n lane reshards the stacks in place).
+# one buffer: the m2n lane reshards the stacks in place). API_MARKS=1 adds each model step's
+# public-API timeline (bench/api_marks.py) under $OUT/api-marks-<step>.
 set -u
 OUT=${OUT:-/tmp/m2n-gpu-out}
 mkdir -p "$OUT"
@@ -35,12 +36,15 @@ run_step() {  # name, command...
   git log --oneline -1; } >"$OUT/env.log" 2>&1
 
 for s in "${steps[@]}"; do
+    marks=()
+    [ -n "${API_MARKS:-}" ] && marks=(--api-marks "$OUT/api-marks-$s")
     case $s in
         moe|mixed|dense|large)
-            run_step "$s" "$PY" bench/gpu_sync_bench.py --model "$s" --timeout 420 --out "$JSON" ;;
+            run_step "$s" "$PY" bench/gpu_sync_bench.py --model "$s" --timeout 420 --out "$JSON" \
+                ${marks[@]+"${marks[@]}"} ;;
         moe-one-buffer|mixed-one-buffer)  # each stack's members back to back in one buffer
             run_step "$s" "$PY" bench/gpu_sync_bench.py --model "${s%-one-buffer}" --one-buffer \
-                --no-broadcast --timeout 420 --out "$JSON" ;;
+                --no-broadcast --timeout 420 --out "$JSON" ${marks[@]+"${marks[@]}"} ;;
         threshold)
             run_step threshold "$PY" bench/gpu_sync_bench.py --threshold-sweep --timeout 420 \
                 --out "$JSON" ;;
