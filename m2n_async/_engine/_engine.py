@@ -62,6 +62,7 @@ from m2n_async._engine._sources import (  # _INLINE_PARAMS: re-exported for call
     _INLINE_PARAMS as _INLINE_PARAMS,
 )
 from m2n_async._engine._sources import Weights, _Expect, _source_expectations, _Sources
+from m2n_async._engine._targets import TargetCheck
 from m2n_async._proto.cost import COSTS_ENV, DEFAULT_LANES, cost_inputs, parse_costs
 from m2n_async._proto.errors import (
     EnginePoisonedError,
@@ -815,6 +816,7 @@ class WorkerEngine(_Engine):
                  **kw: Any) -> None:
         super().__init__(**kw)
         self._mesh_dims = mesh_dims
+        self._target_check: TargetCheck | None = None  # built for the first round
         # Each target read once, here: its record says where the shard goes, its placements
         # and what the plan checks; the lanes get this very mapping every bucket.
         try:
@@ -896,6 +898,7 @@ class WorkerEngine(_Engine):
         for p in plan.params:
             validate_local_buffer(p, self._sinks[p.spec.name].declared, self.rank,
                                   "destination", device=device)
+        self._target_check = None  # its tables need the transport's device: first round
 
     async def receive(self, *, timeout: float | None = None,  # noqa: ASYNC109 - DESIGN §3
                       progress: Progress | None = None) -> SyncResult:
@@ -948,10 +951,18 @@ class WorkerEngine(_Engine):
         assert self._plan is not None and self._transport is not None
         plan, transport, rank = self._plan, self._transport, self.rank
 
+        if self._target_check is None:
+            # The device the transport resolved ("cuda" -> "cuda:N"), as for the sources.
+            resolved = getattr(transport, "device", None)
+            self._target_check = TargetCheck(plan, self._sinks, rank, str(resolved)
+                                             if resolved is not None else
+                                             (transport.ctx.settings.device or "cpu"))
+
         async def work() -> PipelineStats:
             stats = await run_pipeline(transport, transport.ctx.buckets,
                                        max_inflight=transport.ctx.settings.max_inflight,
-                                       sinks=self._sinks, progress=progress,
+                                       sinks=self._sinks, check_sinks=self._target_check,
+                                       progress=progress,
                                        total_bytes=plan.recv_bytes(rank))
             _check_bytes(stats, plan.recv_bytes(rank), "received", rank)
             return stats

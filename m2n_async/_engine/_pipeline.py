@@ -63,6 +63,8 @@ class PipelineStats:
 
 
 SourceResolver = Callable[["Bucket"], Awaitable[Mapping[str, "torch.Tensor"]]]
+#: A worker's check of a bucket's targets before it is staged (raises what is wrong).
+SinkCheck = Callable[["Bucket"], Awaitable[None]]
 Progress = Callable[[int, int], None]
 
 
@@ -78,13 +80,15 @@ def unwrap_group(exc: BaseException) -> BaseException:
 async def run_pipeline(transport: Transport, buckets: Sequence[Bucket], *, max_inflight: int,
                        sources: SourceResolver | None = None,
                        sinks: Mapping[str, SinkLike] | None = None,
+                       check_sinks: SinkCheck | None = None,
                        progress: Progress | None = None,
                        total_bytes: int = 0) -> PipelineStats:
     """Move every bucket through ``transport`` (see module docstring); return the stats.
 
     Trainer: pass ``sources`` (called once per bucket, in order, for its local shards).
     Worker: pass ``sinks`` (name -> ``Sink``: the engine's, built at connect; or a bare
-    target tensor or load callback, as ``Transport.stage`` accepts).
+    target tensor or load callback, as ``Transport.stage`` accepts), and ``check_sinks``
+    (called once per bucket, in order, before it is staged: the engine's target check).
     ``progress(bytes_done, total_bytes)`` is called on the event loop after each bucket.
 
     Cancellation: stops at once; buckets in flight stay with the transport, which the caller
@@ -128,6 +132,8 @@ async def run_pipeline(transport: Transport, buckets: Sequence[Bucket], *, max_i
                     except anyio.WouldBlock:
                         await slots.acquire()
                     src = await sources(bucket) if sources is not None else None
+                    if check_sinks is not None:
+                        await check_sinks(bucket)
                     t0 = clock()
                     staging = await transport.stage(bucket, sources=src, sinks=sinks)
                     stats.busy["pack"] += staging.seconds.get("pack", clock() - t0)

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
     from m2n_async._proto.plan import Bucket
 
-__all__ = ["Weights", "_INLINE_PARAMS", "_Expect", "_Expectations", "_Sources",
+__all__ = ["Weights", "_INLINE_PARAMS", "device_predicates", "_Expect", "_Expectations", "_Sources",
            "_source_expectations"]
 
 #: What ``sync_weights`` accepts: name -> local shard (any Mapping, e.g. ``module_shards``),
@@ -91,32 +91,7 @@ class _Sources:
         self._names = names  # every param's name, in plan order
         self._rank = rank
         self._device = device
-        # t.device builds a torch.device object (~0.6 us); the is_cpu/is_cuda flags do not.
-        self._on_device: Callable[[torch.Tensor], bool]
-        kind, _, index = device.partition(":")
-        if device == "cpu":
-            self._on_device = lambda t: bool(t.is_cpu)
-        elif kind == "cuda" and not index:
-            self._on_device = lambda t: bool(t.is_cuda)
-        elif kind == "cuda" and index.isdigit():
-            want = int(index)
-            self._on_device = lambda t: bool(t.is_cuda) and t.get_device() == want
-        else:
-            self._on_device = lambda t: t.device.type == device
-        # The same predicate over many tensors, at C speed where the device allows it.
-        self._all_on_device: Callable[[tuple[torch.Tensor, ...]], bool]
-        if device == "cpu":
-            self._all_on_device = lambda ts: all(map(_IS_CPU, ts))
-        elif kind == "cuda" and not index:
-            self._all_on_device = lambda ts: all(map(_IS_CUDA, ts))
-        elif kind == "cuda" and index.isdigit():
-            # is_cuda and then the index: two C-level passes over the shards
-            want = int(index)
-            get_device = torch.Tensor.get_device  # the C method: half methodcaller's cost
-            self._all_on_device = lambda ts: all(map(_IS_CUDA, ts)) and all(
-                map(operator.eq, map(get_device, ts), repeat(want)))
-        else:
-            self._all_on_device = lambda ts: all(map(self._on_device, ts))
+        self._on_device, self._all_on_device = device_predicates(device)
         #: ``precheck`` found every dtype of this round's plain dict accepted
         self._dtypes_ok = False
         self._limiter = anyio.CapacityLimiter(1)
@@ -284,6 +259,32 @@ class _Sources:
                 i = start + names.index(n)
                 validate_local_buffer(self._plan.params[i].spec, t, self._rank, "source",
                                       device=self._device, cast=True)
+
+
+def device_predicates(device: str) -> tuple[Callable[[torch.Tensor], bool],
+                                            Callable[[tuple[torch.Tensor, ...]], bool]]:
+    """Whether a tensor, and whether every one of many tensors, is on ``device`` ("cpu",
+    "cuda", "cuda:N", ...): at C speed where the device allows it."""
+    import torch
+
+    # t.device builds a torch.device object (~0.6 us); the is_cpu/is_cuda flags do not.
+    kind, _, index = device.partition(":")
+    if device == "cpu":
+        return (lambda t: bool(t.is_cpu)), (lambda ts: all(map(_IS_CPU, ts)))
+    if kind == "cuda" and not index:
+        return (lambda t: bool(t.is_cuda)), (lambda ts: all(map(_IS_CUDA, ts)))
+    if kind == "cuda" and index.isdigit():
+        want = int(index)
+        get_device = torch.Tensor.get_device  # the C method: half methodcaller's cost
+        # is_cuda and then the index: two C-level passes over the shards
+        return ((lambda t: bool(t.is_cuda) and t.get_device() == want),
+                (lambda ts: all(map(_IS_CUDA, ts)) and all(
+                    map(operator.eq, map(get_device, ts), repeat(want)))))
+
+    def one(t: torch.Tensor) -> bool:
+        return bool(t.device.type == device)
+
+    return one, (lambda ts: all(map(one, ts)))
 
 
 #: Per param: (wire torch dtype, local shape, the source dtypes accepted: the wire dtype and

@@ -1,0 +1,88 @@
+"""A worker target given new storage between rounds: the same dtype, shape and layout is
+written there; anything else fails the round on every rank naming the parameter, before a
+byte lands (it used to commit garbage as a valid version, or abort the worker process)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from m2n_async import TransferError
+from m2n_async.testing import MemoryStore
+
+from ._plans import make_plan, source_shards
+from .test_engine_local import DEFS, _check, _close, _connect_all, _round
+
+PLAN = make_plan(DEFS[:1], (1, 1), (1, 1))  # w_row: (12, 6) float32, whole on the worker
+
+
+def _renew(t: torch.Tensor, how: str) -> None:
+    with torch.no_grad():
+        if how == "same":  # what Module.to(device) of the same dtype does
+            t.data = torch.empty_like(t)
+        elif how == "float64":  # Module.to(torch.float64)
+            t.data = t.data.to(torch.float64)
+        elif how == "bfloat16":
+            t.data = t.data.to(torch.bfloat16)
+        elif how == "smaller":
+            t.data = torch.zeros(4, 6)
+        elif how == "strided":  # the same shape, not contiguous
+            t.data = torch.zeros(12, 12)[:, :6]
+        else:
+            raise AssertionError(how)
+
+
+async def _two_rounds(how: str) -> tuple[Any, Any, tuple[int, str]]:
+    """Round 1, the worker's target renewed ``how``, round 2: (trainer's, worker's outcome
+    of round 2, the worker engine's version and state after it)."""
+    trainers, workers = await _connect_all(MemoryStore(), PLAN)
+    try:
+        await _round(trainers, workers, lambda e: e.sync_weights(source_shards(PLAN, 0, 1)))
+        _renew(workers[0]._sinks["w_row"].tensor, how)
+        got: dict[str, Any] = {}
+
+        async def side(name: str, call: Callable[[], Any]) -> None:
+            try:
+                got[name] = await call()
+            except Exception as exc:
+                got[name] = exc
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(side, "trainer",
+                              lambda: trainers[0].sync_weights(source_shards(PLAN, 0, 2)))
+                tg.start_soon(side, "worker", workers[0].receive)
+        if how == "same":
+            _check(PLAN, workers, 2)
+        return got["trainer"], got["worker"], (workers[0].version, workers[0].state.value)
+    finally:
+        await _close(*trainers, *workers)
+
+
+@pytest.mark.asyncio
+async def test_new_storage_of_the_planned_kind_is_written() -> None:
+    trainer, worker, _ = await _two_rounds("same")  # _check: bit-exact in the new storage
+    assert trainer.version == worker.version == 2
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("how, says", [
+    ("float64", "tensor dtype float64 != planned dtype float32"),
+    ("bfloat16", "tensor dtype bfloat16 != planned dtype float32"),
+    ("smaller", "tensor shape (4, 6) != local shard shape (12, 6)"),
+    ("strided", "contiguous"),
+])
+async def test_new_storage_of_another_kind_fails_the_round_naming_the_parameter(
+        how: str, says: str) -> None:
+    trainer, worker, engine = await _two_rounds(how)
+    for exc in (trainer, worker):
+        assert isinstance(exc, TransferError), exc
+        assert (exc.rank, exc.cause) == (1, "error"), exc
+        assert "parameter 'w_row' (destination side, rank 1)" in str(exc), exc
+        assert says in str(exc) and "the target changed after connect" in str(exc), exc
+    assert str(trainer) == str(worker)
+    assert engine == (1, "poisoned")
