@@ -2,10 +2,11 @@
 
 Theory of operation (DESIGN §3, §6). ``connect`` = store client → claim this rank of the job
 (``_store._claims``: one live holder per rank, so a second job of the same name is refused) →
-join a generation (rank 0 opens it) → ``ControlGroup`` → ``run_preflight`` (the handshake
-agrees on plan, transport and bucket size; the transport is built and prepared in its
-``runtime_ready`` phase) → the transport creates its communicator → READY. Nothing of the
-data plane exists before every phase passed on every rank.
+join a generation (rank 0 opens it; the others join the one its live claim names) →
+``ControlGroup`` → ``run_preflight`` (the handshake agrees on plan, transport and bucket
+size; the transport is built and prepared in its ``runtime_ready`` phase) → the transport
+creates its communicator → READY. Nothing of the data plane exists before every phase passed
+on every rank.
 
 A round, event-driven through the store under ``{job}/{generation}/round/{k}/``: trainer rank
 0 writes ``start``; every rank runs its side of the bucket pipeline and reports; the version
@@ -293,9 +294,10 @@ class _Engine:
                 # opened or joined, while another live process holds this rank of it.
                 self._claim = await claim_rank(self._store, c.job, self.rank,
                                                wait_s=c.phase_timeout)
+                # Rank 0 opens a generation; the others join the one its live claim names.
                 self._generation = await join_generation(self._store, c.job, self.rank,
+                                                         claim=self._claim,
                                                          wait_s=c.phase_timeout)
-                await self._claim.joined(self._generation)
                 ns = generation_namespace(c.job, self._generation)
                 self._namespace = ns
                 group = ControlGroup(self._store, self.rank, self.world_size, ns)

@@ -9,7 +9,13 @@ the server and the client share (addresses, socket options, the loop).
 """
 
 from m2n_async._store._api import Store, SupportsExchange
-from m2n_async._store._claims import Claim, JobClaim, JobClaimedError, claim_rank
+from m2n_async._store._claims import (
+    Claim,
+    JobClaim,
+    JobClaimedError,
+    claim_rank,
+    rank_holder,
+)
 from m2n_async._store._client import StoreClient
 from m2n_async._store._core import StaleGenerationError, StoreLimitError, generation_key
 from m2n_async._store._group import ControlGroup, drop_departed, gather_past_departures
@@ -38,4 +44,5 @@ __all__ = [
     "generation_key",
     "generation_namespace",
     "next_generation",
+    "rank_holder",
 ]

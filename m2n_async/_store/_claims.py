@@ -11,7 +11,10 @@ pid, since when, and once joined, its generation). The live entry with the lowes
 holds the rank; the others wait for it to go — a clean release when its engine closes, or
 the end of its session when its process dies — and give up after ``wait_s`` with
 ``JobClaimedError`` naming the holder. Nothing of the job is read or written by a rank that
-does not hold its claim, so it can neither receive nor send the other's weights.
+does not hold its claim, so it can neither receive nor send the other's weights. Trainer
+rank 0's claim also says which generation the job is in: the other ranks join only the
+generation its live holder names (``rank_holder``; ``_engine._generation``), so a generation
+whose rank 0 is gone is never joined.
 
 Claim keys are not under a generation (``{job}/claims/...`` has no number in its second
 segment), so a new generation does not purge them; they vanish with their sessions.
@@ -32,7 +35,7 @@ from m2n_async._proto.errors import StoreError
 from m2n_async._store._api import Store
 from m2n_async._store._core import generation_key
 
-__all__ = ["Claim", "JobClaim", "JobClaimedError", "claim_rank"]
+__all__ = ["Claim", "JobClaim", "JobClaimedError", "claim_rank", "rank_holder"]
 
 _POLL_S: Final[float] = 0.1  # how often a waiting claimant looks whether the holder left
 
@@ -81,8 +84,9 @@ class Claim:
     record: JobClaim
 
     async def joined(self, generation: int) -> None:
-        """Say in the claim which generation the holder joined (for the next claimant's
-        message). Cancellation: the claim stays held, with or without it."""
+        """Say in the claim which generation the holder joined: the next claimant's message
+        names it, and trainer rank 0's is the generation the job's other ranks join (only a
+        live claim names one). Cancellation: the claim stays held, with or without it."""
         self.record = msgspec.structs.replace(self.record, generation=generation)
         await self.store.set(self.key, _encoder.encode(self.record), ephemeral=True)
 
@@ -127,6 +131,16 @@ async def claim_rank(store: Store, job: str, rank: int, *, wait_s: float) -> Cla
         f"within {wait_s:g} s: another job with the same name, or a process of an earlier run "
         f"still connected. Give this job another EngineConfig.job, or stop that process",
         job=job, rank=rank, holder=holder)
+
+
+async def rank_holder(store: Store, job: str, rank: int) -> JobClaim | None:
+    """The live claim that holds rank ``rank`` of ``job`` now (the lowest live ticket), or
+    None when no live process claims it. One read.
+
+    Cancellation: nothing to undo (it only reads).
+    """
+    generation_key(job)  # validates the job name
+    return _lowest(await store.gather(f"{job}/claims/{rank}/", 0))
 
 
 def _lowest(entries: dict[str, bytes]) -> JobClaim | None:

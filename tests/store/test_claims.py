@@ -1,15 +1,16 @@
 """Job claims (``_store/_claims.py``): one live holder per (job, rank), in ticket order;
 released by a clean release or by the holder's session ending; refused with the holder
-named after the wait."""
+named after the wait; ``rank_holder`` reads who holds a rank now."""
 
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import anyio
 import pytest
 
-from m2n_async._store import JobClaimedError, claim_rank, next_generation
+from m2n_async._store import JobClaimedError, claim_rank, next_generation, rank_holder
 from m2n_async.testing import MemoryStore
 
 
@@ -65,3 +66,27 @@ async def test_claims_survive_new_generations() -> None:
     assert held.key in store.core.keys()
     with pytest.raises(JobClaimedError):
         await claim_rank(store.session(), "job", 1, wait_s=0.1)
+
+
+@pytest.mark.asyncio
+async def test_rank_holder_is_the_lowest_live_ticket_with_its_generation() -> None:
+    store = MemoryStore()
+    a, b = store.session(), store.session()
+    assert await rank_holder(a, "job", 0) is None
+    held = await claim_rank(a, "job", 0, wait_s=1)
+    holder = await rank_holder(b, "job", 0)
+    assert holder is not None and (holder.ticket, holder.generation) == (held.record.ticket, 0)
+    await held.joined(3)
+    holder = await rank_holder(b, "job", 0)
+    assert holder is not None and holder.generation == 3
+    assert await rank_holder(b, "job", 1) is None  # another rank of the job
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(partial(claim_rank, b, "job", 0, wait_s=5))  # waits behind it
+            await anyio.sleep(0.2)
+            holder = await rank_holder(store, "job", 0)
+            assert holder is not None and holder.generation == 3  # not the waiting one
+            await a.aclose()  # the holder's process died: the waiting claimant holds now
+    holder = await rank_holder(store, "job", 0)
+    assert holder is not None and holder.ticket > held.record.ticket
+    assert holder.generation == 0
