@@ -532,8 +532,11 @@ class _Engine:
 
         A READY trainer rank 0 first tells the workers that no more rounds will come (their
         ``updates()`` ends, ``receive()`` raises ``PeerLostError``). A round in progress on
-        this engine is aborted (peers fail fast). This rank's claim on the job is released:
-        another process may connect as this rank now.
+        this engine is aborted (peers fail fast); on trainer rank 0, so is a round that a
+        ``sync_weights`` running beside this call has just published, and one it had not
+        published yet happens on no rank (that ``sync_weights`` raises ``TransferError``).
+        This rank's claim on the job is released: another process may connect as this rank
+        now.
 
         Cancellation: the teardown is shielded and bounded by ``abort_grace`` per step; it
         completes even if the caller is cancelled.
@@ -542,12 +545,21 @@ class _Engine:
             return
         with anyio.CancelScope(shield=True):
             healthy = self._state is EngineState.READY
-            if (healthy and self._role == "trainer" and self.rank == 0
-                    and self._rounds is not None):
-                await self._rounds.close_job(self._round + 1, self._version,
-                                             self.config.round_timeout)
+            started = False  # a sync_weights beside this close published its round first
+            while (healthy and self._role == "trainer" and self.rank == 0
+                   and self._rounds is not None):
+                k = self._round + 1
+                if await self._rounds.close_job(k, self._version, self.config.round_timeout):
+                    break
+                # Round k's start won the key: the round began on the ranks that read it, so
+                # it ends as a close during a round, its record posted before the data plane
+                # goes (whether or not that sync_weights is past its publish yet). Unless it
+                # committed meanwhile: then the job's end goes into the next round's key.
+                if self._round < k:
+                    started = True
+                    break
             reason = None if healthy else f"engine closed in state {self._state.value}"
-            if self._state is EngineState.UPDATING:
+            if self._state is EngineState.UPDATING or started:
                 reason = "engine closed during a round"
                 self._poison_with(TransferError(f"rank {self.rank}: {reason}", rank=self.rank))
                 if self._rounds is not None:
@@ -689,7 +701,11 @@ class TrainerEngine(_Engine):
         0 waits for rank 0 to start the round at most the round deadline, then fails the round
         for every rank naming rank 0 (``cause="deadline"``). ``PeerLostError`` (ranks
         ``(0,)``) on a trainer other than rank 0 when rank 0 closed the job or opened a newer
-        generation.
+        generation. A ``close()`` of rank 0's engine from another task while this call has
+        not yet published its round closes the job first: the round happens on no rank, this
+        call raises ``TransferError`` (``rank=0``, ``cause="left"``) and the other ranks see
+        the job end; once the round is published, ``close()`` fails it on every rank
+        (``cause="left"``, naming rank 0).
 
         Raises ``LocalProtocolError`` (nothing happened, the engine stays READY) for a
         ``version`` that is not an int above the committed one, a ``timeout`` that is not a
@@ -749,6 +765,11 @@ class TrainerEngine(_Engine):
             # A caller cancelled already: nothing published, nothing happened.
             await anyio.lowlevel.checkpoint_if_cancelled()
             try:
+                if self._state is not EngineState.READY:
+                    # close() ran while the sources were checked: round k's start key holds
+                    # its closing start (the store it used may be closed by now).
+                    core = rounds.core(k)
+                    raise core.error(core.closed_before_start())
                 # Shielded: a request cut off mid-flight may still have been applied, and a
                 # round that started must be aborted, not forgotten. A cancel that lands here
                 # is delivered in _run_round, which aborts the round everywhere.

@@ -223,19 +223,32 @@ class RoundDriver:
     # -- the start -------------------------------------------------------------------------
 
     async def publish_start(self, start: RoundStart) -> None:
-        """Trainer rank 0 opens the round (bounded by its deadline). Raises the round's
-        ``TransferError`` if the store fails.
+        """Trainer rank 0 opens the round: one compare-and-set of its ``start`` key (bounded
+        by its deadline), so the key holds one record for good and every rank reads the same
+        start. Raises the round's ``TransferError`` if the store fails, or if the key was
+        written already (``Round.start_taken``): by this engine's ``close()`` (the job's
+        closing start; no rank runs the round, nothing is recorded) or by another process (a
+        protocol failure naming rank 0, recorded, so that the ranks that read that start
+        raise the same error).
 
         Cancellation: the caller shields it (a round that may have started must be aborted,
         not forgotten)."""
         core = self.core(start.round)
+        record = encode(start)
         try:
             with anyio.fail_after(start.round_timeout):
-                await self.store.set(core.keys.start, encode(start))
+                swapped, current = await self.store.compare_set(core.keys.start, None, record)
         except StaleGenerationError as exc:
             raise core.error(core.superseded(exc.current)) from exc
         except (TimeoutError, M2NError) as exc:
             raise core.error(core.store_lost()) from exc
+        if swapped or current == record:  # the same record: what every rank reads is ours
+            return
+        failure, record_it = core.start_taken(current)
+        if record_it:
+            with anyio.CancelScope(shield=True):
+                failure = await self.post(core, failure)
+        raise core.error(failure)
 
     async def wait_start(self, round_: int, *, limit: float | None,
                          missed_is_failure: bool) -> RoundStart:
@@ -663,19 +676,32 @@ class RoundDriver:
                 log.debug("round key cleanup failed on rank %d: %r", self.rank, exc)
 
     async def close_job(self, round_: int, version: int,
-                        round_timeout: float) -> None:
-        """Trainer rank 0 tells the ranks waiting for ``round_`` that it will not come.
-        Best effort, bounded."""
+                        round_timeout: float) -> bool:
+        """Trainer rank 0 tells the ranks waiting for ``round_`` that it will not come: the
+        round's closing start, by compare-and-set (``publish_start`` races it for the key
+        when ``sync_weights`` runs beside ``close()``). False when a start of ``round_``
+        was there first: that round has begun on the ranks that read it, and the caller must
+        end it as a close during the round. True otherwise (best effort, bounded: a store
+        that fails or is slow leaves nothing else to do).
+
+        Cancellation: the caller shields it; the closing start may or may not be written."""
         from m2n_async._proto.messages import PROTO_VERSION
 
         closing = RoundStart(PROTO_VERSION, self.generation, round_, version, round_timeout,
                              True)
         with anyio.move_on_after(self.abort_grace):
             try:
-                await self.store.compare_set(self.core(round_).keys.start, None,
-                                             encode(closing))
+                swapped, current = await self.store.compare_set(
+                    self.core(round_).keys.start, None, encode(closing))
             except M2NError:
-                pass
+                return True
+            if swapped or current is None:
+                return True
+            try:
+                return decode_as(current, RoundStart).closing
+            except M2NError:
+                return True  # not a start: no rank runs a round from it
+        return True
 
 
 class _no_deadline:

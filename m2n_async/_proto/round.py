@@ -2,9 +2,12 @@
 
 Theory of operation. A round lives under ``{job}/{generation}/round/{k}/`` (``RoundKeys``):
 trainer rank 0 writes ``start``; every rank writes ``done/{rank}`` (its ``RoundDone``); the
-first rank that knows why the round failed writes ``abort`` (an ``Abort``). Both ``done/{r}``
-and ``abort`` are written by compare-and-set, so each holds one value for good: every rank
-that reads them reads the same thing, and that is what makes the outcome one outcome.
+first rank that knows why the round failed writes ``abort`` (an ``Abort``). ``start``,
+``done/{r}`` and ``abort`` are all written by compare-and-set, so each holds one value for
+good: every rank that reads them reads the same thing, and that is what makes the outcome
+one outcome. (``start`` has two writers, rank 0's ``sync_weights`` and its ``close()``, whose
+closing start ends the job; whichever lands first is the one every rank reads, and rank 0
+raises ``Round.start_taken``'s failure when its round lost.)
 
 - **Commit** iff every rank's ``done`` holds an ``ok`` report (``Round.judge``). Nothing else
   commits a version, and nothing can turn such a set of reports back into a failure.
@@ -172,6 +175,39 @@ class Round:
             return None
         return Failure(Cause.PROTOCOL, 0, f"its round start names generation "
                                           f"{start.generation} round {start.round}")
+
+    def closed_before_start(self) -> Failure:
+        """Trainer rank 0's ``close()`` closed the job (this round's closing start) before
+        its ``sync_weights`` published the round: it never starts on any rank."""
+        return Failure(Cause.LEFT, 0, f"trainer rank 0 closed its engine before {self.where} "
+                                      f"started; no rank runs it")
+
+    def start_taken(self, raw: bytes | None) -> tuple[Failure, bool]:
+        """Trainer rank 0 came to publish the round and found its ``start`` key written
+        already (its compare-and-set lost): the failure it raises, and whether it writes
+        that failure as the round's abort record.
+
+        This round's closing start means rank 0's own ``close()`` came first
+        (``closed_before_start``): the round never starts on any rank (each reads that start
+        as the end of the job), so the failure is rank 0's alone and is not recorded (a
+        record beside the closing start would make the ranks that read the key later raise
+        it instead of ending). Any other value (another process's start, a record of another
+        round or generation, bytes that do not decode) is recorded, naming rank 0: the ranks
+        that read that start then fail the round with the same error instead of running a
+        round rank 0 is not in.
+        """
+        try:
+            found = decode_as(raw if raw is not None else b"", RoundStart)
+        except M2NError as exc:
+            return self.protocol(0, f"trainer rank 0 found the start key of {self.where} "
+                                    f"already holding an invalid record: {exc}"), True
+        if found.closing and self.check_start(found) is None:
+            return self.closed_before_start(), False
+        closing = ", closing" if found.closing else ""
+        return self.protocol(0, f"trainer rank 0 found the start key of {self.where} already "
+                                f"holding another start (generation {found.generation} round "
+                                f"{found.round} version {found.version}{closing}), written by "
+                                f"another process as trainer rank 0"), True
 
     def start_missed(self, timeout: float) -> Failure:
         """A trainer waited the round deadline for rank 0 to start the round."""

@@ -82,8 +82,8 @@ async def test_second_sync_weights_while_one_runs_is_refused() -> None:
 
 
 class _SlowReplies:
-    """A store whose ``set`` of a round start is applied at once but answered late, like a
-    TCP request whose reply is still on its way when the caller is cancelled."""
+    """A store whose compare-and-set of a round start is applied at once but answered late,
+    like a TCP request whose reply is still on its way when the caller is cancelled."""
 
     def __init__(self, inner: Store) -> None:
         self._inner = inner
@@ -92,11 +92,13 @@ class _SlowReplies:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-    async def set(self, key: str, value: bytes, **kw: Any) -> None:
-        await self._inner.set(key, value, **kw)
+    async def compare_set(self, key: str, expected: bytes | None, desired: bytes
+                          ) -> tuple[bool, bytes | None]:
+        out = await self._inner.compare_set(key, expected, desired)
         if key.endswith("/start"):
             self.applied.set()
             await anyio.sleep(0.2)
+        return out
 
 
 async def _pair(plan: Any, trainer_store: Any, worker_store: Any

@@ -140,6 +140,24 @@ def test_start_checks() -> None:
     assert missed.cause is Cause.DEADLINE and missed.rank == 0
 
 
+def test_a_taken_start_key_is_the_job_closed_or_a_recorded_protocol_failure() -> None:
+    c = _core(0)
+    # This round's closing start: rank 0's close() came first; nothing to record.
+    closed, record = c.start_taken(encode(RoundStart(PROTO_VERSION, 7, 3, 5, 10.0, True)))
+    assert not record and (closed.cause, closed.rank) == (Cause.LEFT, 0)
+    assert closed == c.closed_before_start()
+    assert str(c.error(closed)) == (
+        "round 3 of generation 7 failed; first failure on rank 0 (trainer) (left): trainer "
+        "rank 0 closed its engine before round 3 of generation 7 started; no rank runs it")
+    # Anything else was written by another process: recorded, naming rank 0.
+    for raw in (encode(RoundStart(PROTO_VERSION, 7, 3, 9, 10.0, False)),
+                encode(RoundStart(PROTO_VERSION, 6, 3, 5, 10.0, True)), b"\x00junk", None):
+        other, record = c.start_taken(raw)
+        assert record and (other.cause, other.rank) == (Cause.PROTOCOL, 0), raw
+    other, _ = c.start_taken(encode(RoundStart(PROTO_VERSION, 7, 3, 9, 10.0, False)))
+    assert "already holding another start (generation 7 round 3 version 9)" in other.reason
+
+
 def test_rejects_impossible_rounds() -> None:
     with pytest.raises(ValueError):
         Round(namespace="j/1", generation=1, round=0, rank=0, world_size=2, trainer_ranks=1)
