@@ -239,11 +239,13 @@ class _Blocking(Generic[E]):
         """The agreed transport name."""
         return self._engine.transport
 
-    def close(self) -> None:
+    def close(self, *, error: BaseException | str | None = None) -> None:
         """Close the engine (as ``close()`` on the async engine: from any state, shielded,
-        bounded by ``abort_grace`` per step), then stop its event loop thread. Idempotent;
-        safe to call from any thread but the engine's own loop thread (a progress callback
-        runs there), where it raises ``LocalProtocolError`` and changes nothing.
+        bounded by ``abort_grace`` per step; ``error`` as there), then stop its event loop
+        thread. Idempotent; safe to call from any thread but the engine's own loop thread (a
+        progress callback runs there), where it raises ``LocalProtocolError`` and changes
+        nothing. A ``receive()`` blocked in another thread waiting for a round raises
+        ``LocalProtocolError``.
         """
         # Refused before anything changes, so that a later close() from a proper thread
         # still closes the engine and stops the loop.
@@ -252,15 +254,17 @@ class _Blocking(Generic[E]):
             if self._loop.closed:
                 return
             try:
-                self._loop.call(self._engine.close)
+                self._loop.call(functools.partial(self._engine.close, error=error))
             finally:
                 self._loop.close()
 
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: object) -> None:
+        # An exception leaving the block is no clean end of the job: the peers are told.
+        self.close(error=exc)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self._engine!r}>"
@@ -391,7 +395,8 @@ class BlockingWorker(_Blocking[WorkerEngine]):
 
     def updates(self) -> Iterator[SyncResult]:
         """``for result in worker.updates():`` — one ``SyncResult`` per round, until trainer
-        rank 0 closes the job (the iteration then ends). Errors and interruption as
+        rank 0 closes the job or this engine is closed (the iteration then ends; rank 0
+        closing on an error raises its ``PeerLostError``). Errors and interruption as
         ``receive``; the iterator must be used from one thread.
         """
         agen: AsyncIterator[SyncResult] = self._engine.updates()

@@ -133,6 +133,11 @@ class _Engine:
         self._version = 0
         self._job_closed = False
         self._job_end = "trainer rank 0 closed the job"
+        self._job_failed = False  # rank 0 closed it on an error: updates() raises, not ends
+        self._closing = False  # close() has begun
+        # The wait for a round's start in progress (receive, a trainer's sync_weights):
+        # close() cancels it, for the wait would otherwise outlive the engine.
+        self._start_wait: anyio.CancelScope | None = None
         self._busy: str | None = None  # the sync_weights/receive call in progress, if any
         # An argument refused before connect (a worker's malformed target), for hello to report
         self._argument_error: Exception | None = None
@@ -429,6 +434,28 @@ class _Engine:
         return ", ".join(f"{r} ({'trainer' if r < self.trainer_ranks else 'worker'})"
                          for r in ranks)
 
+    async def _wait_start(self, k: int, *, limit: float | None, missed_is_failure: bool,
+                          what: str) -> RoundStart:
+        """``RoundDriver.wait_start`` for round ``k``, ended by a ``close()`` of this engine
+        (another task's, or another thread's through the blocking facade), which would
+        otherwise leave the wait running on a released engine, or fail it as a store loss
+        when the engine's own store closes: then ``LocalProtocolError``, as any call on a
+        closed engine raises; nothing was written."""
+        assert self._rounds is not None
+        scope = anyio.CancelScope()
+        self._start_wait = scope
+        try:
+            with scope:
+                return await self._rounds.wait_start(k, limit=limit,
+                                                     missed_is_failure=missed_is_failure)
+        except TransferError:
+            if not self._closing:
+                raise
+        finally:
+            self._start_wait = None
+        raise LocalProtocolError(f"{what} on rank {self.rank}: the engine was closed while "
+                                 f"waiting for round {k} of generation {self._generation}")
+
     async def _run_round(self, start: RoundStart, work: Callable[[], Awaitable[PipelineStats]],
                          waited: float) -> SyncResult:
         """Steps 2 and 3 of the module docstring (``RoundDriver.run``), then the commit."""
@@ -527,7 +554,7 @@ class _Engine:
             with anyio.move_on_after(grace):
                 await self._store.aclose()
 
-    async def close(self) -> None:
+    async def close(self, *, error: BaseException | str | None = None) -> None:
         """Release everything; callable from any state, idempotent.
 
         A READY trainer rank 0 first tells the workers that no more rounds will come (their
@@ -535,21 +562,37 @@ class _Engine:
         this engine is aborted (peers fail fast); on trainer rank 0, so is a round that a
         ``sync_weights`` running beside this call has just published, and one it had not
         published yet happens on no rank (that ``sync_weights`` raises ``TransferError``).
-        This rank's claim on the job is released: another process may connect as this rank
-        now.
+        A ``receive()`` (or a trainer's ``sync_weights``) of this engine waiting for a round
+        to start raises ``LocalProtocolError`` (an ``updates()`` loop ends). This rank's
+        claim on the job is released: another process may connect as this rank now.
+
+        ``error``: why this rank leaves when it is no clean end — an exception (``async
+        with engine:`` passes the one that left the block) or its text. Then trainer rank 0's
+        end of the job carries it: its workers' ``receive()`` raises ``PeerLostError``
+        naming it and their ``updates()`` raises it too, instead of ending as if training
+        were done. On any rank, a peer that finds this rank gone from a round names the
+        error in its ``left`` failure.
 
         Cancellation: the teardown is shielded and bounded by ``abort_grace`` per step; it
         completes even if the caller is cancelled.
         """
         if self._state is EngineState.CLOSED:
             return
+        self._closing = True
+        if self._start_wait is not None:  # a receive waiting for a round: it ends now
+            self._start_wait.cancel()
+        why = _error_text(error)
         with anyio.CancelScope(shield=True):
             healthy = self._state is EngineState.READY
+            if why is not None and self._rounds is not None:
+                # Before the liveness key goes: a peer that sees it gone reads the note.
+                await self._rounds.note_leaving(why)
             started = False  # a sync_weights beside this close published its round first
             while (healthy and self._role == "trainer" and self.rank == 0
                    and self._rounds is not None):
                 k = self._round + 1
-                if await self._rounds.close_job(k, self._version, self.config.round_timeout):
+                if await self._rounds.close_job(k, self._version, self.config.round_timeout,
+                                                error=why):
                     break
                 # Round k's start won the key: the round began on the ranks that read it, so
                 # it ends as a close during a round, its record posted before the data plane
@@ -574,8 +617,10 @@ class _Engine:
     async def __aenter__(self) -> Self:
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: object) -> None:
+        # An exception leaving the block is no clean end of the job: the peers are told.
+        await self.close(error=exc)
 
 
 class _no_deadline:
@@ -605,6 +650,7 @@ class TrainerEngine(_Engine):
             self._argument_error = exc
         self._expect: list[_Expect] = []
         self._names: list[str] = []
+        self._warned_unplanned = False
 
     @classmethod
     async def connect(cls, address: str | tuple[str, int] | None = None, *,
@@ -751,6 +797,15 @@ class TrainerEngine(_Engine):
         # sent, the engine still READY.
         t0 = time.perf_counter()
         sources = _Sources(weights, plan, rank, device, self._expect, self._names)
+        if sources.unplanned and not self._warned_unplanned:
+            self._warned_unplanned = True  # once per engine: the module is the same each round
+            shown = ", ".join(repr(n) for n in sources.unplanned[:5])
+            more = (f" and {len(sources.unplanned) - 5} more" if len(sources.unplanned) > 5
+                    else "")
+            log.warning("sync_weights on rank %d: the module has %d tensor(s) the plan does "
+                        "not carry, not sent: %s%s (the plan is what connect agreed; connect "
+                        "again with specs_from_module of this module to carry them)",
+                        rank, len(sources.unplanned), shown, more)
         await sources.precheck()
         k = self._round + 1
         rounds = self._rounds
@@ -782,8 +837,8 @@ class TrainerEngine(_Engine):
             try:
                 # Bounded: the round cannot happen without this rank, so a rank 0 that does
                 # not start it fails the round for everyone (recorded, naming rank 0).
-                start = await rounds.wait_start(k, limit=self.config.round_timeout,
-                                                missed_is_failure=True)
+                start = await self._wait_start(k, limit=self.config.round_timeout,
+                                               missed_is_failure=True, what="sync_weights")
             except TransferError as exc:
                 self._poison_with(exc)
                 raise
@@ -803,6 +858,13 @@ class TrainerEngine(_Engine):
             return stats
 
         return await self._run_round(start, work, time.perf_counter() - t0)
+
+
+def _error_text(error: BaseException | str | None) -> str | None:
+    """``close(error=...)`` as the text the peers get: ``"Type: message"``."""
+    if error is None or isinstance(error, str):
+        return error
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 
 def _param_specs(params: Sequence[ParamSpec]) -> tuple[ParamSpec, ...]:
@@ -936,9 +998,10 @@ class WorkerEngine(_Engine):
         engine POISONED, targets may hold a partial update; ``exc.rank`` is the rank that
         caused it. Raises ``PeerLostError`` (ranks ``(0,)``, the engine stays usable only for
         ``close``) when there will be no more rounds in this generation: trainer rank 0
-        closed the job, or already opened a newer generation (a reconnect). A second
-        ``receive`` while one runs on this engine raises ``LocalProtocolError`` (the running
-        one is unaffected).
+        closed the job (its text names the error it closed on, if it did: see ``close``), or
+        already opened a newer generation (a reconnect). A second ``receive`` while one runs
+        on this engine raises ``LocalProtocolError`` (the running one is unaffected); so
+        does this one when a ``close()`` of this engine ends its wait for the round.
 
         Cancellation: while waiting for the round to start, nothing happened: the engine
         stays READY. During the round, until its part is done, this rank posts the round's
@@ -959,7 +1022,8 @@ class WorkerEngine(_Engine):
         t0 = time.perf_counter()
         assert self._rounds is not None
         try:
-            start = await self._rounds.wait_start(k, limit=timeout, missed_is_failure=False)
+            start = await self._wait_start(k, limit=timeout, missed_is_failure=False,
+                                           what="receive")
         except TimeoutError:
             raise TimeoutError(f"receive on rank {self.rank}: no round {k} started within "
                                f"{timeout:g} s (generation {self._generation})") from None
@@ -968,6 +1032,7 @@ class WorkerEngine(_Engine):
             raise
         except JobEnded as ended:
             self._job_closed = True
+            self._job_failed = ended.error is not None
             self._job_end = ended.why
             raise PeerLostError(f"generation {self._generation}: {ended.why}; no more "
                                 f"rounds", ranks=(0,)) from None
@@ -995,8 +1060,9 @@ class WorkerEngine(_Engine):
     async def updates(self) -> AsyncIterator[SyncResult]:
         """``async for result in worker.updates():`` — one ``SyncResult`` per round, until
         trainer rank 0 closes the job or opens a newer generation (the iteration then ends;
-        close this engine and connect again to follow the new one). Errors as ``receive``;
-        bound the wait for a round with ``receive(timeout=...)`` instead.
+        close this engine and connect again to follow the new one), or this engine is closed
+        (it ends too). Errors as ``receive``: rank 0 closing the job on an error raises its
+        ``PeerLostError``. Bound the wait for a round with ``receive(timeout=...)`` instead.
 
         Cancellation: as ``receive``.
         """
@@ -1004,7 +1070,11 @@ class WorkerEngine(_Engine):
             try:
                 yield await self.receive()
             except PeerLostError:
-                if self._job_closed:
+                if self._job_closed and not self._job_failed:
+                    return
+                raise
+            except LocalProtocolError:
+                if self._closing:  # this engine was closed while it waited: the end
                     return
                 raise
 

@@ -71,6 +71,9 @@ _KEEP_ROUNDS = 3
 #: How often the watchdog looks for peers that left the job cleanly (a clean leave wakes no
 #: waiter, so it is polled: two store reads per rank per interval).
 _LEFT_POLL_S = 1.0
+#: The most of an error's text a rank that closes on it leaves for its peers (a note, a
+#: closing start): enough for a message, small beside the store's limits.
+_NOTE_CHARS = 2000
 #: How long a rank whose data plane failed without naming a peer asks the store whether a
 #: peer died or recorded a failure first (a tombstone follows a killed peer within moments).
 _ATTRIBUTE_S = 1.0
@@ -86,10 +89,12 @@ _PROBE_SLACK_S = 0.002
 
 class JobEnded(Exception):
     """Raised by ``wait_start``: no more rounds in this generation (trainer rank 0 closed
-    the job, or opened a newer generation). Not a failure; the engine translates it."""
+    the job, or opened a newer generation). Not a failure, unless ``error`` is set: rank 0
+    closed on that error (its closing start says so). The engine translates it."""
 
-    def __init__(self, why: str) -> None:
+    def __init__(self, why: str, error: str | None = None) -> None:
         self.why = why
+        self.error = error
         super().__init__(why)
 
 
@@ -148,7 +153,7 @@ class _Watchdog:
                     return core.failure_of(raw)
                 left = await d.left_ranks(core)
                 if left:
-                    return await d.post(core, core.left(left[0]))
+                    return await d.post(core, await d.left_failure(core, left[0]))
         except PeerLostError as exc:
             lost = d.group.lost_rank(exc)
             if lost is None:
@@ -302,8 +307,9 @@ class RoundDriver:
                 bad = await self.post(core, bad)
             raise core.error(bad)
         if start.closing:
-            raise JobEnded(f"trainer rank 0 closed the job after round {round_ - 1} of "
-                           f"generation {self.generation}")
+            how = "" if start.error is None else f" on an error ({start.error})"
+            raise JobEnded(f"trainer rank 0 closed the job{how} after round {round_ - 1} of "
+                           f"generation {self.generation}", error=start.error)
         return start
 
     # -- the round -----------------------------------------------------------------------
@@ -452,7 +458,7 @@ class RoundDriver:
         try:
             left = await self.left_ranks(core)
             if left:
-                return await self.post(core, core.left(left[0]))
+                return await self.post(core, await self.left_failure(core, left[0]))
             watch = list(self.watch)
             with anyio.move_on_after(within):
                 while True:
@@ -664,6 +670,30 @@ class RoundDriver:
         done = {r for r in (core.keys.rank_of_done(k) for k in reported) if r is not None}
         return core.left_ranks(alive | {self.rank}, done)
 
+    def gone_key(self, rank: int) -> str:
+        """Where ``rank`` leaves the text of the error it closed its engine on."""
+        return f"{self.namespace}/gone/{rank}"
+
+    async def note_leaving(self, error: str) -> None:
+        """This rank closes its engine on ``error``: the text is left for the ``left``
+        failure its peers may post for it (written before its liveness key goes, so a peer
+        that sees the key gone finds the note). Best effort, bounded."""
+        with anyio.move_on_after(self.abort_grace):
+            try:
+                await self.store.set(self.gone_key(self.rank),
+                                     error[:_NOTE_CHARS].encode(errors="replace"))
+            except M2NError as exc:
+                log.debug("rank %d could not leave its error note: %r", self.rank, exc)
+
+    async def left_failure(self, core: Round, rank: int) -> Failure:
+        """``rank`` left without reporting: the ``left`` failure, with the error it closed
+        on if it left a note (one read)."""
+        try:
+            raw = await self.store.get(self.gone_key(rank))
+        except M2NError:
+            raw = None
+        return core.left(rank, None if raw is None else raw.decode(errors="replace"))
+
     async def _forget(self, old: int) -> None:
         """Trainer rank 0, as round ``old + _KEEP_ROUNDS`` starts: round ``old``'s keys go, in
         one request. Rank 0 opens a round only after the one before committed, and a commit
@@ -675,8 +705,8 @@ class RoundDriver:
             except M2NError as exc:
                 log.debug("round key cleanup failed on rank %d: %r", self.rank, exc)
 
-    async def close_job(self, round_: int, version: int,
-                        round_timeout: float) -> bool:
+    async def close_job(self, round_: int, version: int, round_timeout: float,
+                        error: str | None = None) -> bool:
         """Trainer rank 0 tells the ranks waiting for ``round_`` that it will not come: the
         round's closing start, by compare-and-set (``publish_start`` races it for the key
         when ``sync_weights`` runs beside ``close()``). False when a start of ``round_``
@@ -684,11 +714,14 @@ class RoundDriver:
         end it as a close during the round. True otherwise (best effort, bounded: a store
         that fails or is slow leaves nothing else to do).
 
+        ``error``: rank 0 closes on that error; the closing start carries it, and the ranks
+        waiting raise it instead of ending as at a clean end of the job.
+
         Cancellation: the caller shields it; the closing start may or may not be written."""
         from m2n_async._proto.messages import PROTO_VERSION
 
         closing = RoundStart(PROTO_VERSION, self.generation, round_, version, round_timeout,
-                             True)
+                             True, None if error is None else error[:_NOTE_CHARS])
         with anyio.move_on_after(self.abort_grace):
             try:
                 swapped, current = await self.store.compare_set(

@@ -104,10 +104,13 @@ class _Sources:
         self._dtype_of: Callable[[str], Any] | None = None
         from m2n_async._integrations.sources import ModuleShards, module_shards
 
+        #: a module's tensors the plan does not carry (not sent; the engine warns once)
+        self.unplanned: tuple[str, ...] = ()
         if isinstance(weights, torch.nn.Module):
             # Its parameters as they are (fp32 masters stay fp32): the transports cast to
             # the wire dtype while packing, with no cast copy per bucket.
             weights = module_shards(weights, names=names)
+            self.unplanned = weights.unplanned
         if isinstance(weights, ModuleShards):
             self._dtype_of = weights.dtype_of
         elif isinstance(weights, dict | MappingProxyType) and (

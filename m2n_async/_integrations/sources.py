@@ -272,7 +272,12 @@ class ModuleShards(Mapping[str, "torch.Tensor"]):
                     f"{len(missing)} plan parameter(s) not found in the module: {shown}{more} "
                     f"(the module has {len(found)} tensors; check rename= and buffers= match "
                     f"what specs_from_module was given)")
+            # The module's tensors the plan does not carry: not sent (the engine warns once).
+            planned = set(names)
+            self.unplanned: tuple[str, ...] = tuple(n for n in found if n not in planned)
             found = {n: found[n] for n in names}
+        else:
+            self.unplanned = ()
         self._tensors = found
         self._dtype = _torch_dtype(dtype)
 
@@ -338,6 +343,7 @@ def module_shards(module: torch.nn.Module, names: Sequence[str] | None = None, *
     here). A ``dtype`` here casts each shard on lookup, a copy per bucket; without it the
     transports cast fp32 shards to a bf16 wire dtype while packing, at no extra memory.
     ``names`` restricts and orders the mapping (the plan's names); any name not in the module
-    raises ``PlanError`` listing the missing ones, before any round starts.
+    raises ``PlanError`` listing the missing ones, before any round starts; the module's
+    tensors that are not among them are in ``unplanned`` (not sent).
     """
     return ModuleShards(module, names, dtype=dtype, buffers=buffers, rename=rename)

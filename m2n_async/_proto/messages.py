@@ -17,7 +17,7 @@ import msgspec
 from m2n_async._proto.errors import PlanError, RemoteProtocolError
 from m2n_async._proto.params import ParamSpec, ParamTransfer
 
-PROTO_VERSION: Final[int] = 2
+PROTO_VERSION: Final[int] = 3
 
 # --- plan records (core) ---
 
@@ -208,7 +208,9 @@ class RoundStart(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=Tr
     """Trainer rank 0 opens round ``round``: the version it will commit and its deadline.
 
     ``closing`` marks the end of the job's rounds (trainer rank 0 closed its engine): workers
-    waiting for a round stop instead of waiting for ever.
+    waiting for a round stop instead of waiting for ever. ``error``, on a closing start: rank
+    0 closed on an error (an exception left its ``async with``), whose text this is — the
+    ranks waiting raise it instead of ending as at a clean end of the job.
     """
 
     proto_version: int
@@ -217,6 +219,7 @@ class RoundStart(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=Tr
     version: int
     round_timeout: float  # seconds; every rank bounds its part of the round by it
     closing: bool
+    error: str | None = None
 
 
 class RoundDone(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):

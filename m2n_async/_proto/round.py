@@ -228,10 +228,13 @@ class Round:
         return Failure(Cause.LOST, rank, f"rank {self.named([rank])} was lost (its store "
                                          f"session ended: process died or disconnected)")
 
-    def left(self, rank: int) -> Failure:
+    def left(self, rank: int, error: str | None = None) -> Failure:
+        """``rank`` closed its engine before its part of the round was done; ``error``: the
+        text it left behind when it closed on an error (``RoundKeys``' ``gone`` note)."""
+        how = "it closed its engine" if error is None else (
+            f"it closed its engine on an error: {error}")
         return Failure(Cause.LEFT, rank, f"rank {self.named([rank])} left the job before "
-                                         f"finishing its part of {self.where} (it closed its "
-                                         f"engine)")
+                                         f"finishing its part of {self.where} ({how})")
 
     def closed(self, rank: int) -> Failure:
         """``rank`` (this one) closed its engine while the round was in progress."""

@@ -190,9 +190,11 @@ async def test_cast_while_packing_is_bit_exact_and_counted(dims: Any) -> None:
                                           if cast else 0), (version, e.rank)
                 if cast:
                     assert res.cast_bytes > 0
-                    # the cast lands in the staging the pipeline bounds anyway
+                    # the cast lands in the staging the pipeline bounds anyway, but for the
+                    # temporaries of pieces cast at unaligned offsets (counted: at most
+                    # their wire bytes, so at most the bytes cast)
                     assert 0 < res.peak_extra_bytes <= CFG.max_inflight * max(
-                        b.nbytes for b in plan.buckets(4096))
+                        b.nbytes for b in plan.buckets(4096)) + res.cast_bytes
     finally:
         await close(*trainers, *workers)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
+from typing import Any
 
 import anyio
 import pytest
@@ -79,3 +80,65 @@ def test_device_mismatch_is_reported() -> None:
     for device in ("cuda", "cuda:1", "meta"):
         with pytest.raises(PlanError, match="device"):
             _resolve(_sources(plan, shards, device), Bucket(0, 0, N, 0))
+
+
+@pytest.mark.asyncio
+async def test_a_module_with_tensors_the_plan_lacks_is_warned_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # The module gained a tensor after connect (an adapter, say): the round moves the plan's
+    # tensors, and the trainer is told once, by name, that the extra one is not sent.
+    import logging
+
+    from m2n_async import (
+        EngineConfig,
+        Layout,
+        Mesh,
+        ParamSpec,
+        TrainerEngine,
+        WorkerEngine,
+    )
+    from m2n_async.testing import MemoryStore
+
+    class Net(torch.nn.Module):
+        def __init__(self, extra: bool) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(4, 4))
+            if extra:
+                self.lora = torch.nn.Parameter(torch.ones(2, 4))
+
+    spec = ParamSpec("w", torch.float32, (4, 4), Layout(Mesh((1, 1)), None))
+    cfg = EngineConfig(transport="gloo", phase_timeout=20, round_timeout=20, abort_grace=2,
+                       host="127.0.0.1")
+    store = MemoryStore()
+    target = torch.zeros(4, 4)
+    engines: dict[str, Any] = {}
+
+    async def connect(side: str) -> None:
+        if side == "t":
+            engines[side] = await TrainerEngine.connect(
+                store=store.session(), rank=0, trainer_ranks=1, world_size=2, params=[spec],
+                config=cfg)
+        else:
+            engines[side] = await WorkerEngine.connect(
+                store=store.session(), rank=1, trainer_ranks=1, world_size=2,
+                targets={"w": (target, None)}, config=cfg)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(connect, "t")
+        tg.start_soon(connect, "w")
+    net = Net(extra=True)
+    try:
+        with caplog.at_level(logging.WARNING, logger="m2n_async"):
+            for _ in range(2):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(engines["w"].receive)
+                    await engines["t"].sync_weights(net)
+        warned = [r.getMessage() for r in caplog.records if "not carry" in r.getMessage()]
+        assert warned == ["sync_weights on rank 0: the module has 1 tensor(s) the plan does "
+                          "not carry, not sent: 'lora' (the plan is what connect agreed; "
+                          "connect again with specs_from_module of this module to carry "
+                          "them)"], warned
+        assert torch.equal(target, torch.ones(4, 4))
+    finally:
+        await engines["t"].close()
+        await engines["w"].close()
