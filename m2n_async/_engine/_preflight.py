@@ -25,6 +25,9 @@ Failure translation at this boundary:
   group's gathers watch every peer's liveness key; nobody waits for the deadline);
 - anything else from the store propagates as ``StoreError`` with the phase in a note.
 
+The first two texts name the rank at fault and never the rank that observed it, so every
+rank raises the same one (DESIGN §5); the observer and its call of the group are a note.
+
 Synchronous callbacks (``capabilities``, ``data_plane_identity``) run on a worker thread so that
 one that blocks (an import that hangs, a wedged driver query) cannot freeze the event loop: the
 deadline still fires, and the thread is abandoned. The driver creates no communicator, handle
@@ -268,8 +271,13 @@ async def _exchange_records(group: ControlGroup, machine: Handshake, phase: Phas
 async def _gather(group: ControlGroup, phase: str, generation: int, deadline: float,
                   produce: Callable[[], Awaitable[bytes]], machine: Handshake | None
                   ) -> list[bytes]:
-    """``produce()`` then all-gather it, under ``deadline``; failures translated and named."""
-    where = f"preflight phase {phase!r} (generation {generation}, rank {group.rank})"
+    """``produce()`` then all-gather it, under ``deadline``; failures translated and named.
+
+    A lost peer or a missing one is one text on every rank that sees it (the promise of one
+    diagnosis): the text names the phase, the generation and the rank at fault, never the
+    rank that observed it; which rank that was, and in which call of its group, is a note.
+    """
+    where = f"preflight phase {phase!r} (generation {generation})"
     local_done = False
 
     def abandon(event: Event) -> None:
@@ -283,26 +291,40 @@ async def _gather(group: ControlGroup, phase: str, generation: int, deadline: fl
             return await group.all_gather_bytes(payload)
     except TimeoutError:
         abandon(Event.TIMED_OUT)
-        raise TimeoutError(await _timeout_message(group, where, deadline, local_done)) from None
+        timeout = TimeoutError(await _timeout_message(group, where, deadline, local_done))
+        if local_done:
+            timeout.add_note(f"seen by rank {group.rank}, waiting in call {group.calls - 1} "
+                             f"of group {group.namespace!r}")
+        raise timeout from None
     except PeerLostError as exc:
         abandon(Event.PEER_LOST)
-        who = f"rank(s) {list(exc.ranks)}" if exc.ranks else "a peer"
-        raise PeerLostError(f"{where}: {who} lost ({exc})", ranks=exc.ranks,
-                            key=exc.key) from exc
+        lost = PeerLostError(f"{where}: {_lost_text(exc.ranks)}", ranks=exc.ranks,
+                             key=exc.key)
+        lost.add_note(f"seen by rank {group.rank}: {exc}")  # its call and group
+        raise lost from exc
     except StoreError as exc:
         abandon(Event.STORE_ERROR)
-        exc.add_note(f"during {where}")
+        exc.add_note(f"during {where} on rank {group.rank}")
         raise
     except BaseException:
         abandon(Event.CANCELLED)
         raise
 
 
+def _lost_text(ranks: Sequence[int]) -> str:
+    # No role beside the rank: roles come from this rank's trainer_ranks, which hello has not
+    # yet checked against the peers', and the text must not depend on who observes it.
+    who = f"rank(s) {list(ranks)} were" if len(ranks) > 1 else (
+        f"rank {ranks[0]} was" if ranks else "a peer was")
+    return (f"{who} lost before posting an envelope (its store session ended: the process "
+            f"died or was disconnected, or it gave up after a failure of its own)")
+
+
 async def _timeout_message(group: ControlGroup, where: str, deadline: float,
                            local_done: bool) -> str:
     if not local_done:
-        return (f"{where} timed out after {deadline:.3g} s: this rank's own local step did "
-                f"not finish")
+        return (f"{where} timed out after {deadline:.3g} s: rank {group.rank}'s own local "
+                f"step did not finish")
     missing: list[int] | None = None
     with anyio.move_on_after(_MISSING_QUERY_TIMEOUT):
         missing = await group.missing_ranks()
@@ -311,5 +333,6 @@ async def _timeout_message(group: ControlGroup, where: str, deadline: float,
     elif missing:
         who = f"rank(s) {missing} did not arrive"
     else:
-        who = "every rank had arrived at this rank's last call (this rank is the late one)"
+        who = (f"every rank had arrived at rank {group.rank}'s last call (rank {group.rank} "
+               f"is the late one)")
     return f"{where} timed out after {deadline:.3g} s: {who}"

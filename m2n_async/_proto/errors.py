@@ -28,6 +28,12 @@ __all__ = [
 ]
 
 
+def _state(exc: BaseException) -> dict[str, object]:
+    # Every attribute, ``__notes__`` included: a rank process's error crosses to the test
+    # process by pickle, and the notes say which rank observed it (the text does not).
+    return dict(vars(exc))
+
+
 class M2NError(Exception):
     """Base of every error m2n_async raises (timeouts excepted: builtin ``TimeoutError``)."""
 
@@ -64,7 +70,15 @@ class PreflightError(M2NError):
                          f"{sorted(self.failures)}: {lines}")
 
     def __reduce__(self) -> tuple[object, ...]:  # keep picklable for multiprocessing tests
-        return (type(self), (self.phase, self.failures), {"generation": self.generation})
+        # The generation through __init__ too: it is part of the text, which must be the one
+        # the rank raised.
+        return (_rebuild_preflight, (type(self), self.phase, self.failures, self.generation),
+                _state(self))
+
+
+def _rebuild_preflight(cls: type[PreflightError], phase: str, failures: Mapping[int, str],
+                       generation: int | None) -> PreflightError:
+    return cls(phase, failures, generation=generation)
 
 
 class StoreError(M2NError):
@@ -84,7 +98,7 @@ class PeerLostError(M2NError):
         super().__init__(message)
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.args[0],), {"ranks": self.ranks, "key": self.key})
+        return (type(self), (self.args[0],), _state(self))
 
 
 class TransferError(M2NError):
@@ -109,9 +123,7 @@ class TransferError(M2NError):
         super().__init__(message)
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.args[0],), {"rank": self.rank, "round": self.round,
-                                              "cause": self.cause,
-                                              "generation": self.generation})
+        return (type(self), (self.args[0],), _state(self))
 
 
 class EnginePoisonedError(M2NError):

@@ -112,6 +112,7 @@ class FaultyGroup:
                  ) -> None:
         self.inner, self.fault, self.log, self.t, self.n = inner, fault, log, t, n
         self.rank, self.world_size = inner.rank, inner.world_size
+        self.namespace = inner.namespace
         self.calls = 0
 
     async def join(self) -> None:
@@ -276,6 +277,11 @@ async def test_phase_failure(monkeypatch: pytest.MonkeyPatch, t: int, n: int, ph
             assert isinstance(e, PeerLostError), repr(e)
             assert e.ranks == (bad,) and f"preflight phase {phase!r}" in str(e)
         assert isinstance(log.outcome[bad], Disconnected)
+    if kind in ("hang", "disconnect"):
+        # One text on every rank that saw it; who saw it is a note of each rank's own.
+        assert len({str(e) for e in errors.values()}) == 1, errors
+        for r, e in errors.items():
+            assert f"seen by rank {r}" in "".join(getattr(e, "__notes__", [])), (r, e)
 
     # Nothing of the data plane exists: no communicator anywhere, and no local preparation
     # at all unless the failing phase was runtime_ready itself.
