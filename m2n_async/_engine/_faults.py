@@ -19,7 +19,9 @@ The points (each with its coordinates):
 
 - ``handshake.phase`` (``rank``, ``phase``): this rank's local step of a preflight phase, after
   it joined the group. ``raise`` here is this rank's own step failing (every rank raises the
-  same ``PreflightError`` naming it); ``hang`` never posts (the others time out naming it);
+  same ``PreflightError`` naming it); ``hang`` overruns the step, which its rank reports
+  as its own failure before the phase deadline (every rank raises the same
+  ``PreflightError`` naming it); ``freeze`` never posts (the others time out naming it);
   ``die`` ends the process (the others raise ``PeerLostError`` naming it).
 - ``round.start`` (``rank``, ``round``): a rank enters round ``round``'s part, before its first
   bucket — with ``freeze``, a rank frozen between rounds.

@@ -19,8 +19,12 @@ before it raises: the records the chunk digests point at (``Handshake.records``)
 every rank names the first differing parameter and field.
 
 Failure translation at this boundary:
+- a local step still running a report window (1 s, at most a quarter of the deadline)
+  before the phase deadline → this rank's failure of the phase, sent like a step that raised:
+  every rank raises one ``PreflightError`` naming it (a hung step never leaves its peers to
+  tell a timeout from a lost rank by milliseconds);
 - deadline passed → ``TimeoutError`` naming the phase and the ranks that never posted
-  (``ControlGroup.missing_ranks``), or saying that this rank's own local step overran;
+  (``ControlGroup.missing_ranks``): frozen, or never there;
 - a peer's store session ended → ``PeerLostError`` naming the phase and the rank, at once (the
   group's gathers watch every peer's liveness key; nobody waits for the deadline);
 - anything else from the store propagates as ``StoreError`` with the phase in a note.
@@ -69,6 +73,12 @@ DEFAULT_PER_PARAM_TIMEOUT = 1e-4
 # Bound on the follow-up store query that names the missing ranks after a timeout: the
 # diagnosis must not turn one expired deadline into a second, unbounded wait.
 _MISSING_QUERY_TIMEOUT = 5.0
+
+# Seconds before the phase deadline at which a local step that has not finished counts as
+# failed (at most a quarter of the deadline): time for its failure envelope to reach the
+# peers, whose deadlines differ from this rank's by the milliseconds each took to see the
+# previous phase end.
+_REPORT_WINDOW_S = 1.0
 
 _GATHERING = (Phase.HELLO, Phase.SOURCE, Phase.DESTINATION, Phase.DATA_PLANE,
               Phase.RUNTIME_READY)
@@ -127,6 +137,10 @@ class PreflightOutcome:
                              self.predicted_seconds)
 
 
+def _report_window(deadline: float) -> float:
+    return min(_REPORT_WINDOW_S, deadline / 4)
+
+
 def phase_deadline(phase_timeout: float, n_params: int,
                    per_param_timeout: float = DEFAULT_PER_PARAM_TIMEOUT) -> float:
     """Seconds one phase may take on a rank that knows ``n_params`` parameters."""
@@ -139,8 +153,9 @@ async def run_preflight(group: ControlGroup, inputs: PreflightInputs, *, phase_t
     """Run every preflight phase with the other ranks of ``group``; return the agreement.
 
     Raises ``PreflightError(phase, {rank: message})`` — the same on every rank — when a rank's
-    local step failed, an envelope was invalid, or ranks disagreed; ``TimeoutError`` naming the
-    phase and the ranks that did not arrive when a phase overran its deadline;
+    local step failed or overran (it must finish a report window before the phase deadline),
+    an envelope was invalid, or ranks disagreed; ``TimeoutError`` naming the phase and the
+    ranks that did not arrive when a phase overran its deadline;
     ``PeerLostError`` naming the phase and rank when a peer's store session ended; a
     ``StoreError`` from the store itself. ``ValueError`` for inputs that do not match
     ``group`` (a local programming error; raised before anything is sent).
@@ -217,19 +232,34 @@ async def _off_loop(fn: Callable[[], _R]) -> _R:
 async def _run_phase(group: ControlGroup, machine: Handshake, inputs: PreflightInputs,
                      phase: Phase, deadline: float) -> None:
     local: list[Exception] = []  # this rank's own failure of the phase, if any
+    start = anyio.current_time()
+    end = start + deadline  # one deadline for the phase, records included
+    # A local step that overruns is this rank's own failure, reported like any other. It
+    # stops a report window before the phase deadline, so its envelope reaches the peers
+    # before their deadlines pass (theirs fall within milliseconds of this one). Left to run
+    # until the phase deadline, the rank would give up first and leave as lost, and a peer
+    # whose deadline passed a few ms later would raise PeerLostError where the others raised
+    # TimeoutError.
+    window = _report_window(deadline)
 
     async def produce() -> bytes:
         if phase is Phase.HELLO:
             await group.join()  # liveness first: peers must see this rank die from now on
-        try:
-            if _faults.armed:  # tests only (m2n_async.testing); one global read otherwise
-                await _faults.hit("handshake.phase", rank=group.rank, phase=phase.value)
-            return machine.encode(await _local_envelope(machine, inputs, phase))
-        except Exception as exc:  # the diagnosis goes to every rank instead of raising here
-            local.append(exc)
-            return machine.encode(machine.failure(exc))
+        with anyio.CancelScope(deadline=end - window):
+            try:
+                if _faults.armed:  # tests only (m2n_async.testing); one global read otherwise
+                    await _faults.hit("handshake.phase", rank=group.rank, phase=phase.value)
+                return machine.encode(await _local_envelope(machine, inputs, phase))
+            except Exception as exc:  # the diagnosis goes to every rank, not raised here
+                local.append(exc)
+                return machine.encode(machine.failure(exc))
+        # Only the step's own deadline gets here (the scope swallowed its cancellation).
+        overran = TimeoutError(f"did not finish within {deadline - window:.3g} s (the "
+                               f"phase deadline of {deadline:.3g} s less "
+                               f"{window:.3g} s to report it): hung or too slow")
+        local.append(overran)
+        return machine.encode(machine.failure(overran))
 
-    end = anyio.current_time() + deadline  # one deadline for the phase, records included
     payloads = await _gather(group, phase.value, inputs.generation, deadline, produce, machine)
     try:
         machine.receive(payloads)  # PreflightError: the same on every rank

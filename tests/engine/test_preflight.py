@@ -21,6 +21,7 @@ import msgspec
 import pytest
 
 from m2n_async import LocalProtocolError, PeerLostError, PreflightError
+from m2n_async._engine import _faults
 from m2n_async._engine._preflight import (
     PreflightInputs,
     PreflightOutcome,
@@ -31,6 +32,7 @@ from m2n_async._proto.layout import REPLICATE, Layout, Mesh
 from m2n_async._proto.messages import DataPlaneIdentity
 from m2n_async._proto.params import ParamSpec
 from m2n_async._store import ControlGroup, StoreClient, StoreServer
+from m2n_async.testing import Fault as FaultPoint
 from m2n_async.testing import MemoryStore
 
 GEN = 3
@@ -187,7 +189,10 @@ def patch_local_fault(monkeypatch: pytest.MonkeyPatch, fault: Fault | None, log:
 async def run_world(t: int, n: int, *, fault: Fault | None = None, phase_timeout: float,
                     stores: list[Any] | None = None,
                     inputs: Mapping[int, PreflightInputs] | None = None,
-                    log: Log | None = None) -> Log:
+                    log: Log | None = None, timeouts: Mapping[int, float] | None = None,
+                    leave_as_lost: bool = False) -> Log:
+    """Every rank's preflight as a task; ``timeouts`` overrides ``phase_timeout`` per rank,
+    and with ``leave_as_lost`` a rank that failed leaves as the engine's release does."""
     log = log if log is not None else Log()
     w = t + n
     if stores is None:
@@ -198,12 +203,15 @@ async def run_world(t: int, n: int, *, fault: Fault | None = None, phase_timeout
     async def rank_main(r: int) -> None:
         group = FaultyGroup(ControlGroup(stores[r], r, w, ns), fault, log, t, n)
         inp = (inputs or {}).get(r) or make_inputs(r, t, n, log, fault)
+        limit = (timeouts or {}).get(r, phase_timeout)
         try:
-            out = await run_preflight(group, inp, phase_timeout=phase_timeout)  # type: ignore[arg-type]
+            out = await run_preflight(group, inp, phase_timeout=limit)  # type: ignore[arg-type]
             log.communicators.append(r)  # what an engine would do next
             log.outcome[r] = out
         except Exception as e:
             log.outcome[r] = e
+            if leave_as_lost:
+                await group.inner.aclose(lost=True)
         log.done_at[r] = time.monotonic()
 
     with anyio.fail_after(phase_timeout * 2 + 15):
@@ -485,12 +493,39 @@ async def test_blocking_sync_callback_cannot_freeze_the_loop() -> None:
     finally:
         release.set()
     assert time.monotonic() - started < HANG_TIMEOUT + 3
-    own = log.outcome[2]
-    assert isinstance(own, TimeoutError) and "own local step did not finish" in str(own)
-    for r in (0, 1):
-        e = log.outcome[r]
-        assert isinstance(e, TimeoutError) and "rank(s) [2] did not arrive" in str(e)
-        assert "preflight phase 'destination'" in str(e)
+    # The stuck rank reports its own overrun before the deadline: one diagnosis everywhere.
+    err = identical_errors(log, t + n, "destination")
+    assert list(err.failures) == [2]
+    assert "local step failed: TimeoutError: did not finish within" in (
+        err.failures[2])
+    assert isinstance(log.outcome[2].__cause__, TimeoutError)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("phase", PHASES)
+async def test_a_hung_step_is_its_ranks_failure_even_when_its_deadline_passes_first(
+        phase: str) -> None:
+    # The race of a hung local step, forced: the hung rank's phase deadline passes first
+    # (here by 0.2 s; in a job by the milliseconds it saw the previous phase end earlier),
+    # and a rank that gave up leaves as lost, as the engine does. Every rank still raises
+    # one PreflightError naming the hung rank, never PeerLostError on some ranks and
+    # TimeoutError on others.
+    t, n, bad = 1, 2, 1
+    _faults.arm([FaultPoint("handshake.phase", "hang", rank=bad, phase=phase)])
+    try:
+        log = await run_world(t, n, phase_timeout=HANG_TIMEOUT + 0.2,
+                              timeouts={bad: HANG_TIMEOUT}, leave_as_lost=True)
+    finally:
+        _faults.disarm()
+    errors = [log.outcome[r] for r in range(t + n)]
+    assert all(isinstance(e, PreflightError) for e in errors), errors
+    assert len({str(e) for e in errors}) == 1, errors
+    err = errors[0]
+    assert isinstance(err, PreflightError) and err.phase == phase
+    assert list(err.failures) == [bad], err
+    assert "did not finish within 0.375 s (the phase deadline of 0.5 s less 0.125 s" in (
+        err.failures[bad])
+    assert log.communicators == []
 
 
 @pytest.mark.asyncio
