@@ -220,7 +220,8 @@ def specs_from_module(module: torch.nn.Module, *, mesh: Mesh | None = None,
     to ``d`` and ``Replicate()`` to ``REPLICATE``; the mesh's global ranks are the plan's
     ranks, so the trainer's process group ranks must be the engine's trainer ranks ``[0, T)``.
     Plain tensors are fully replicated on ``mesh`` (default: every rank of the default process
-    group, ``(world_size, 1)``; ``(1, 1)`` when none is initialized).
+    group, ``(world_size, 1)``; ``(1, 1)`` when none is initialized, so T > 1 trainers without
+    a process group pass ``mesh=Mesh((T, 1))``).
 
     Args:
         module: the trainer's model (wrappers from ``torch.compile``, activation

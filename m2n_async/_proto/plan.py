@@ -304,10 +304,17 @@ def _m2n_problem(spec: ParamSpec) -> str | None:
 def _check_mesh(spec_name: str, layout: Layout, side: str, start: int, size: int) -> None:
     m = layout.mesh
     if m.start_rank != start or m.size != size:
+        hint = ""
+        if side == "source" and m.dims == (1, 1):
+            # What specs_from_module gives plain tensors when no process group says how
+            # many trainers there are: the most common way to get here.
+            hint = (f"; a (1, 1) mesh is specs_from_module's default for plain tensors "
+                    f"without a torch.distributed process group: pass mesh=Mesh(({size}, 1)) "
+                    f"to specs_from_module, or initialize torch.distributed first")
         raise PlanError(
             f"parameter {spec_name!r} ({side} side): mesh {m.dims} starting at rank "
             f"{m.start_rank} covers ranks [{m.start_rank}, {m.start_rank + m.size}) but the "
-            f"{side} ranks are exactly [{start}, {start + size})")
+            f"{side} ranks are exactly [{start}, {start + size}){hint}")
 
 
 def validate_source_specs(specs: Sequence[ParamSpec], trainer_ranks: int,

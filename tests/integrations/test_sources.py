@@ -18,7 +18,7 @@ from m2n_async import PlanError
 from m2n_async._integrations.sources import module_shards, specs_from_module
 from m2n_async._proto.layout import REPLICATE, Layout, Mesh
 from m2n_async._proto.params import ParamSpec, ParamTransfer
-from m2n_async._proto.plan import TransferPlan, validate_local_buffer
+from m2n_async._proto.plan import TransferPlan, validate_local_buffer, validate_source_specs
 
 
 class Tiny(nn.Module):
@@ -51,6 +51,17 @@ def test_dtype_casts_floats_only_and_buffers_are_persistent_only() -> None:
     by_name = {s.name: s.dtype for s in specs}
     assert by_name == {"embed.weight": "bfloat16", "up.weight": "bfloat16",
                        "up.bias": "bfloat16", "down.weight": "bfloat16", "steps": "int64"}
+
+
+def test_the_one_rank_default_on_several_trainers_says_what_to_pass() -> None:
+    # Two trainers, no process group: the source phase refuses the (1, 1) default and says
+    # how to fix it, not only that the ranks differ.
+    specs = specs_from_module(Tiny())
+    with pytest.raises(PlanError, match=r"parameter 'embed.weight' \(source side\): mesh "
+                                        r"\(1, 1\) .* are exactly \[0, 2\); .*pass "
+                                        r"mesh=Mesh\(\(2, 1\)\) to specs_from_module, or "
+                                        r"initialize torch.distributed first"):
+        validate_source_specs(specs, 2)
 
 
 def test_explicit_mesh_for_plain_tensors() -> None:
