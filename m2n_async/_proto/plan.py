@@ -44,7 +44,7 @@ import msgspec
 
 from m2n_async._proto.errors import PlanError
 from m2n_async._proto.lanes import check_lane
-from m2n_async._proto.layout import Box, Layout, show_placements
+from m2n_async._proto.layout import REPLICATE, Box, Layout, show_placements
 from m2n_async._proto.messages import (
     PLAN_SCHEMA_VERSION,
     PROTO_VERSION,
@@ -707,6 +707,16 @@ def check_source_dtype(spec: ParamSpec, dtype: object, rank: int) -> None:
                         f"{problem}")
 
 
+def _tp_axis_hint(layout: Layout, side: str) -> str:
+    # Placements that shard along a TP axis of size 1 shard nothing: most likely the worker
+    # left mesh_dims at its default (N, 1) while its targets are TP shards.
+    dims, p = layout.mesh.dims, layout.placements
+    if side != "destination" or p is None or p[1] == REPLICATE or dims[1] != 1 or dims[0] == 1:
+        return ""
+    return (f"; the TP axis (1) has size 1, so placements {show_placements(p)} shard nothing "
+            f"along it: did you mean mesh_dims=(1, {dims[0]})?")
+
+
 def validate_local_buffer(spec_or_transfer: ParamSpec | ParamTransfer, tensor_like: TensorLike,
                           rank: int, side: str, *, device: str | None = None,
                           cast: bool = False) -> None:
@@ -751,7 +761,8 @@ def validate_local_buffer(spec_or_transfer: ParamSpec | ParamTransfer, tensor_li
     if got_shape != want:
         raise PlanError(f"{where}: tensor shape {got_shape} != local shard shape {want} "
                         f"(global shape {spec.shape}, placements "
-                        f"{show_placements(layout.placements)}, mesh {layout.mesh.dims})")
+                        f"{show_placements(layout.placements)}, mesh {layout.mesh.dims})"
+                        f"{_tp_axis_hint(layout, side)}")
     if not tensor_like.is_contiguous():
         raise PlanError(f"{where}: tensor is not contiguous (call .contiguous() first)")
     if device is not None:

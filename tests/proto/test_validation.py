@@ -289,6 +289,21 @@ def test_validate_local_buffer_accepts_torch_tensors() -> None:
     validate_local_buffer(t, torch.empty(8, 2, dtype=torch.bfloat16), 5, "destination")
 
 
+def test_a_tp_shard_on_a_tp_axis_of_size_one_asks_about_mesh_dims() -> None:
+    # A worker that left mesh_dims at its default (4, 1) while its targets are TP shards.
+    default = ParamTransfer(spec(), Layout(Mesh((4, 1), T), (REPLICATE, 1)))
+    with pytest.raises(PlanError, match=r"shape \(8, 2\) != local shard shape \(8, 8\) "
+                                        r"\(.*mesh \(4, 1\)\); the TP axis \(1\) has size "
+                                        r"1, .*did you mean mesh_dims=\(1, 4\)\?"):
+        validate_local_buffer(default, FakeTensor(torch.bfloat16, (8, 2)), T, "destination")
+    # A real TP axis, or a shard along the replica axis, gets no such hint.
+    for layout in (DST, Layout(Mesh((4, 1), T), (1, REPLICATE))):
+        with pytest.raises(PlanError) as info:
+            validate_local_buffer(ParamTransfer(spec(), layout),
+                                  FakeTensor(torch.bfloat16, (3, 3)), T, "destination")
+        assert "mesh_dims" not in str(info.value)
+
+
 def test_validate_local_buffer_rules() -> None:
     t = ParamTransfer(spec("layers.3.w"), DST)
     with pytest.raises(PlanError, match=r"parameter 'layers\.3\.w' \(source side, rank 1\): "
