@@ -321,7 +321,8 @@ async def _gather(group: ControlGroup, phase: str, generation: int, deadline: fl
             return await group.all_gather_bytes(payload)
     except TimeoutError:
         abandon(Event.TIMED_OUT)
-        timeout = TimeoutError(await _timeout_message(group, where, deadline, local_done))
+        timeout = TimeoutError(await _timeout_message(group, phase, where, deadline,
+                                                      local_done))
         if local_done:
             timeout.add_note(f"seen by rank {group.rank}, waiting in call {group.calls - 1} "
                              f"of group {group.namespace!r}")
@@ -350,7 +351,7 @@ def _lost_text(ranks: Sequence[int]) -> str:
             f"died or was disconnected, or it gave up after a failure of its own)")
 
 
-async def _timeout_message(group: ControlGroup, where: str, deadline: float,
+async def _timeout_message(group: ControlGroup, phase: str, where: str, deadline: float,
                            local_done: bool) -> str:
     if not local_done:
         return (f"{where} timed out after {deadline:.3g} s: rank {group.rank}'s own local "
@@ -360,8 +361,14 @@ async def _timeout_message(group: ControlGroup, where: str, deadline: float,
         missing = await group.missing_ranks()
     if missing is None:
         who = "the store did not say which ranks are missing"
+    elif missing and phase == Phase.HELLO.value:
+        # Never here in this generation: the usual causes, the last two of which look alike
+        # from here (its own connect times out waiting for a generation of its job).
+        who = (f"rank(s) {missing} did not arrive (not started, crashed, or connected to "
+               f"another store address or EngineConfig.job?)")
     elif missing:
-        who = f"rank(s) {missing} did not arrive"
+        # It posted the earlier phases, so it is this job's and its store session is alive.
+        who = f"rank(s) {missing} did not arrive (frozen, or its event loop blocked?)"
     else:
         who = (f"every rank had arrived at rank {group.rank}'s last call (rank {group.rank} "
                f"is the late one)")

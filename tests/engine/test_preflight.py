@@ -280,6 +280,11 @@ async def test_phase_failure(monkeypatch: pytest.MonkeyPatch, t: int, n: int, ph
             assert isinstance(e, TimeoutError), repr(e)
             assert f"preflight phase {phase!r}" in str(e)
             assert f"rank(s) [{bad}] did not arrive" in str(e)
+            # What to check: a rank missing from hello was never in this generation.
+            hint = ("(not started, crashed, or connected to another store address or "
+                    "EngineConfig.job?)" if phase == "hello" else
+                    "(frozen, or its event loop blocked?)")
+            assert f"did not arrive {hint}" in str(e), e
     else:
         for e in errors.values():
             assert isinstance(e, PeerLostError), repr(e)
