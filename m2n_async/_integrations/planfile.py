@@ -19,7 +19,8 @@ Schema (every key is checked; unknown keys are errors)::
     dtype = "bfloat16"
     shape = [14336, 4096]
     source = ["shard(0)"]               # one entry per mesh axis (source_mesh is 1-D);
-                                        # null/"replicate": fully replicated
+                                        # "replicate", or the key left out: fully
+                                        # replicated (TOML has no null; JSON's null too)
     dest = ["replicate", "shard(0)"]
     source_mesh = [8]                   # optional re-factoring of the same trainer ranks
     dest_mesh = [1, 8]                  # optional re-factoring of the same worker ranks
@@ -305,6 +306,19 @@ def plan_from_file(spec: PlanFile) -> tuple[TransferPlan, int | None]:
     return plan, bucket
 
 
+_TOML_NULL = re.compile(rb"^\s*[\w.\"'-]+\s*=\s*null\s*(#.*)?$", re.M)
+
+
+def _null_hint(kind: str, raw: bytes) -> str:
+    # JSON's null (the same schema's "absent") is the natural guess; TOML has no such value.
+    m = _TOML_NULL.search(raw) if kind == "TOML" else None
+    if m is None:
+        return ""
+    line = raw.count(b"\n", 0, m.start()) + 1
+    return (f"; TOML has no null (line {line}): write \"replicate\" for a fully replicated "
+            f"tensor, or leave the key out")
+
+
 def load_plan_file(path: str | Path) -> tuple[TransferPlan, int | None]:
     """Read a TOML (``.toml``) or JSON file and build its plan (see ``plan_from_file``).
 
@@ -320,7 +334,7 @@ def load_plan_file(path: str | Path) -> tuple[TransferPlan, int | None]:
             obj = tomllib.loads(raw.decode())
     except (ValueError, UnicodeDecodeError) as e:
         kind = "JSON" if p.suffix.lower() == ".json" else "TOML"
-        raise PlanError(f"{p}: not valid {kind}: {e}") from None
+        raise PlanError(f"{p}: not valid {kind}: {e}{_null_hint(kind, raw)}") from None
     try:
         spec = msgspec.convert(obj, PlanFile)
     except msgspec.ValidationError as e:

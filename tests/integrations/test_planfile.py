@@ -160,6 +160,9 @@ source = ["shard(0)"]
     (('dtype = "bfloat16"', 'dtype = "int4"'), r"parameter 'embed.weight': unsupported dtype"),
     (("worker_mesh = [4]", "worker_mesh = [4, 2, 1]"), r"worker_mesh: a mesh has 1 or 2 dims"),
     (("trainer_mesh = [2, 2]", "trainer_mesh = [2, 2"), r"not valid TOML"),
+    (('dest = ["shard(0)"]', "dest = null"),
+     r"not valid TOML: .*; TOML has no null \(line \d+\): write \"replicate\" for a fully "
+     r"replicated tensor, or leave the key out"),
 ])
 def test_invalid_files_name_what_is_wrong(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                           edit: tuple[str, str], message: str) -> None:
