@@ -8,6 +8,7 @@ terminal, so the docstrings stay the single source.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -32,7 +33,28 @@ def _plain(text: str | None) -> str | None:
     return text[:1].upper() + text[1:]
 
 
+# The status of a command killed by SIGPIPE (128 + 13), which is what `cmd | head` expects.
+_BROKEN_PIPE_STATUS = 141
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        status = _dispatch(argv)
+        sys.stdout.flush()  # a reader that went away shows here, not in the flush at exit
+    except BrokenPipeError:
+        # `m2n-async plan big.toml | head`: the reader has what it wanted. Stop quietly, as a
+        # command killed by SIGPIPE does, with stdout on /dev/null so that the interpreter's
+        # own flush at exit does not raise again.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return _BROKEN_PIPE_STATUS
+    return status
+
+
+def _dispatch(argv: Sequence[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="m2n-async", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     add_demo_command(sub)  # `demo`: lives in _demo.py

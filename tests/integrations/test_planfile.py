@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -246,6 +249,21 @@ def test_the_documented_example_plan(capsys: pytest.CaptureFixture[str]) -> None
     assert len(shown) > 12
     for line in shown:
         assert line.strip() == "..." or line in printed, line
+
+
+def test_a_reader_that_went_away_ends_the_command_quietly() -> None:
+    # `m2n-async plan examples/plan.toml | head`, with the reader gone before the first
+    # write (so the pipe is broken whatever the output size): no traceback, SIGPIPE's status.
+    root = Path(__file__).resolve().parents[2]
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "m2n_async.cli", "plan",
+                               str(root / "examples" / "plan.toml")], stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=60, cwd=root)
+    finally:
+        os.close(write)
+    assert proc.stderr == "" and proc.returncode == 141, (proc.returncode, proc.stderr)
 
 
 def test_summary_counts_the_buckets_the_engine_runs(tmp_path: Path) -> None:
