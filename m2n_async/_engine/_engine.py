@@ -361,9 +361,13 @@ class _Engine:
         except PeerLostError as exc:
             lost = self._lost_rank(exc)
             who = lost if lost is not None else self.rank
-            raise PreflightError(phase, {who: f"was lost while the {name} data plane "
-                                              f"connected (as seen by rank {self.rank}): {exc}"},
-                                 generation=self._generation) from exc
+            # One text on every rank (as the other phases' failures): the observer's view,
+            # its rank and the group's own message, goes in a note.
+            error = PreflightError(phase, {who: f"was lost while the {name} data plane "
+                                                f"connected (its store session ended)"},
+                                   generation=self._generation)
+            error.add_note(f"seen by rank {self.rank}: {exc}")
+            raise error from exc
         except TimeoutError:
             raise
         except Exception as exc:
@@ -382,10 +386,11 @@ class _Engine:
             missing: list[int] = []
             with anyio.move_on_after(1.0):
                 missing = await group.missing_ranks()
-            raise TimeoutError(
-                f"preflight phase 'connected' (generation {self._generation}, rank "
-                f"{self.rank}) timed out after {limit:g} s: rank(s) {missing} did not "
-                "confirm their data plane") from None
+            timeout = TimeoutError(
+                f"preflight phase 'connected' (generation {self._generation}) timed out after "
+                f"{limit:g} s: rank(s) {missing} did not confirm their data plane")
+            timeout.add_note(f"seen by rank {self.rank}")
+            raise timeout from None
 
     # -- lifecycle guards ------------------------------------------------------------------
 
