@@ -260,10 +260,23 @@ async def _run_phase(group: ControlGroup, machine: Handshake, inputs: PreflightI
         local.append(overran)
         return machine.encode(machine.failure(overran))
 
-    payloads = await _gather(group, phase.value, inputs.generation, deadline, produce, machine)
+    # hello agrees the group itself: its view is settled by what the envelopes say, not by
+    # this rank's world_size, which may be the wrong one (``Handshake.hello_settled``).
+    settled = machine.hello_settled if phase is Phase.HELLO else None
+    payloads = await _gather(group, phase.value, inputs.generation, deadline, produce, machine,
+                             settled)
     try:
         machine.receive(payloads)  # PreflightError: the same on every rank
     except PreflightError as error:
+        if settled is not None:
+            # A peer started with a bigger world waits for keys that never come: wake it to
+            # decide on this view too. Bounded, and never in the way of the diagnosis.
+            with anyio.move_on_after(_MISSING_QUERY_TIMEOUT):
+                try:
+                    await group.ring()
+                except StoreError as exc:
+                    error.add_note(f"rank {group.rank} could not wake the peers still "
+                                   f"gathering {phase.value!r}: {exc}")
         if not local:
             raise
         # Same text as the peers'; the failing rank also keeps its own traceback.
@@ -295,13 +308,17 @@ async def _exchange_records(group: ControlGroup, machine: Handshake, phase: Phas
         error.add_note(f"the plan records that name the first differing parameter could not "
                        f"be exchanged: {exc}")
         raise error from exc
+    assert isinstance(payloads, list)  # an ordinary gather: no ``settled``
     machine.receive_records(payloads)
 
 
 async def _gather(group: ControlGroup, phase: str, generation: int, deadline: float,
-                  produce: Callable[[], Awaitable[bytes]], machine: Handshake | None
-                  ) -> list[bytes]:
+                  produce: Callable[[], Awaitable[bytes]], machine: Handshake | None,
+                  settled: Callable[[Mapping[int, bytes]], bool] | None = None
+                  ) -> list[bytes] | dict[int, bytes]:
     """``produce()`` then all-gather it, under ``deadline``; failures translated and named.
+    With ``settled``, the gather's view by key index once that says it is complete
+    (``ControlGroup.all_gather_open``).
 
     A lost peer or a missing one is one text on every rank that sees it (the promise of one
     diagnosis): the text names the phase, the generation and the rank at fault, never the
@@ -318,6 +335,8 @@ async def _gather(group: ControlGroup, phase: str, generation: int, deadline: fl
         with anyio.fail_after(deadline):
             payload = await produce()
             local_done = True
+            if settled is not None:
+                return await group.all_gather_open(payload, settled)
             return await group.all_gather_bytes(payload)
     except TimeoutError:
         abandon(Event.TIMED_OUT)

@@ -181,6 +181,18 @@ class _Header(msgspec.Struct):
 
 
 _HEADER_DECODER: Final = msgspec.msgpack.Decoder(_Header)
+_HELLO_DECODER: Final = msgspec.msgpack.Decoder(Hello)
+
+
+def _decode_hello(data: bytes, r: int) -> Hello | None:
+    """Rank ``r``'s ``Hello`` if its bytes are one that a ``Handshake`` could have sent from
+    that slot (its rank inside its own world), else None: only such a topology may decide how
+    many envelopes a view needs (``Handshake.hello_settled``); ``receive`` names the rest."""
+    try:
+        env = _HELLO_DECODER.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+    return env if env.rank == r and 0 <= r < env.world_size else None
 
 
 @dataclass(frozen=True)
@@ -499,6 +511,7 @@ class Handshake:
         self._own_placements: tuple[tuple[int, int] | None, ...] = ()
         self._disagreement: _Disagreement | None = None  # found by the current phase's check
         self._awaiting: _Disagreement | None = None  # receive() asked for records
+        self._view = tuple(range(world_size))  # the ranks the current phase's check compares
 
     # -- local steps: this rank's envelope for the current phase ------------------------
 
@@ -608,7 +621,40 @@ class Handshake:
 
     # -- the gathered phase ---------------------------------------------------------------
 
-    def receive(self, payloads: Sequence[bytes]) -> Phase:
+    def hello_settled(self, present: Mapping[int, bytes]) -> bool:
+        """Whether the ``hello`` envelopes gathered so far (key index -> bytes) are the view
+        to decide on.
+
+        A rank started with the wrong ``world_size`` gathers a different number of keys from
+        its peers: one that waits for more than exist would sit out the deadline, one that
+        waits for fewer would decide on a part of the view. So the view decides, not this
+        rank's own count. While every envelope present agrees with this rank's topology, it
+        is settled only when it holds exactly ranks ``0 .. world_size-1`` (an agreeing rank
+        never decides on a partial view). Once the envelopes show two topologies, it is
+        settled when it holds every rank the reference topology implies (the one most ranks
+        hold; on a tie the smallest world among the tied, the only one sure to exist): that
+        is the view the ranks with the reference topology decide on, so every rank compares
+        the same envelopes and raises the same text. An index beyond a world is an envelope
+        of another topology, like any other.
+        """
+        topologies: dict[int, tuple[int, int]] = {}
+        for r, data in present.items():
+            env = _decode_hello(data, r)
+            if env is not None and (env.proto_version, env.generation) == (
+                    self.proto_version, self.generation):
+                topologies[r] = (env.world_size, env.trainer_ranks)
+        own = (self.world_size, self.trainer_ranks)
+        world = self.world_size
+        if any(r >= world for r in present) or any(t != own for t in topologies.values()):
+            counts = Counter(topologies.values()).most_common()
+            # With no topology to go by (an index beyond this world whose envelope does not
+            # decode), this world's own ranks are still the ones to decide on.
+            if counts:
+                top = counts[0][1]
+                world = min(w for (w, _), c in counts if c == top)
+        return all(r in present for r in range(world))
+
+    def receive(self, payloads: Sequence[bytes] | Mapping[int, bytes]) -> Phase:
         """Validate the gathered envelopes of the current phase (index = rank) and advance.
 
         Returns the next phase. Raises ``PreflightError`` (and moves to ``FAILED``) naming
@@ -616,6 +662,10 @@ class Handshake:
         except when plans differ where the chunk digests point: then it returns the current
         phase with ``wants_records`` set (``error`` holds the diagnosis so far), and the
         driver gathers ``records()`` for ``receive_records``, which raises the final error.
+
+        ``hello`` also takes a view by key index, settled by ``hello_settled``: then the
+        ranks compared are the view's, which need not be ``0 .. world_size-1`` when the
+        topologies differ (so a rank started with the wrong world raises its peers' text).
         """
         phase = self.phase
         if phase not in ENVELOPE_OF:
@@ -623,13 +673,21 @@ class Handshake:
         if self._awaiting is not None:
             raise LocalProtocolError(f"phase {phase.value!r} waits for the records of a plan "
                                      f"disagreement (receive_records), not for envelopes")
-        if len(payloads) != self.world_size:
+        if isinstance(payloads, Mapping):
+            if phase is not Phase.HELLO or not self.hello_settled(payloads):
+                raise LocalProtocolError(f"phase {phase.value!r}: a view of ranks "
+                                         f"{sorted(payloads)} is not one to decide on")
+            view = dict(sorted(payloads.items()))
+        elif len(payloads) != self.world_size:
             raise LocalProtocolError(f"phase {phase.value!r}: got {len(payloads)} envelopes "
                                      f"for world_size {self.world_size}")
+        else:
+            view = dict(enumerate(payloads))
         self._disagreement = None
         failures: dict[int, str] = {}
         envelopes: dict[int, msgspec.Struct] = {}
-        for r, data in enumerate(payloads):
+        self._view = tuple(view)
+        for r, data in view.items():
             decoded = self._decode(phase, r, data)
             if isinstance(decoded, str):
                 failures[r] = decoded
@@ -796,10 +854,16 @@ class Handshake:
                               f"{h.trainer_ranks} differs: {note}")
         if topo is not None:
             world, trainers = topo
-            if world != self.world_size or not 1 <= trainers < world:
+            # The ranks compared, not this rank's own world_size: a rank started with another
+            # one compares the same view as its peers and must derive the same text.
+            size = sum(1 for r in self._view if r < world)
+            for r in self._view:
+                if r >= world:
+                    _add(failures, r, f"rank {r} is outside topology world_size={world}")
+            if world != size or not 1 <= trainers < world:
                 for r in hellos:
                     _add(failures, r, f"topology world_size={world}, trainer_ranks={trainers} "
-                                      f"is impossible for a group of {self.world_size} ranks "
+                                      f"is impossible for a group of {size} ranks "
                                       f"(need 1 <= trainer_ranks < world_size)")
             else:
                 for r, h in hellos.items():

@@ -27,7 +27,7 @@ round trip, synchronizes like the other collectives, and cleans up the same way.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Final, TypeVar
 
 import msgspec
@@ -142,6 +142,64 @@ class ControlGroup:
         """
         return await self._collective("all_gather", bytes(payload))
 
+    async def all_gather_open(self, payload: bytes,
+                              settled: Callable[[Mapping[int, bytes]], bool]
+                              ) -> dict[int, bytes]:
+        """An all-gather whose contributions say when it is complete: every key present, by
+        index, once ``settled(view)`` holds; indices beyond ``world_size`` included.
+
+        For a call that agrees on the group itself (the handshake's ``hello``): a rank
+        started with another world size gathers a different number of keys from its peers,
+        so the count it was given cannot say when it has them all. The first round trip is
+        the ordinary call's (``world_size`` keys); while the view is not settled it waits for
+        one more key. A rank that waits for keys that never come (its world is too big) is
+        woken by ``ring()`` from a peer that decided: it then looks at what is there.
+
+        Raises ``PeerLostError`` as ``all_gather_bytes`` does.
+
+        Cancellation: as for ``all_gather_bytes``.
+        """
+        seq = self._seq
+        bell = self._bell(seq)
+        kind = "all_gather"
+        prefix = f"{self.namespace}/c/{seq}/{kind}/"
+        watch = [*self._watch, bell]
+        owner = {self.alive_key(r): f"{prefix}{r}" for r in range(self.world_size)}
+        store = self.store
+        try:
+            _, items = await self._post(kind, payload, tuple(watch))
+        except PeerLostError as exc:
+            if exc.key == bell:  # a peer decided before this rank's first gather returned
+                watch.remove(bell)
+            elif not await drop_departed(store, exc, watch, owner):
+                raise self._peer_lost(exc, kind, seq) from None
+            items = await store.gather(prefix, 0)
+        while True:
+            view = {self._index_of(key, prefix): value for key, value in items.items()}
+            if settled(view):
+                return view
+            try:
+                items = await store.gather(prefix, len(items) + 1, watch=tuple(watch))
+            except PeerLostError as exc:
+                if exc.key == bell:  # a peer decided: see what it saw (and any more)
+                    watch.remove(bell)
+                elif not await drop_departed(store, exc, watch, owner):
+                    raise self._peer_lost(exc, kind, seq) from None
+                items = await store.gather(prefix, 0)
+
+    async def ring(self) -> None:
+        """Wake the ranks still waiting in this rank's last ``all_gather_open``: it decided,
+        and their view may never settle by count alone (they expect keys that never come).
+
+        Cancellation: a rank still waiting may not have been woken; they wait on in their
+        own cancel scope.
+        """
+        bell = self._bell(self._seq - 1)
+        # A lost key is what wakes a waiter watching it (a plain write would not: a gather
+        # waits for a count of keys under its prefix, and the bell is not under it).
+        await self.store.set(bell, b"", ephemeral=True)
+        await self.store.delete(bell, lost=True)
+
     async def all_gather(self, envelope: T, type_: type[T]) -> list[T]:
         """Every rank's ``envelope`` (a msgspec-encodable value), decoded as ``type_``.
 
@@ -182,7 +240,7 @@ class ControlGroup:
         if self._current is None:
             return []
         present = await self.store.gather(self._current, 0)
-        arrived = {self._rank_of(key, self._current) for key in present}
+        arrived = {self._index_of(key, self._current) for key in present}
         return [r for r in range(self.world_size) if r not in arrived]
 
     async def aclose(self, *, lost: bool = False) -> None:
@@ -205,7 +263,27 @@ class ControlGroup:
 
     # --- machinery -----------------------------------------------------------------------
 
+    def _bell(self, seq: int) -> str:
+        # Beside the call's prefix, not under it: a gather counts every key under its prefix.
+        return f"{self.namespace}/c/{seq}/bell"
+
     async def _collective(self, kind: str, payload: bytes) -> list[bytes]:
+        seq = self._seq
+        prefix, items = await self._post(kind, payload, self._watch)
+        out: list[bytes | None] = [None] * self.world_size
+        for key, value in items.items():
+            out[self._rank_of(key, prefix)] = value
+        missing = [r for r, v in enumerate(out) if v is None]
+        if missing or len(items) != self.world_size:
+            raise RemoteProtocolError(
+                f"{kind} call {seq} in group {self.namespace!r}: expected one key per rank "
+                f"0..{self.world_size - 1}, got {sorted(items)}")
+        return [v for v in out if v is not None]
+
+    async def _post(self, kind: str, payload: bytes, watch: tuple[str, ...]
+                    ) -> tuple[str, dict[str, bytes]]:
+        """Start a call: this rank's key in, ``world_size`` keys out, past departed peers
+        when ``watch`` is the group's own (any other caller handles ``PeerLostError``)."""
         seq = self._seq
         self._seq += 1
         prefix = f"{self.namespace}/c/{seq}/{kind}/"
@@ -221,27 +299,23 @@ class ControlGroup:
         try:
             if isinstance(store, SupportsExchange):
                 items = await store.exchange(own_key, payload, prefix, self.world_size,
-                                             watch=self._watch, delete=stale)
+                                             watch=watch, delete=stale)
             else:
                 await store.set(own_key, payload)
-                items = await store.gather(prefix, self.world_size, watch=self._watch)
+                items = await store.gather(prefix, self.world_size, watch=watch)
                 if stale is not None:
                     await store.delete(stale)
         except PeerLostError as exc:
-            items = await self._wait_past_departures(exc, prefix, kind, seq)
             if stale is not None:  # the failed exchange may or may not have deleted it
                 await store.delete(stale)
+                self._own_keys.remove(stale)
+            if watch is not self._watch:
+                raise  # ``all_gather_open`` waits past departures with its bell in the watch
+            items = await self._wait_past_departures(exc, prefix, kind, seq)
+            return prefix, items
         if stale is not None:
             self._own_keys.remove(stale)
-        out: list[bytes | None] = [None] * self.world_size
-        for key, value in items.items():
-            out[self._rank_of(key, prefix)] = value
-        missing = [r for r, v in enumerate(out) if v is None]
-        if missing or len(items) != self.world_size:
-            raise RemoteProtocolError(
-                f"{kind} call {seq} in group {self.namespace!r}: expected one key per rank "
-                f"0..{self.world_size - 1}, got {sorted(items)}")
-        return [v for v in out if v is not None]
+        return prefix, items
 
     async def _wait_past_departures(self, exc: PeerLostError, prefix: str, kind: str,
                                     seq: int) -> dict[str, bytes]:
@@ -268,8 +342,16 @@ class ControlGroup:
         return None
 
     def _rank_of(self, key: str, prefix: str) -> int:
+        index = self._index_of(key, prefix)
+        if index < self.world_size:
+            return index
+        raise RemoteProtocolError(f"group {self.namespace!r}: foreign key {key!r} under a "
+                                  f"collective's prefix")
+
+    def _index_of(self, key: str, prefix: str) -> int:
+        # Any index, even beyond this group's world: ``all_gather_open`` hands those on.
         suffix = key[len(prefix):]
-        if suffix.isascii() and suffix.isdigit() and int(suffix) < self.world_size:
+        if suffix.isascii() and suffix.isdigit():
             return int(suffix)
         raise RemoteProtocolError(f"group {self.namespace!r}: foreign key {key!r} under a "
                                   f"collective's prefix")

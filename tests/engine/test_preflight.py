@@ -123,7 +123,20 @@ class FaultyGroup:
     async def missing_ranks(self) -> list[int]:
         return await self.inner.missing_ranks()
 
+    async def all_gather_open(self, payload: bytes,
+                              settled: Callable[[Mapping[int, bytes]], bool]
+                              ) -> dict[int, bytes]:
+        payload = await self._fault_at_gather(payload)
+        return await self.inner.all_gather_open(payload, settled)
+
+    async def ring(self) -> None:
+        await self.inner.ring()
+
     async def all_gather_bytes(self, payload: bytes) -> list[bytes]:
+        payload = await self._fault_at_gather(payload)
+        return await self.inner.all_gather_bytes(payload)
+
+    async def _fault_at_gather(self, payload: bytes) -> bytes:
         phase = PHASES[self.calls] if self.calls < len(PHASES) else "after"
         self.calls += 1
         f = self.fault
@@ -135,7 +148,7 @@ class FaultyGroup:
                 await self.inner.store.aclose()
                 raise Disconnected(f"rank {self.rank} exits")
             payload = tamper(phase, self.rank, self.t, self.n, payload)
-        return await self.inner.all_gather_bytes(payload)
+        return payload
 
 
 def make_inputs(r: int, t: int, n: int, log: Log, fault: Fault | None = None, *,

@@ -1,0 +1,95 @@
+"""A rank started with another topology than its peers (``world_size`` or ``trainer_ranks``):
+every rank, that one included, raises the same ``PreflightError`` for ``hello`` at once.
+
+The ranks run as tasks of one event loop over the in-memory store, each with the group of
+the world it was given (as the engine builds it), under a phase deadline far beyond the
+test's bound: waiting it out, or failing on another text, is the defect these tests catch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import anyio
+import pytest
+
+from m2n_async import PreflightError
+from m2n_async._engine._preflight import PreflightOutcome, run_preflight
+from m2n_async._store import ControlGroup
+from m2n_async.testing import MemoryStore
+
+from .test_preflight import GEN, Log, make_inputs
+
+LONG = 60.0  # the phase deadline: nobody may wait it out
+BOUND = 5.0  # the whole world must be done by then
+SPREAD = 1.0  # and every rank within this of the others
+
+
+async def world(t: int, n: int, wrong: dict[int, dict[str, int]]
+                ) -> tuple[dict[int, BaseException | PreflightOutcome], dict[int, float]]:
+    """``t + n`` ranks; rank r of ``wrong`` passes those inputs (world_size, trainer_ranks)."""
+    root = MemoryStore()
+    ns = f"job/{GEN}/preflight"
+    out: dict[int, BaseException | PreflightOutcome] = {}
+    done: dict[int, float] = {}
+
+    async def rank_main(r: int) -> None:
+        inputs = dataclasses.replace(make_inputs(r, t, n, Log()), **wrong.get(r, {}))
+        store = root.session()
+        group = ControlGroup(store, r, inputs.world_size, ns)
+        try:
+            out[r] = await run_preflight(group, inputs, phase_timeout=LONG)
+        except Exception as exc:
+            out[r] = exc
+            await group.aclose(lost=True)  # as the engine leaves after a failure
+        done[r] = time.monotonic()
+
+    with anyio.fail_after(BOUND):
+        async with anyio.create_task_group() as tg:
+            for r in range(t + n):
+                tg.start_soon(rank_main, r)
+    return out, done
+
+
+CASES = [
+    pytest.param(2, 2, {3: {"world_size": 5}}, id="bigger-world-last-rank"),
+    pytest.param(2, 2, {2: {"world_size": 3}}, id="smaller-world-first-worker"),
+    pytest.param(2, 2, {0: {"world_size": 5}}, id="bigger-world-rank0"),
+    pytest.param(2, 2, {1: {"world_size": 9}}, id="much-bigger-world-trainer"),
+    pytest.param(2, 3, {2: {"world_size": 4}}, id="smaller-world-by-one"),
+    pytest.param(2, 2, {3: {"trainer_ranks": 1}}, id="other-trainer-ranks"),
+    # Two against two: no majority, so every rank is named (the handshake's rule).
+    pytest.param(2, 2, {2: {"world_size": 5}, 3: {"world_size": 5}}, id="two-bigger-tied"),
+    pytest.param(2, 3, {3: {"world_size": 6}, 4: {"world_size": 6}}, id="two-bigger"),
+]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("t,n,wrong", CASES)
+async def test_every_rank_raises_the_same_hello_error_at_once(
+        t: int, n: int, wrong: dict[int, dict[str, int]]) -> None:
+    out, done = await world(t, n, wrong)
+    errors = [out[r] for r in range(t + n)]
+    for r, e in enumerate(errors):
+        assert isinstance(e, PreflightError), (r, repr(e))
+    first = errors[0]
+    assert isinstance(first, PreflightError) and first.phase == "hello"
+    for e in errors:
+        assert type(e) is type(first) and str(e) == str(first), (str(e), str(first))
+    # The culprits, and what they were started with, are named.
+    tied = 2 * len(wrong) == t + n
+    assert set(first.failures) == (set(range(t + n)) if tied else set(wrong)), first
+    for r, changed in wrong.items():
+        for name, value in changed.items():
+            assert f"{name}={value}" in first.failures[r], first.failures[r]
+    assert max(done.values()) - min(done.values()) <= SPREAD, done
+
+
+@pytest.mark.asyncio
+async def test_the_text_names_the_culprit_and_the_majority() -> None:
+    out, _ = await world(2, 2, {3: {"world_size": 5}})
+    e = out[3]
+    assert isinstance(e, PreflightError)
+    assert e.failures == {3: "topology world_size=5, trainer_ranks=2 differs: 3 rank(s) "
+                             "[0, 1, 2] have (4, 2)"}
