@@ -897,3 +897,79 @@ def test_a_records_exchange_is_a_step_of_its_own() -> None:
     # a deadline during the exchange: FAILED, the chunk-digest diagnosis kept
     assert m.abandon(Event.TIMED_OUT) is Phase.FAILED and not m.wants_records
     assert m.error is not None and 1 in m.error.failures
+
+
+# -- hello's view: a rank started with another topology ---------------------------------------
+
+
+def machines_of(topologies: Mapping[int, tuple[int, int]]) -> dict[int, Handshake]:
+    """One machine per rank, each started with its own (world_size, trainer_ranks)."""
+    return {r: Handshake(role="trainer" if r < t else "worker", rank=r, world_size=w,
+                         trainer_ranks=t, generation=GEN, transport="auto")
+            for r, (w, t) in topologies.items()}
+
+
+def hellos(machines: Mapping[int, Handshake]) -> dict[int, bytes]:
+    return {r: m.encode(m.hello()) for r, m in machines.items()}
+
+
+def test_an_agreeing_view_is_settled_only_when_complete() -> None:
+    ms = machines_of({r: (4, 2) for r in range(4)})
+    envs = hellos(ms)
+    for r, m in ms.items():
+        assert m.hello_settled(envs)
+        for gone in range(4):  # never on a partial view while everyone agrees
+            assert not m.hello_settled({k: v for k, v in envs.items() if k != gone}), (r, gone)
+
+
+@pytest.mark.parametrize("topologies", [
+    {0: (4, 2), 1: (4, 2), 2: (4, 2), 3: (5, 2)},  # a bigger world
+    {0: (5, 2), 1: (4, 2), 2: (4, 2), 3: (4, 2)},  # ... on rank 0
+    {0: (4, 2), 1: (4, 2), 2: (3, 2), 3: (4, 2)},  # a smaller one
+    {0: (4, 2), 1: (4, 2), 2: (4, 2), 3: (4, 1)},  # other trainer_ranks
+    {0: (4, 2), 1: (4, 2), 2: (4, 2), 3: (4, 2), 4: (5, 2)},  # a rank beyond the world
+])
+def test_a_view_that_differs_is_settled_by_the_majority_and_raises_one_text(
+        topologies: dict[int, tuple[int, int]]) -> None:
+    ms = machines_of(topologies)
+    envs = hellos(ms)
+    texts = set()
+    for r, m in ms.items():
+        assert m.hello_settled(envs), r
+        with pytest.raises(PreflightError) as info:
+            m.receive(envs)
+        texts.add(str(info.value))
+        assert info.value.phase == "hello"
+    assert len(texts) == 1, texts
+    odd = next(r for r, topo in topologies.items()
+               if list(topologies.values()).count(topo) == 1)
+    assert list(info.value.failures) == [odd]
+
+
+def test_a_differing_view_waits_for_every_rank_of_the_majority() -> None:
+    ms = machines_of({0: (4, 2), 1: (4, 2), 2: (3, 2), 3: (4, 2)})
+    envs = hellos(ms)
+    partial = {r: envs[r] for r in (0, 1, 2)}  # what rank 2's own count of 3 would take
+    assert not ms[2].hello_settled(partial) and not ms[0].hello_settled(partial)
+    with pytest.raises(LocalProtocolError, match="not one to decide on"):
+        ms[2].receive(partial)
+
+
+def test_a_tie_settles_on_the_smaller_world() -> None:
+    ms = machines_of({0: (4, 2), 1: (4, 2), 2: (5, 2), 3: (5, 2)})
+    envs = hellos(ms)
+    assert all(m.hello_settled(envs) for m in ms.values())  # index 4 never comes
+    errors = set()
+    for m in ms.values():
+        with pytest.raises(PreflightError) as info:
+            m.receive(envs)
+        errors.add(str(info.value))
+    assert len(errors) == 1 and sorted(info.value.failures) == [0, 1, 2, 3]
+
+
+def test_a_view_is_only_for_hello() -> None:
+    world = World(1, 1)
+    world.step()
+    m = world.machines[0]
+    with pytest.raises(LocalProtocolError, match="phase 'source'"):
+        m.receive({0: m.encode(m.source(world.specs)), 1: b""})

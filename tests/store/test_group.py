@@ -322,3 +322,43 @@ async def test_leaving_as_lost_keeps_the_contributions_and_tells_the_watchers(
         await groups[0].store.get("job/1/g/never", wait=True,
                                   watch=[groups[0].alive_key(2)])
     assert info.value.key == groups[0].alive_key(2)
+
+
+async def test_all_gather_open_takes_any_index_and_waits_until_settled(world: World) -> None:
+    # Ranks 0 and 1 were given a world of 2, rank 2 one of 3: its key is beyond the others'
+    # world, and none of them refuses it as foreign; each waits until it holds {0, 1, 2}.
+    stores = [await world.session() for _ in range(3)]
+    groups = [ControlGroup(stores[0], 0, 2, "job/1/g"), ControlGroup(stores[1], 1, 2, "job/1/g"),
+              ControlGroup(stores[2], 2, 3, "job/1/g")]
+    for g in groups:
+        await g.join()
+    seen: list[list[int]] = []
+
+    def settled(view: object) -> bool:
+        seen.append(sorted(view))  # type: ignore[call-overload]
+        return sorted(view) == [0, 1, 2]  # type: ignore[call-overload]
+
+    out = await run_all(groups, lambda g: g.all_gather_open(bytes([g.rank]), settled))
+    assert out == {r: {0: b"\x00", 1: b"\x01", 2: b"\x02"} for r in range(3)}
+    assert [0, 1, 2] in seen
+
+
+async def test_ring_wakes_a_rank_waiting_for_keys_that_never_come(world: World) -> None:
+    stores = [await world.session() for _ in range(2)]
+    big = ControlGroup(stores[0], 0, 5, "job/1/g")  # waits for 5 keys; 2 will ever exist
+    small = ControlGroup(stores[1], 1, 2, "job/1/g")
+    for g in (big, small):
+        await g.join()
+
+    async def waiting() -> None:
+        # Its first gather wants 5 keys: only the bell can end it.
+        got = await big.all_gather_open(b"a", lambda view: len(view) == 2)
+        assert got == {0: b"a", 1: b"b"}
+
+    with anyio.fail_after(DEADLINE / 4):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiting)
+            await small.all_gather_open(b"b", lambda view: len(view) == 2)
+            started = time.monotonic()
+            await small.ring()
+    assert time.monotonic() - started < 1.0
