@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Generic, Self, TypeVar
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from m2n_async._engine._config import EngineConfig, EngineState, SyncResult
-from m2n_async._engine._engine import TrainerEngine, WorkerEngine, _Engine
+from m2n_async._engine._engine import TrainerEngine, WorkerEngine, _clean_exit, _Engine
 from m2n_async._proto.errors import LocalProtocolError
 
 if TYPE_CHECKING:
@@ -264,7 +264,7 @@ class _Blocking(Generic[E]):
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: object) -> None:
         # An exception leaving the block is no clean end of the job: the peers are told.
-        self.close(error=exc)
+        self.close(error=None if _clean_exit(exc) else exc)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self._engine!r}>"

@@ -412,6 +412,9 @@ class _Engine:
         join the same round on one transport. Marked before the first await, so a second
         call made while the first waits for its round start is refused too."""
         self._require(EngineState.READY, what=what)
+        if self._closing:  # close() began: READY until its teardown ends, but no new round
+            raise LocalProtocolError(f"{what}: rank {self.rank} (generation "
+                                     f"{self._generation}) is closing")
         if self._busy is not None:
             raise LocalProtocolError(f"{what}: rank {self.rank} is already in {self._busy} on "
                                      "this engine; one round at a time per engine")
@@ -466,8 +469,9 @@ class _Engine:
         """Steps 2 and 3 of the module docstring (``RoundDriver.run``), then the commit."""
         assert self._transport is not None and self._rounds is not None
         t0 = time.perf_counter()
-        if self._state is not EngineState.READY:
-            # close() ran while this call waited for the start: its transport is gone. The
+        if self._state is not EngineState.READY or self._closing:
+            # close() ran (or began) while this call waited for the start: its transport is
+            # gone or going. The
             # round's record names this rank as the one that left (what its peers' poll finds).
             core = self._rounds.core(start.round)
             with anyio.CancelScope(shield=True):
@@ -572,11 +576,13 @@ class _Engine:
         claim on the job is released: another process may connect as this rank now.
 
         ``error``: why this rank leaves when it is no clean end — an exception (``async
-        with engine:`` passes the one that left the block) or its text. Then trainer rank 0's
-        end of the job carries it: its workers' ``receive()`` raises ``PeerLostError``
-        naming it and their ``updates()`` raises it too, instead of ending as if training
-        were done. On any rank, a peer that finds this rank gone from a round names the
-        error in its ``left`` failure.
+        with engine:`` passes the one that left the block, unless it is a cancellation or a
+        ``SystemExit`` with a success code: those end the job cleanly) or its text. Then
+        trainer rank 0's end of the job carries it: its workers' ``receive()`` raises
+        ``PeerLostError`` naming it and their ``updates()`` raises it too, instead of ending
+        as if training were done. On any rank, a peer that finds this rank gone from a round
+        names the error in its ``left`` failure. A ``receive()`` or ``sync_weights`` called
+        once ``close()`` has begun raises ``LocalProtocolError``.
 
         Cancellation: the teardown is shielded and bounded by ``abort_grace`` per step; it
         completes even if the caller is cancelled.
@@ -625,7 +631,7 @@ class _Engine:
     async def __aexit__(self, exc_type: type[BaseException] | None,
                         exc: BaseException | None, tb: object) -> None:
         # An exception leaving the block is no clean end of the job: the peers are told.
-        await self.close(error=exc)
+        await self.close(error=None if _clean_exit(exc) else exc)
 
 
 class _no_deadline:
@@ -863,6 +869,23 @@ class TrainerEngine(_Engine):
             return stats
 
         return await self._run_round(start, work, time.perf_counter() - t0)
+
+
+def _clean_exit(exc: BaseException | None) -> bool:
+    """Whether leaving a ``with`` block on ``exc`` is a clean end of the job: none, a
+    cancellation (a time box around the training loop, a task group's shutdown), or
+    ``SystemExit`` with a success code. Anything else — ``KeyboardInterrupt`` included — is
+    an error the peers are told of."""
+    if exc is None or isinstance(exc, GeneratorExit):
+        return True
+    if isinstance(exc, SystemExit):
+        return exc.code in (0, None)
+    try:
+        return isinstance(exc, anyio.get_cancelled_exc_class())
+    except RuntimeError:  # no event loop (the blocking facade's thread): asyncio's class
+        import asyncio
+
+        return isinstance(exc, asyncio.CancelledError)
 
 
 def _error_text(error: BaseException | str | None) -> str | None:

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 import torch
 
@@ -218,3 +219,60 @@ def test_blocking_with_block_left_on_an_error_tells_the_workers(address: str) ->
         worker.close()
         trainer.close()
     assert isinstance(worker, BlockingWorker) and not isinstance(worker, WorkerEngine)
+
+
+@pytest.mark.asyncio
+async def test_a_receive_begun_while_close_runs_is_refused() -> None:
+    # close() is in its shielded teardown (its error note first), the engine still READY: a
+    # receive() called now must not start a wait nothing would end (shared store: for ever).
+    trainers, workers = await _one_round()
+    worker = workers[0]
+    got: list[Any] = []
+
+    async def late_receive() -> None:
+        try:
+            got.append(await worker.receive())
+        except Exception as exc:
+            got.append(exc)
+
+    try:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lambda: worker.close(error="shutting down"))
+                await anyio.lowlevel.checkpoint()
+                assert worker._closing and worker.state.value == "ready"
+                tg.start_soon(late_receive)
+        assert len(got) == 1 and isinstance(got[0], LocalProtocolError), got
+        assert "is closing" in str(got[0])
+    finally:
+        await _close(*trainers, *workers)
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_or_exited_block_ends_the_job_cleanly() -> None:
+    # A time box around the training loop (or sys.exit(0) in it) is an ordinary end: the
+    # workers' updates() just ends, as after a block that finished.
+    for stop in ("cancel", "exit"):
+        trainers, workers = await _one_round()
+        got: list[Any] = []
+
+        async def follow(w: Any = workers[0], got: list[Any] = got) -> None:
+            got.extend([r.version async for r in w.updates()])
+            got.append("ended")
+
+        try:
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(follow)
+                    await anyio.sleep(0.2)
+                    if stop == "cancel":
+                        with anyio.move_on_after(0.05):
+                            async with trainers[0]:
+                                await anyio.sleep_forever()
+                    else:
+                        with pytest.raises(SystemExit):
+                            async with trainers[0]:
+                                raise SystemExit(0)
+            assert got == ["ended"], (stop, got)
+        finally:
+            await _close(*trainers, *workers)
