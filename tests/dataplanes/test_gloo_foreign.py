@@ -184,7 +184,10 @@ async def test_a_failed_check_frees_the_group_without_the_collector() -> None:
         if enabled:
             gc.enable()
     assert all(isinstance(err, TransferError) for errs in kept for err in errs), kept
-    assert counts[1] == counts[0], counts
+    # No more after the second failed connect than after the first: what a failed check
+    # kept would add up. Fewer is fine: an earlier test's idle pool thread (anyio lets them
+    # go after 10 s) may leave between the samples, as it did on a loaded CI box.
+    assert counts[1][0] <= counts[0][0] and counts[1][1] <= counts[0][1], counts
 
 
 @pytest.mark.asyncio
