@@ -51,8 +51,8 @@ if TYPE_CHECKING:
 
     from m2n_async._proto.plan import Bucket
 
-__all__ = ["Weights", "_INLINE_PARAMS", "device_predicates", "_Expect", "_Expectations", "_Sources",
-           "_source_expectations"]
+__all__ = ["Weights", "_INLINE_PARAMS", "_Expect", "_Expectations", "_Sources",
+           "_source_expectations", "device_predicates", "laid_out"]
 
 #: What ``sync_weights`` accepts: name -> local shard (any Mapping, e.g. ``module_shards``),
 #: a ``torch.nn.Module``, a callable ``f(names) -> Mapping`` called once per bucket, or an
@@ -163,14 +163,11 @@ class _Sources:
         contiguous (not ``dtypes``): the fast pass of the module docstring. False as soon as
         a chunk fails it (the per-parameter checks then explain). Chunked with checkpoints
         between chunks, like those checks."""
-        import torch
-
         m = self._map
         assert m is not None
         expect = self._expect
         if not isinstance(expect, _Expectations):  # a caller-built list: no tables
             return False
-        is_contiguous = torch.Tensor.is_contiguous  # the C method: no Python frame per tensor
         on_device = self._all_on_device
         for a, (get, oks, shapes) in enumerate(expect.chunks(self._names, start, stop)):
             if a:
@@ -182,8 +179,7 @@ class _Sources:
                 if dtypes:
                     if not all(map(operator.contains, oks, map(_DTYPE, ts))):
                         return False
-                elif not (all(map(operator.eq, map(_SHAPE, ts), shapes))
-                          and on_device(ts) and all(map(is_contiguous, ts))):
+                elif not laid_out(ts, shapes, on_device):
                     return False
             except (KeyError, AttributeError, TypeError):  # missing, or not a tensor
                 return False
@@ -288,6 +284,17 @@ def device_predicates(device: str) -> tuple[Callable[[torch.Tensor], bool],
         return bool(t.device.type == device)
 
     return one, (lambda ts: all(map(one, ts)))
+
+
+def laid_out(ts: Sequence[torch.Tensor], shapes: Sequence[torch.Size],
+             on_device: Callable[[tuple[torch.Tensor, ...]], bool]) -> bool:
+    """Whether tensors ``ts`` have ``shapes``, are all on the device (``on_device``, from
+    ``device_predicates``) and are contiguous: three C-level passes, no frame per tensor.
+    The fast pass of both the trainer's source and the worker's target checks."""
+    import torch
+
+    return (all(map(operator.eq, map(_SHAPE, ts), shapes)) and on_device(tuple(ts))
+            and all(map(torch.Tensor.is_contiguous, ts)))
 
 
 #: Per param: (wire torch dtype, local shape, the source dtypes accepted: the wire dtype and

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import anyio.lowlevel
 
 from m2n_async._data._transport import SinkMap
-from m2n_async._engine._sources import _INLINE_PARAMS, device_predicates
+from m2n_async._engine._sources import _DTYPE, _INLINE_PARAMS, device_predicates, laid_out
 from m2n_async._proto.errors import PlanError
 from m2n_async._proto.plan import TransferPlan, validate_local_buffer
 
@@ -36,9 +36,6 @@ if TYPE_CHECKING:
     from m2n_async._proto.plan import Bucket
 
 __all__ = ["TargetCheck"]
-
-_DTYPE = operator.attrgetter("dtype")
-_SHAPE = operator.attrgetter("shape")
 
 #: One chunk: the plan indices of its in-place targets, the tensors, their wire dtypes and
 #: local shapes.
@@ -79,15 +76,13 @@ class TargetCheck:
     async def __call__(self, bucket: Bucket) -> None:
         """Raise ``PlanError`` naming the first of ``bucket``'s in-place targets that no
         longer has its planned dtype, local shape, contiguity or device."""
-        is_contiguous = self._torch.Tensor.is_contiguous  # the C method: no frame per tensor
         on_device = self._all_on_device
         for a, (idx, ts, dtypes, shapes) in enumerate(
                 self._tables(bucket.start, bucket.stop, self._sinks, self._torch)):
             if a:
                 await anyio.lowlevel.checkpoint()
             if (all(map(operator.is_, map(_DTYPE, ts), dtypes))
-                    and all(map(operator.eq, map(_SHAPE, ts), shapes))
-                    and on_device(ts) and all(map(is_contiguous, ts))):
+                    and laid_out(ts, shapes, on_device)):
                 continue
             self._explain(idx, ts)
 

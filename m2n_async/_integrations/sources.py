@@ -274,8 +274,11 @@ class ModuleShards(Mapping[str, "torch.Tensor"]):
                     f"(the module has {len(found)} tensors; check rename= and buffers= match "
                     f"what specs_from_module was given)")
             # The module's tensors the plan does not carry: not sent (the engine warns once).
-            planned = set(names)
-            self.unplanned: tuple[str, ...] = tuple(n for n in found if n not in planned)
+            # None when the counts match: every plan name is in the module (just checked),
+            # so the sets are equal, and the round pays no set of 10^5 names.
+            planned = set(names) if len(found) != len(names) else None
+            self.unplanned: tuple[str, ...] = () if planned is None else tuple(
+                n for n in found if n not in planned)
             found = {n: found[n] for n in names}
         else:
             self.unplanned = ()

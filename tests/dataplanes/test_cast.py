@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from m2n_async._data._transport import Staging, Transport
 
@@ -138,25 +137,8 @@ async def test_nccl_uncast_stays_zero_copy_beside_cast(fake_world: Any) -> None:
         assert a.cast_bytes == a.nbytes == 8 * 8 * 2 and (b.cast_bytes, b.nbytes) == (0, 0)
 
 
-class _Allocations(TorchDispatchMode):
-    """Bytes of every tensor an op creates on this thread while active (no view, no in-place
-    or out= result): what a stage really allocates."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.nbytes = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        for ret, t in zip(func._schema.returns, outs, strict=False):
-            if ret.alias_info is None and isinstance(t, torch.Tensor):
-                self.nbytes += t.untyped_storage().nbytes()
-        return out
-
-
-async def test_nccl_counts_the_temporary_of_an_unaligned_cast(fake_world: Any) -> None:
+async def test_nccl_counts_the_temporary_of_an_unaligned_cast(fake_world: Any,
+                                                              allocations: Any) -> None:
     # 3 bytes of uint8 first: the fp32 -> bf16 cast behind it starts at an odd offset of the
     # peer buffer and goes through a temporary, which the staging holds and counts.
     plan = make_plan([("flag", (3,), torch.uint8, None, None),
@@ -169,7 +151,7 @@ async def test_nccl_counts_the_temporary_of_an_unaligned_cast(fake_world: Any) -
             (bucket,) = t.ctx.buckets
             if rank < plan.trainer_ranks:
                 srcs = cast_sources(plan, rank, 0)
-                with _Allocations() as alloc:  # stage does not yield: only this rank's ops
+                with allocations() as alloc:  # stage does not yield: only this rank's ops
                     st = await t.stage(bucket, sources=srcs)
                 seen.update(allocated=alloc.nbytes, nbytes=st.nbytes)
                 await t.transfer(st).wait()

@@ -29,6 +29,12 @@ PLAN = make_plan(DEFS[:1], (1, 1), (1, 1))
 PLAN2 = make_plan(DEFS[:1], (1, 2), (1, 1))  # two trainers
 
 
+async def _follow(worker: Any, got: list[Any]) -> None:
+    """The versions ``worker.updates()`` yields, then ``"ended"`` once the loop ends."""
+    got.extend([r.version async for r in worker.updates()])
+    got.append("ended")
+
+
 async def _one_round(plan: Any = PLAN) -> tuple[list[Any], list[Any]]:
     trainers, workers = await _connect_all(MemoryStore(), plan)
     await _round(trainers, workers,
@@ -73,15 +79,10 @@ async def test_rank0_leaving_async_with_on_an_error_fails_the_workers_updates() 
 async def test_a_clean_exit_still_ends_the_workers_updates() -> None:
     trainers, workers = await _one_round()
     got: list[Any] = []
-
-    async def follow() -> None:
-        got.extend([r.version async for r in workers[0].updates()])
-        got.append("ended")
-
     try:
         with anyio.fail_after(30):
             async with anyio.create_task_group() as tg:
-                tg.start_soon(follow)
+                tg.start_soon(_follow, workers[0], got)
                 await anyio.sleep(0.2)
                 async with trainers[0]:
                     pass
@@ -255,15 +256,10 @@ async def test_a_cancelled_or_exited_block_ends_the_job_cleanly() -> None:
     for stop in ("cancel", "exit"):
         trainers, workers = await _one_round()
         got: list[Any] = []
-
-        async def follow(w: Any = workers[0], got: list[Any] = got) -> None:
-            got.extend([r.version async for r in w.updates()])
-            got.append("ended")
-
         try:
             with anyio.fail_after(30):
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(follow)
+                    tg.start_soon(_follow, workers[0], got)
                     await anyio.sleep(0.2)
                     if stop == "cancel":
                         with anyio.move_on_after(0.05):

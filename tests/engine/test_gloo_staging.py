@@ -12,7 +12,6 @@ from typing import Any
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from m2n_async._data._native import NativeThread
 from m2n_async._data._transport import TransportContext, TransportSettings
@@ -237,25 +236,7 @@ def test_issue_order_interleaves_peers_and_keeps_each_pairs_order() -> None:
     assert len(order) == 7
 
 
-class _Allocations(TorchDispatchMode):
-    """Bytes of every tensor an op creates on this thread while active (no view, no in-place
-    or out= result): what a pack really allocates."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.nbytes = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        for ret, t in zip(func._schema.returns, outs, strict=False):
-            if ret.alias_info is None and isinstance(t, torch.Tensor):
-                self.nbytes += t.untyped_storage().nbytes()
-        return out
-
-
-def test_a_cast_at_an_unaligned_offset_is_counted_in_the_staging() -> None:
+def test_a_cast_at_an_unaligned_offset_is_counted_in_the_staging(allocations: Any) -> None:
     # uint8 of 3 bytes first: the fp32 -> bf16 casts behind it start at odd offsets in the
     # packed message, so they go through temporaries; those are memory the bucket holds.
     plan = make_plan([("flag", (3,), torch.uint8, None, None),
@@ -270,7 +251,7 @@ def test_a_cast_at_an_unaligned_offset_is_counted_in_the_staging() -> None:
                       _bytes(src["w"].to(torch.bfloat16))])
     try:
         tr.release(tr._pack(bp, src))  # the first cast grows the arena: allocated here
-        with _Allocations() as alloc:
+        with allocations() as alloc:
             staged = tr._pack(bp, src)
         assert staged.arena is not None
         assert alloc.nbytes == (6 + 16) * 2  # a temporary per unaligned cast, no more

@@ -24,9 +24,8 @@ from m2n_async.testing import (
 )
 
 from ._ranks import toy_rank
+from .test_faults import FAST, World
 
-World = Callable[[int, int], LocalWorld]
-FAST = {"phase_timeout": 3.0, "round_timeout": 2.0, "abort_grace": 1.0}
 BAD = 1
 
 
