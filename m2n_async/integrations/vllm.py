@@ -962,7 +962,10 @@ class VLLMTrainerEngine:
         ``update_weights`` while the round runs, then ``finish_weight_update(weight_version)``
         (the version vLLM publishes). Returns this rank's ``SyncResult``. A failed round
         raises the engine's ``TransferError`` (the engine is then POISONED: ``shutdown()``
-        and ``trainer_init`` again); a failed RPC cancels the round and raises its error."""
+        and ``trainer_init`` again). A failed RPC whose round also fails (a worker's
+        ``load_weights`` raised) raises the round's ``TransferError``, the RPC's error in a
+        note; a round still running 5 s after its RPC failed is cancelled and the RPC's
+        error raised."""
         trainer = self._trainer
         if trainer is None:
             raise RuntimeError("m2n_async: send_weights after shutdown(); call trainer_init "
@@ -1085,23 +1088,43 @@ def _share_store(info: TrainerInitInfo, token: str) -> tuple[_ServedStore | None
     return store, str(box[0])
 
 
+_RPC_SETTLE_S = 5.0  # how long a failed RPC waits for the round to report the same failure
+
+
 def _wait_with_rpc(pending: Any, rpc: Future[None] | None, what: str, *,
-                   grace: float = 300.0) -> Any:
-    """Wait for an engine call and, on the sender, for the RPC that runs beside it; an RPC
-    that fails first cancels the engine call (its cancellation semantics apply)."""
+                   grace: float = 300.0, settle: float = _RPC_SETTLE_S) -> Any:
+    """Wait for an engine call and, on the sender, for the RPC that runs beside it.
+
+    An RPC that fails first gives the engine call ``settle`` seconds to end: a worker whose
+    part of the round failed (its ``load_weights`` raised, say) fails the round on every
+    rank, and that diagnosis, naming the rank, is what this rank raises, the RPC's error
+    added as a note. An engine call still running after ``settle`` is cancelled (its
+    cancellation semantics apply) and the RPC's error is raised."""
     if rpc is None:
         return pending.result()
     try:
         done, _ = wait([pending.future, rpc], return_when=FIRST_COMPLETED)
         if rpc in done and rpc.exception() is None:
             wait([pending.future])  # the RPC returned first: the round bounds itself
+        elif rpc in done:
+            wait([pending.future], timeout=min(grace, settle))
     except BaseException:
         pending.cancel()
         raise
-    if rpc.done() and rpc.exception() is not None and not pending.done():
+    rpc_error = rpc.exception() if rpc.done() else None
+    if rpc_error is not None and not pending.done():
         pending.cancel()
-        raise RuntimeError(f"m2n_async: the workers' {what} failed: {rpc.exception()!r}"
-                           ) from rpc.exception()
+        raise RuntimeError(f"m2n_async: the workers' {what} failed: {rpc_error!r}"
+                           ) from rpc_error
+    if rpc_error is not None:
+        try:
+            pending.result()
+        except BaseException as round_error:
+            round_error.add_note(f"m2n_async: the workers' {what} failed too: {rpc_error!r}")
+            raise
+        # This rank's part committed; the workers' side did not.
+        raise RuntimeError(f"m2n_async: the workers' {what} failed: {rpc_error!r}"
+                           ) from rpc_error
     try:
         result = pending.result()
     except BaseException:

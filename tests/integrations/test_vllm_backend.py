@@ -327,6 +327,67 @@ def test_the_update_rpc_is_bounded_by_update_timeout() -> None:
     assert isinstance(err, TimeoutError) and "update_timeout" in str(err), out
 
 
+class _FakePending:
+    """A test double of ``blocking.Pending``: a future the test ends, and a cancel flag."""
+
+    def __init__(self) -> None:
+        from concurrent.futures import Future
+
+        self.future: Future[str] = Future()
+        self.cancelled = False
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def result(self) -> str:
+        return self.future.result()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if not self.future.done():
+            self.future.set_exception(RuntimeError("cancelled by the test"))
+
+
+def test_a_failed_rpc_raises_the_rounds_diagnosis_when_the_round_fails_too() -> None:
+    # The workers' update_weights fails (a load_weights error) a moment before the round
+    # reports that worker's failure on this rank: the round's TransferError, naming the
+    # rank, is what send_weights raises, not a cancellation and the RPC's bare error.
+    import threading
+    from concurrent.futures import Future
+
+    pending, rpc = _FakePending(), Future[None]()
+    rpc.set_exception(RuntimeError("load_weights failed (injected)"))
+    diagnosis = TransferError("round 3 failed: worker rank 2: load_weights failed")
+    threading.Timer(0.2, pending.future.set_exception, (diagnosis,)).start()
+    with pytest.raises(TransferError, match="worker rank 2") as info:
+        backend._wait_with_rpc(pending, rpc, "update_weights", grace=30.0, settle=10.0)
+    assert not pending.cancelled
+    assert any("injected" in note for note in info.value.__notes__)
+
+
+def test_a_failed_rpc_cancels_a_round_that_does_not_end() -> None:
+    # The RPC failed and this rank's round goes on (its workers never began): after
+    # ``settle`` the round is cancelled and the RPC's error raised.
+    from concurrent.futures import Future
+
+    pending, rpc = _FakePending(), Future[None]()
+    rpc.set_exception(ValueError("bad update_info (injected)"))
+    with pytest.raises(RuntimeError, match=r"update_weights failed.*injected"):
+        backend._wait_with_rpc(pending, rpc, "update_weights", grace=30.0, settle=0.2)
+    assert pending.cancelled
+
+
+def test_a_failed_rpc_after_this_ranks_round_committed_raises_the_rpcs_error() -> None:
+    from concurrent.futures import Future
+
+    pending, rpc = _FakePending(), Future[None]()
+    pending.future.set_result("ok")
+    rpc.set_exception(RuntimeError("finish failed (injected)"))
+    with pytest.raises(RuntimeError, match=r"update_weights failed.*injected"):
+        backend._wait_with_rpc(pending, rpc, "update_weights", grace=30.0, settle=0.2)
+    assert not pending.cancelled
+
+
 def test_a_trainer_that_reached_rank_0s_old_store_connects_again(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """Shutdown and init again on every trainer rank, with a fixed store port, in the order
