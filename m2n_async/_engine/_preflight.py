@@ -268,15 +268,6 @@ async def _run_phase(group: ControlGroup, machine: Handshake, inputs: PreflightI
     try:
         machine.receive(payloads)  # PreflightError: the same on every rank
     except PreflightError as error:
-        if settled is not None:
-            # A peer started with a bigger world waits for keys that never come: wake it to
-            # decide on this view too. Bounded, and never in the way of the diagnosis.
-            with anyio.move_on_after(_MISSING_QUERY_TIMEOUT):
-                try:
-                    await group.ring()
-                except StoreError as exc:
-                    error.add_note(f"rank {group.rank} could not wake the peers still "
-                                   f"gathering {phase.value!r}: {exc}")
         if not local:
             raise
         # Same text as the peers'; the failing rank also keeps its own traceback.

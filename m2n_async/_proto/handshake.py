@@ -666,6 +666,8 @@ class Handshake:
         ``hello`` also takes a view by key index, settled by ``hello_settled``: then the
         ranks compared are the view's, which need not be ``0 .. world_size-1`` when the
         topologies differ (so a rank started with the wrong world raises its peers' text).
+        A view that lacks this rank (its peers decided without it) need not be settled for
+        it: this rank is refused, named as not in the group.
         """
         phase = self.phase
         if phase not in ENVELOPE_OF:
@@ -674,7 +676,10 @@ class Handshake:
             raise LocalProtocolError(f"phase {phase.value!r} waits for the records of a plan "
                                      f"disagreement (receive_records), not for envelopes")
         if isinstance(payloads, Mapping):
-            if phase is not Phase.HELLO or not self.hello_settled(payloads):
+            # A view without this rank is one its peers decided on before its envelope
+            # landed (or past it): it decides nothing, it is refused by it (_check_hello).
+            outside = self.rank not in payloads
+            if phase is not Phase.HELLO or not (outside or self.hello_settled(payloads)):
                 raise LocalProtocolError(f"phase {phase.value!r}: a view of ranks "
                                          f"{sorted(payloads)} is not one to decide on")
             view = dict(sorted(payloads.items()))
@@ -852,6 +857,11 @@ class Handshake:
             h = hellos[r]
             _add(failures, r, f"topology world_size={h.world_size}, trainer_ranks="
                               f"{h.trainer_ranks} differs: {note}")
+        if self.rank not in self._view:
+            _add(failures, self.rank,
+                 f"rank {self.rank} (started with world_size={self.world_size}, trainer_ranks="
+                 f"{self.trainer_ranks}) is not in the group: ranks {list(self._view)} agreed "
+                 f"on hello without it")
         if topo is not None:
             world, trainers = topo
             # The ranks compared, not this rank's own world_size: a rank started with another

@@ -39,7 +39,10 @@ __all__ = ["ControlGroup", "drop_departed", "gather_past_departures"]
 
 T = TypeVar("T")
 _ALIVE: Final[str] = "alive"
+#: The recorded view of an ``all_gather_open`` call, under its prefix beside the ranks' keys.
+_VIEW: Final[str] = "view"
 _encoder = msgspec.msgpack.Encoder()
+_view_decoder = msgspec.msgpack.Decoder(dict[int, bytes])
 
 
 async def drop_departed(store: Store, exc: PeerLostError, watch: list[str],
@@ -145,60 +148,78 @@ class ControlGroup:
     async def all_gather_open(self, payload: bytes,
                               settled: Callable[[Mapping[int, bytes]], bool]
                               ) -> dict[int, bytes]:
-        """An all-gather whose contributions say when it is complete: every key present, by
-        index, once ``settled(view)`` holds; indices beyond ``world_size`` included.
+        """An all-gather whose contributions say when it is complete: the contributions by
+        key index, indices beyond ``world_size`` included, once ``settled(view)`` holds —
+        the same view on every rank.
 
         For a call that agrees on the group itself (the handshake's ``hello``): a rank
         started with another world size gathers a different number of keys from its peers,
         so the count it was given cannot say when it has them all. The first round trip is
         the ordinary call's (``world_size`` keys); while the view is not settled it waits for
-        one more key. A rank that waits for keys that never come (its world is too big) is
-        woken by ``ring()`` from a peer that decided: it then looks at what is there.
+        one more key. The first rank whose view settles records that view (first writer
+        wins, under the call's prefix as ``view``), and every rank returns the recorded one:
+        ranks that raced a key landing late (a stray rank, one of another world) still
+        decide on the same contributions. The recording rank then rings the call's bell (a
+        key beside the prefix, tombstoned), which every such gather watches: a rank still
+        waiting for keys that never come (its world is too big), or one that posts after
+        the decision, reads the record at once.
 
-        Raises ``PeerLostError`` as ``all_gather_bytes`` does.
+        Raises ``PeerLostError`` as ``all_gather_bytes`` does; ``RemoteProtocolError`` for a
+        record that does not decode.
 
-        Cancellation: as for ``all_gather_bytes``.
+        Cancellation: as for ``all_gather_bytes``. A rank cancelled after it recorded its
+        view leaves the record, and the peers that see it decide on it; if the bell was not
+        rung, a rank waiting for keys that never come waits on in its own cancel scope.
         """
         seq = self._seq
-        bell = self._bell(seq)
         kind = "all_gather"
         prefix = f"{self.namespace}/c/{seq}/{kind}/"
+        record = f"{prefix}{_VIEW}"
+        bell = f"{self.namespace}/c/{seq}/bell"  # beside the prefix: gathers count under it
         watch = [*self._watch, bell]
         owner = {self.alive_key(r): f"{prefix}{r}" for r in range(self.world_size)}
         store = self.store
-        try:
-            _, items = await self._post(kind, payload, tuple(watch))
-        except PeerLostError as exc:
-            if exc.key == bell:  # a peer decided before this rank's first gather returned
+
+        async def lost(exc: PeerLostError) -> dict[str, bytes]:
+            # The bell: a rank decided (maybe long ago: it stays tombstoned), so the record
+            # is there. Otherwise a peer's session ended; one that contributed is no reason
+            # to fail (``drop_departed``).
+            if exc.key == bell:
                 watch.remove(bell)
             elif not await drop_departed(store, exc, watch, owner):
                 raise self._peer_lost(exc, kind, seq) from None
-            items = await store.gather(prefix, 0)
+            return await store.gather(prefix, 0)
+
+        try:
+            _, items = await self._post(kind, payload, tuple(watch))
+        except PeerLostError as exc:
+            items = await lost(exc)
         while True:
+            recorded = items.pop(record, None)
+            if recorded is not None:
+                return self._recorded_view(recorded, record)
             view = {self._index_of(key, prefix): value for key, value in items.items()}
             if settled(view):
+                swapped, current = await store.compare_set(record, None,
+                                                           _encoder.encode(view))
+                if not swapped and current is not None:
+                    return self._recorded_view(current, record)
+                # Wake the ranks still waiting (for keys that may never come), and, as a
+                # tombstone, any rank that posts later: both then read the record.
+                await store.set(bell, b"", ephemeral=True)
+                await store.delete(bell, lost=True)
                 return view
             try:
                 items = await store.gather(prefix, len(items) + 1, watch=tuple(watch))
             except PeerLostError as exc:
-                if exc.key == bell:  # a peer decided: see what it saw (and any more)
-                    watch.remove(bell)
-                elif not await drop_departed(store, exc, watch, owner):
-                    raise self._peer_lost(exc, kind, seq) from None
-                items = await store.gather(prefix, 0)
+                items = await lost(exc)
 
-    async def ring(self) -> None:
-        """Wake the ranks still waiting in this rank's last ``all_gather_open``: it decided,
-        and their view may never settle by count alone (they expect keys that never come).
-
-        Cancellation: a rank still waiting may not have been woken; they wait on in their
-        own cancel scope.
-        """
-        bell = self._bell(self._seq - 1)
-        # A lost key is what wakes a waiter watching it (a plain write would not: a gather
-        # waits for a count of keys under its prefix, and the bell is not under it).
-        await self.store.set(bell, b"", ephemeral=True)
-        await self.store.delete(bell, lost=True)
+    def _recorded_view(self, data: bytes, key: str) -> dict[int, bytes]:
+        try:
+            return dict(sorted(_view_decoder.decode(data).items()))
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise RemoteProtocolError(f"group {self.namespace!r}: the recorded view {key!r} "
+                                      f"does not decode: {exc}") from None
 
     async def all_gather(self, envelope: T, type_: type[T]) -> list[T]:
         """Every rank's ``envelope`` (a msgspec-encodable value), decoded as ``type_``.
@@ -240,7 +261,8 @@ class ControlGroup:
         if self._current is None:
             return []
         present = await self.store.gather(self._current, 0)
-        arrived = {self._index_of(key, self._current) for key in present}
+        arrived = {self._index_of(key, self._current) for key in present
+                   if key != f"{self._current}{_VIEW}"}
         return [r for r in range(self.world_size) if r not in arrived]
 
     async def aclose(self, *, lost: bool = False) -> None:
@@ -262,10 +284,6 @@ class ControlGroup:
         await self.store.delete(self.alive_key(self.rank), lost=lost)
 
     # --- machinery -----------------------------------------------------------------------
-
-    def _bell(self, seq: int) -> str:
-        # Beside the call's prefix, not under it: a gather counts every key under its prefix.
-        return f"{self.namespace}/c/{seq}/bell"
 
     async def _collective(self, kind: str, payload: bytes) -> list[bytes]:
         seq = self._seq
@@ -310,7 +328,7 @@ class ControlGroup:
                 await store.delete(stale)
                 self._own_keys.remove(stale)
             if watch is not self._watch:
-                raise  # ``all_gather_open`` waits past departures with its bell in the watch
+                raise  # ``all_gather_open`` waits past departures itself (any index)
             items = await self._wait_past_departures(exc, prefix, kind, seq)
             return prefix, items
         if stale is not None:

@@ -129,9 +129,6 @@ class FaultyGroup:
         payload = await self._fault_at_gather(payload)
         return await self.inner.all_gather_open(payload, settled)
 
-    async def ring(self) -> None:
-        await self.inner.ring()
-
     async def all_gather_bytes(self, payload: bytes) -> list[bytes]:
         payload = await self._fault_at_gather(payload)
         return await self.inner.all_gather_bytes(payload)

@@ -62,6 +62,10 @@ CASES = [
     # Two against two: no majority, so every rank is named (the handshake's rule).
     pytest.param(2, 2, {2: {"world_size": 5}, 3: {"world_size": 5}}, id="two-bigger-tied"),
     pytest.param(2, 3, {3: {"world_size": 6}, 4: {"world_size": 6}}, id="two-bigger"),
+    # Two wrong ones of different worlds: the first rank to decide records the view, so a
+    # rank whose own view would settle on fewer envelopes still raises the same text.
+    pytest.param(2, 3, {2: {"world_size": 3}, 4: {"world_size": 7}}, id="smaller-and-bigger"),
+    pytest.param(3, 4, {1: {"world_size": 4}, 2: {"world_size": 4}}, id="two-smaller"),
 ]
 
 
@@ -93,3 +97,58 @@ async def test_the_text_names_the_culprit_and_the_majority() -> None:
     assert isinstance(e, PreflightError)
     assert e.failures == {3: "topology world_size=5, trainer_ranks=2 differs: 3 rank(s) "
                              "[0, 1, 2] have (4, 2)"}
+
+
+
+async def stray_world(t: int, n: int, late: int, after: int
+                      ) -> dict[int, BaseException | PreflightOutcome]:
+    """``t + n`` ranks of one job and a stray one more, rank ``t + n`` of a world of
+    ``t + n + 1`` (a launcher that started one process too many); rank ``late`` starts
+    ``after`` turns of the event loop behind the others."""
+    root = MemoryStore()
+    ns = f"job/{GEN}/preflight"
+    out: dict[int, BaseException | PreflightOutcome] = {}
+    stray = t + n
+
+    async def rank_main(r: int) -> None:
+        if r == late:
+            for _ in range(after):
+                await anyio.lowlevel.checkpoint()
+        inputs = make_inputs(r, t, n, Log())
+        if r == stray:
+            inputs = dataclasses.replace(make_inputs(r - 1, t, n, Log()), rank=r,
+                                         world_size=t + n + 1)
+        group = ControlGroup(root.session(), r, inputs.world_size, ns)
+        try:
+            out[r] = await run_preflight(group, inputs, phase_timeout=LONG)
+        except Exception as exc:
+            out[r] = exc
+            await group.aclose(lost=True)
+
+    with anyio.fail_after(BOUND):
+        async with anyio.create_task_group() as tg:
+            for r in range(t + n + 1):
+                tg.start_soon(rank_main, r)
+    return out
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("after", range(0, 40, 4))
+@pytest.mark.parametrize("late", [4, 3], ids=["stray-late", "member-late"])
+async def test_a_stray_rank_gets_one_outcome_on_every_member(late: int, after: int) -> None:
+    # However the stray's hello lands among the members', the members decide on one view:
+    # all pass (the first of them decided before it landed) or all raise one text naming
+    # it. The stray is refused either way, at once, never waiting for keys of a world of 5
+    # (the members' keys of hello are gone once they are two phases on).
+    out = await stray_world(2, 2, late, after)
+    stray = out[4]
+    assert isinstance(stray, PreflightError) and stray.phase == "hello", repr(stray)
+    assert set(stray.failures) == {4}, stray.failures
+    members = [out[r] for r in range(4)]
+    if all(isinstance(m, PreflightOutcome) for m in members):
+        assert "is not in the group: ranks [0, 1, 2, 3] agreed" in stray.failures[4]
+        return
+    assert all(isinstance(m, PreflightError) for m in members), [repr(m) for m in members]
+    assert len({str(m) for m in members} | {str(stray)}) == 1, [str(m) for m in members]
+    assert stray.failures == {4: "topology world_size=5, trainer_ranks=2 differs: 4 rank(s) "
+                                 "[0, 1, 2, 3] have (4, 2)"}

@@ -343,22 +343,48 @@ async def test_all_gather_open_takes_any_index_and_waits_until_settled(world: Wo
     assert [0, 1, 2] in seen
 
 
-async def test_ring_wakes_a_rank_waiting_for_keys_that_never_come(world: World) -> None:
+async def test_the_first_decided_view_wakes_a_rank_waiting_for_keys_that_never_come(
+        world: World) -> None:
     stores = [await world.session() for _ in range(2)]
     big = ControlGroup(stores[0], 0, 5, "job/1/g")  # waits for 5 keys; 2 will ever exist
     small = ControlGroup(stores[1], 1, 2, "job/1/g")
     for g in (big, small):
         await g.join()
+    got: dict[int, bytes] = {}
 
     async def waiting() -> None:
-        # Its first gather wants 5 keys: only the bell can end it.
-        got = await big.all_gather_open(b"a", lambda view: len(view) == 2)
-        assert got == {0: b"a", 1: b"b"}
+        # Its first gather wants 5 keys: only the decision of a peer can end it.
+        got.update(await big.all_gather_open(b"a", lambda view: len(view) == 5))
 
     with anyio.fail_after(DEADLINE / 4):
         async with anyio.create_task_group() as tg:
             tg.start_soon(waiting)
-            await small.all_gather_open(b"b", lambda view: len(view) == 2)
+            mine = await small.all_gather_open(b"b", lambda view: len(view) == 2)
             started = time.monotonic()
-            await small.ring()
     assert time.monotonic() - started < 1.0
+    assert got == mine == {0: b"a", 1: b"b"}
+
+
+async def test_every_rank_returns_the_first_recorded_view(world: World) -> None:
+    # Rank 1's own rule never settles: it returns the view rank 0 recorded. So does a rank
+    # that posts after the decision (its own key is not in the view), and a second call
+    # of the same prefix.
+    stores = [await world.session() for _ in range(3)]
+    groups = [ControlGroup(stores[r], r, 2, "job/1/g") for r in range(2)]
+    late = ControlGroup(stores[2], 2, 9, "job/1/g")  # a world of 9: 7 keys never come
+    for g in (*groups, late):
+        await g.join()
+
+    def settled(view: object) -> bool:
+        return {0, 1} <= set(view)  # type: ignore[call-overload]
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(groups[1].all_gather_open, b"b", lambda view: False)  # waits
+        first = await groups[0].all_gather_open(b"a", settled)
+    assert first == {0: b"a", 1: b"b"}
+    # Rank 1 posted again: a fresh group of the same namespace replays call 0.
+    again = ControlGroup(stores[1], 1, 2, "job/1/g")
+    with anyio.fail_after(DEADLINE / 4):
+        second = await again.all_gather_open(b"b", settled)
+        third = await late.all_gather_open(b"c", lambda view: len(view) == 9)
+    assert second == third == first
