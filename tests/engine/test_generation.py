@@ -154,6 +154,19 @@ async def test_a_rank_joins_the_generation_rank_0_waits_in(kind: str) -> None:
 
 
 @kinds
+async def test_the_job_keeps_one_open_key_however_many_connects(kind: str) -> None:
+    async with stores(kind) as open_store:
+        s0, s1 = await open_store(), await open_store()
+        for g in (1, 2, 3, 4):
+            c0, g0 = await connect(s0, 0)
+            c1, g1 = await connect(s1, 1)
+            assert g0 == g1 == g
+            assert list(await s0.gather(f"{JOB}/open/", 0)) == [f"{JOB}/open/{g}"]
+            await c0.release()
+            await c1.release()
+
+
+@kinds
 async def test_rank_0_restarting_opens_the_generation_the_others_join(kind: str) -> None:
     async with stores(kind) as open_store:
         s0, s1 = await open_store(), await open_store()
