@@ -37,7 +37,7 @@ from collections.abc import (
     Sequence,
 )
 from contextlib import contextmanager
-from typing import Any, Literal, Self
+from typing import Any, Final, Literal, Self
 
 import anyio
 import anyio.lowlevel
@@ -100,6 +100,9 @@ from m2n_async._store import (
 __all__ = ["TrainerEngine", "WorkerEngine"]
 
 log = logging.getLogger("m2n_async")
+#: How a rank's gone note starts when its data plane failed to connect: its peers raise that
+#: text (``_connect_data_plane``), not the bare loss.
+_CONNECT_NOTE: Final[str] = "connected: "
 
 Progress = Callable[[int, int], None]
 
@@ -344,10 +347,11 @@ class _Engine:
     async def _connect_data_plane(self, rdv: Rendezvous) -> None:
         """``transport.connect``, its failures phrased as the ``connected`` phase's.
 
-        The rank that fails raises ``PreflightError("connected", {its rank: why})`` and leaves
-        as lost (``_release``); its peers, waiting for it in the rendezvous or in the barrier
-        that ends the phase (``_confirm_connected``), then raise
-        ``PreflightError("connected", {that rank: "was lost ..."})`` at once.
+        The rank that fails raises ``PreflightError("connected", {its rank: why})``, leaves
+        ``why`` as its gone note and leaves as lost (``_release``); its peers, waiting for it
+        in the rendezvous or in the barrier that ends the phase (``_confirm_connected``),
+        then raise the same error at once (they read the note; a rank lost without one, its
+        process killed, is ``{that rank: "was lost ..."}``).
         """
         assert self._transport is not None and self._outcome is not None
         name = self._outcome.transport
@@ -361,19 +365,38 @@ class _Engine:
         except PeerLostError as exc:
             lost = self._lost_rank(exc)
             who = lost if lost is not None else self.rank
-            # One text on every rank (as the other phases' failures): the observer's view,
-            # its rank and the group's own message, goes in a note.
-            error = PreflightError(phase, {who: f"was lost while the {name} data plane "
-                                                f"connected (its store session ended)"},
+            # One text on every rank (as the other phases' failures): the failing rank's own,
+            # from its note, else the loss; the observer's view, its rank and the group's own
+            # message, goes in a note.
+            why = await self._gone_note(who) if lost is not None else None
+            error = PreflightError(phase, {who: why or f"was lost while the {name} data "
+                                                       f"plane connected (its store session "
+                                                       f"ended)"},
                                    generation=self._generation)
             error.add_note(f"seen by rank {self.rank}: {exc}")
             raise error from exc
         except TimeoutError:
             raise
         except Exception as exc:
-            raise PreflightError(phase, {self.rank: f"could not connect the {name} data "
-                                                    f"plane: {type(exc).__name__}: {exc}"},
+            why = f"could not connect the {name} data plane: {type(exc).__name__}: {exc}"
+            if self._rounds is not None:
+                # Before the liveness key goes (_release): a peer that sees it gone reads it.
+                await self._rounds.note_leaving(f"{_CONNECT_NOTE}{why}")
+            raise PreflightError(phase, {self.rank: why},
                                  generation=self._generation) from exc
+
+    async def _gone_note(self, rank: int) -> str | None:
+        """The text ``rank`` left when its data plane failed to connect, if it left one."""
+        assert self._rounds is not None
+        with anyio.move_on_after(self.config.abort_grace):
+            try:
+                raw = await self._store.get(self._rounds.gone_key(rank))
+            except M2NError:
+                return None
+            text = None if raw is None else raw.decode(errors="replace")
+            if text is not None and text.startswith(_CONNECT_NOTE):
+                return text[len(_CONNECT_NOTE):]
+        return None
 
     async def _confirm_connected(self, limit: float) -> None:
         """A barrier of every rank after its data plane connected (bounded)."""

@@ -253,7 +253,7 @@ async def test_rank_that_cannot_connect_its_data_plane_fails_every_rank_alike() 
         assert isinstance(exc, PreflightError), (side, result)
         assert exc.phase == "connected" and list(exc.failures) == [1], (side, exc)
     assert "could not connect the gloo data plane" in str(result["worker"])
-    assert "was lost while the gloo data plane connected" in str(result["trainer"])
+    assert str(result["trainer"]) == str(result["worker"])  # one text, the failing rank's
     assert when["trainer"] < CFG.phase_timeout / 2
 
 
