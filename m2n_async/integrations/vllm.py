@@ -939,7 +939,10 @@ class VLLMTrainerEngine:
                     rpc = executor.submit(client.init_weight_transfer_engine,
                                           _worker_payload(info, address, specs))
                 try:
-                    trainer = _wait_with_rpc(pending, rpc, "init_weight_transfer_engine")
+                    # settle=0: a worker whose init failed may never have joined the
+                    # handshake, so its peers would wait out phase_timeout: cancel at once.
+                    trainer = _wait_with_rpc(pending, rpc, "init_weight_transfer_engine",
+                                             settle=0.0)
                     break
                 except StoreError as exc:
                     if isinstance(exc, AuthenticationError) or time.monotonic() > retry_until:
