@@ -28,6 +28,7 @@ smoke run); ``--profile`` writes a cProfile of each rank process's main thread.
 from __future__ import annotations
 
 import argparse
+import operator
 import os
 import platform
 import statistics
@@ -101,6 +102,7 @@ class RankFigures(msgspec.Struct):
     tiny_connect_s: float = 0.0
     tiny_phases: dict[str, float] = {}  # this rank's last part-2 SyncResult.phases
     tiny_floor_s: list[float] = []     # raw + the copies without checks: torch's own floor
+    tiny_check_s: list[float] = []     # one fast check pass over the shards: its own floor
     lag_tiny: list[float] = []
 
 
@@ -377,6 +379,17 @@ async def _part_tiny(args: Args, rank: int, out: RankFigures) -> None:
         async def floor() -> None:  # the copies any packer must make, then the send
             torch.cat(ordered, out=flat_out)
             dist.send(buf, tiny_worker)
+
+        # The engine's own per-round fast pass (dtypes, shapes, device, contiguity) over the
+        # same tensors, as each side runs it once per round: what no check can go below.
+        from m2n_async._engine._sources import device_predicates, laid_out
+        on_cpu = device_predicates("cpu")[1]
+        shapes = [t.shape for t in ordered]
+        dtypes = [t.dtype for t in ordered]
+
+        def check() -> None:
+            assert all(map(operator.is_, map(operator.attrgetter("dtype"), ordered), dtypes))
+            assert laid_out(ordered, shapes, on_cpu)
     else:
         targets = {s.name: (torch.zeros(16), None) for s in specs}
         engine = await WorkerEngine.connect(
@@ -406,6 +419,10 @@ async def _part_tiny(args: Args, rank: int, out: RankFigures) -> None:
             out.tiny_phases = dict(res.phases)
             out.tiny_raw_s.append((await _timed(raw, None, sub))[0])
             out.tiny_floor_s.append((await _timed(floor, None, sub))[0])
+            if rank == TINY_TRAINER:
+                began = time.perf_counter()
+                check()
+                out.tiny_check_s.append(time.perf_counter() - began)
     finally:
         await engine.close()
 
@@ -547,6 +564,9 @@ def main(argv: list[str] | None = None) -> int:
               f"the same tensors, no checks: median {t_floor:.4f} s = "
               f"{(t_floor - t_raw) / n * 1e6:.2f} us per parameter over raw; the engine "
               f"beyond it: {(t_eng - t_floor) / n * 1e6:.2f} us")
+        t_check = statistics.median(res[TINY_TRAINER].tiny_check_s)
+        print(f"   the engine's fast check pass alone (dtype, shape, device, contiguity; "
+              f"each side runs one per round): {t_check / n * 1e6:.2f} us per parameter")
         for who, rr in (("trainer", res[TINY_TRAINER]), ("worker", res[ns.trainers])):
             ph = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in rr.tiny_phases.items())
             print(f"   {who} phases of the last round, ms: {ph}")

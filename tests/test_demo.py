@@ -245,7 +245,8 @@ def test_cpu_sync_bench_tiny(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
-    for piece in ("sync_weights / raw gloo", "host overhead per parameter", "event-loop lag p99"):
+    for piece in ("sync_weights / raw gloo", "host overhead per parameter",
+                  "fast check pass alone", "event-loop lag p99"):
         assert piece in out, out
     # --api-marks: every rank's steps, per part (the tiny part's worker is engine rank 1)
     steps = out[out.index("the public API's steps"):]
