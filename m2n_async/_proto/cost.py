@@ -97,7 +97,8 @@ class Prediction(NamedTuple):
 
 def cost_inputs(lanes: Mapping[str, tuple[float, float, float]],
                 bucket_bytes: Mapping[str, int], coalesce_below: int) -> CostInputs:
-    """Validated ``CostInputs`` from per-lane terms and each lane's bucket size."""
+    """Validated ``CostInputs`` from per-lane terms and each lane's bucket size; the values
+    are checked by ``costs_problem``, as a peer's are."""
     out = []
     for lane in sorted(lanes):
         if lane not in LANE_NAMES:
@@ -105,14 +106,16 @@ def cost_inputs(lanes: Mapping[str, tuple[float, float, float]],
                             f"{', '.join(sorted(LANE_NAMES))})")
         terms = lanes[lane]
         if len(terms) != 3 or not all(isinstance(x, int | float) and not isinstance(x, bool)
-                                      and math.isfinite(x) and x >= 0 for x in terms):
+                                      for x in terms):
             raise PlanError(f"cost terms of {lane!r} must be three finite numbers >= 0 "
                             f"(call_seconds, param_seconds, bytes_per_second), got {terms!r}")
-        if not terms[2] > 0:
-            raise PlanError(f"cost terms of {lane!r}: bytes_per_second must be > 0")
         out.append(LaneCost(lane, float(terms[0]), float(terms[1]), float(terms[2]),
                             int(bucket_bytes[lane])))
-    return CostInputs(tuple(out), int(coalesce_below))
+    costs = CostInputs(tuple(out), int(coalesce_below))
+    problem = costs_problem(costs)
+    if problem is not None:
+        raise PlanError(f"cost terms: {problem}")
+    return costs
 
 
 def costs_problem(costs: CostInputs | None) -> str | None:

@@ -67,6 +67,15 @@ def test_bad_terms_are_plan_errors() -> None:
             parse_costs(text)
     with pytest.raises(PlanError, match="bytes_per_second"):
         cost_inputs({"m2n": (1.0, 1.0, 0.0)}, BUCKETS, 0)
+    # What a peer's envelope may carry is refused locally with the same words.
+    for terms, match in [((float("nan"), 0.0, 1.0), "finite"), ((-1.0, 0.0, 1.0), ">= 0"),
+                         ((1.0, float("inf"), 1.0), "finite"), ((True, 0.0, 1.0), "numbers")]:
+        with pytest.raises(PlanError, match=match):
+            cost_inputs({"m2n": terms}, BUCKETS, 0)  # type: ignore[dict-item]
+    with pytest.raises(PlanError, match="coalesce_below -1 < 0"):
+        cost_inputs(DEFAULT_LANES, BUCKETS, -1)
+    with pytest.raises(PlanError, match="bucket_bytes 0 < 1"):
+        cost_inputs({"m2n": DEFAULT_LANES["m2n"]}, {**BUCKETS, "m2n": 0}, 0)
 
 
 def test_plan_command_reports_the_predictions() -> None:
