@@ -58,7 +58,7 @@ from m2n_async._engine._config import EngineConfig, EngineState, SyncResult
 from m2n_async._engine._generation import join_generation
 from m2n_async._engine._pipeline import PipelineStats, run_pipeline, unwrap_group
 from m2n_async._engine._preflight import PreflightInputs, PreflightOutcome, run_preflight
-from m2n_async._engine._round import JobEnded, RoundDriver, RoundOutcome
+from m2n_async._engine._round import NOTE_CHARS, JobEnded, RoundDriver, RoundOutcome
 from m2n_async._engine._sources import (  # _INLINE_PARAMS: re-exported for callers
     _INLINE_PARAMS as _INLINE_PARAMS,
 )
@@ -379,6 +379,10 @@ class _Engine:
             raise
         except Exception as exc:
             why = f"could not connect the {name} data plane: {type(exc).__name__}: {exc}"
+            # Cut to what the note carries, so that the peers raise this very text.
+            limit = NOTE_CHARS - len(_CONNECT_NOTE)
+            if len(why) > limit:
+                why = why[:limit - 1] + "…"
             if self._rounds is not None:
                 # Before the liveness key goes (_release): a peer that sees it gone reads it.
                 await self._rounds.note_leaving(f"{_CONNECT_NOTE}{why}")

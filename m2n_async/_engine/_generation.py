@@ -23,8 +23,8 @@ longer holds the claim, and tickets only grow, so it never will again), and so d
 generation below the counter; the rank then waits on the next one, or on the counter's own,
 which rank 0 may be opening right now. A rank 0 that went between advancing the counter and
 writing the open key leaves a generation whose key never comes: the wait re-reads the claim
-every ``_RECHECK_S`` and finds the next holder's generation there. Rank 0 deletes the open
-key of the generation before its own, so the job keeps one.
+every ``_RECHECK_S`` and finds the next holder's generation there. Rank 0 deletes the older
+open keys before it writes its own, so the job keeps one.
 
 If rank 0 has moved on again meanwhile, the stale generation fails at once in the store and
 the rank simply reconnects.
@@ -69,12 +69,12 @@ async def join_generation(store: Store, job: str, rank: int, *, claim: Claim,
         generation = await next_generation(store, job)
         # The claim first: a rank that the open key wakes must find the generation named.
         await claim.joined(generation)
+        # One open key per job, not one per connect: older ones are only wake-ups, and the
+        # claim already names this generation, so a rank still waiting on an older key
+        # finds it at its next read of the claim (``_RECHECK_S``). All of them: a rank 0
+        # that went before writing its own left the one before it.
+        await store.delete_prefix(f"{job}/open/")
         await store.set(f"{job}/open/{generation}", b"1")
-        if generation > 1:
-            # One open key per job, not one per connect: the last one is only a wake-up, and
-            # the claim already names this generation, so a rank still waiting on the older
-            # key finds it at its next read of the claim (``_RECHECK_S``).
-            await store.delete(f"{job}/open/{generation - 1}")
         await store.set(joined_key, str(generation).encode())
         return generation
     raw = await store.get(joined_key)

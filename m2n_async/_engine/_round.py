@@ -62,7 +62,7 @@ from m2n_async._proto.round import (
 )
 from m2n_async._store import ControlGroup, StaleGenerationError, Store, drop_departed
 
-__all__ = ["JobEnded", "RoundDriver", "RoundOutcome"]
+__all__ = ["NOTE_CHARS", "JobEnded", "RoundDriver", "RoundOutcome"]
 
 log = logging.getLogger("m2n_async")
 
@@ -73,7 +73,7 @@ _KEEP_ROUNDS = 3
 _LEFT_POLL_S = 1.0
 #: The most of an error's text a rank that closes on it leaves for its peers (a note, a
 #: closing start): enough for a message, small beside the store's limits.
-_NOTE_CHARS = 2000
+NOTE_CHARS = 2000
 #: How long a rank whose data plane failed without naming a peer asks the store whether a
 #: peer died or recorded a failure first (a tombstone follows a killed peer within moments).
 _ATTRIBUTE_S = 1.0
@@ -681,7 +681,7 @@ class RoundDriver:
         with anyio.move_on_after(self.abort_grace):
             try:
                 await self.store.set(self.gone_key(self.rank),
-                                     error[:_NOTE_CHARS].encode(errors="replace"))
+                                     error[:NOTE_CHARS].encode(errors="replace"))
             except M2NError as exc:
                 log.debug("rank %d could not leave its error note: %r", self.rank, exc)
 
@@ -721,7 +721,7 @@ class RoundDriver:
         from m2n_async._proto.messages import PROTO_VERSION
 
         closing = RoundStart(PROTO_VERSION, self.generation, round_, version, round_timeout,
-                             True, None if error is None else error[:_NOTE_CHARS])
+                             True, None if error is None else error[:NOTE_CHARS])
         with anyio.move_on_after(self.abort_grace):
             try:
                 swapped, current = await self.store.compare_set(

@@ -663,11 +663,12 @@ class Handshake:
         phase with ``wants_records`` set (``error`` holds the diagnosis so far), and the
         driver gathers ``records()`` for ``receive_records``, which raises the final error.
 
-        ``hello`` also takes a view by key index, settled by ``hello_settled``: then the
-        ranks compared are the view's, which need not be ``0 .. world_size-1`` when the
-        topologies differ (so a rank started with the wrong world raises its peers' text).
-        A view that lacks this rank (its peers decided without it) need not be settled for
-        it: this rank is refused, named as not in the group.
+        ``hello`` also takes a view by key index: the one ``ControlGroup.all_gather_open``
+        returns, settled by ``hello_settled`` on the rank that recorded it and the same on
+        every rank. The ranks compared are the view's, which need not be ``0 ..
+        world_size-1`` when the topologies differ (so a rank started with the wrong world
+        raises its peers' text). A view that lacks this rank (its peers decided without it)
+        refuses it, named as not in the group.
         """
         phase = self.phase
         if phase not in ENVELOPE_OF:
@@ -676,12 +677,14 @@ class Handshake:
             raise LocalProtocolError(f"phase {phase.value!r} waits for the records of a plan "
                                      f"disagreement (receive_records), not for envelopes")
         if isinstance(payloads, Mapping):
-            # A view without this rank is one its peers decided on before its envelope
-            # landed (or past it): it decides nothing, it is refused by it (_check_hello).
-            outside = self.rank not in payloads
-            if phase is not Phase.HELLO or not (outside or self.hello_settled(payloads)):
-                raise LocalProtocolError(f"phase {phase.value!r}: a view of ranks "
-                                         f"{sorted(payloads)} is not one to decide on")
+            # The view the group recorded (``all_gather_open``): settled by the rank that
+            # recorded it, and the same on every rank, so it is not settled again here: a
+            # rank's own rule may disagree with a view it did not record (every envelope a
+            # failure, so no topology to go by; a view without this rank, decided before
+            # its envelope landed, which then refuses it in _check_hello).
+            if phase is not Phase.HELLO:
+                raise LocalProtocolError(f"phase {phase.value!r} gathers a list of "
+                                         f"world_size envelopes, not a view by key index")
             view = dict(sorted(payloads.items()))
         elif len(payloads) != self.world_size:
             raise LocalProtocolError(f"phase {phase.value!r}: got {len(payloads)} envelopes "

@@ -941,8 +941,12 @@ class VLLMTrainerEngine:
                 try:
                     # settle=0: a worker whose init failed may never have joined the
                     # handshake, so its peers would wait out phase_timeout: cancel at once.
-                    trainer = _wait_with_rpc(pending, rpc, "init_weight_transfer_engine",
-                                             settle=0.0)
+                    try:
+                        trainer = _wait_with_rpc(pending, rpc, "init_weight_transfer_engine",
+                                                 settle=0.0)
+                    except BaseException:
+                        _close_connected(pending)  # the RPC failed as the connect succeeded
+                        raise
                     break
                 except StoreError as exc:
                     if isinstance(exc, AuthenticationError) or time.monotonic() > retry_until:
@@ -1091,6 +1095,16 @@ def _share_store(info: TrainerInitInfo, token: str) -> tuple[_ServedStore | None
     return store, str(box[0])
 
 
+def _close_connected(pending: Any) -> None:
+    """Close the engine of a connect that succeeded although its call raised (the RPC beside
+    it failed): it holds this rank's claim, and the next ``trainer_init`` would wait for it."""
+    if not pending.future.done() or pending.future.cancelled():
+        return
+    if pending.future.exception() is None:
+        with contextlib.suppress(Exception):
+            pending.future.result().close()
+
+
 _RPC_SETTLE_S = 5.0  # how long a failed RPC waits for the round to report the same failure
 
 
@@ -1125,7 +1139,8 @@ def _wait_with_rpc(pending: Any, rpc: Future[None] | None, what: str, *,
         except BaseException as round_error:
             round_error.add_note(f"m2n_async: the workers' {what} failed too: {rpc_error!r}")
             raise
-        # This rank's part committed; the workers' side did not.
+        # This rank's part succeeded (its round committed, its connect finished); the
+        # workers' side did not.
         raise RuntimeError(f"m2n_async: the workers' {what} failed: {rpc_error!r}"
                            ) from rpc_error
     try:

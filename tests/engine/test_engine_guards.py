@@ -243,6 +243,28 @@ async def test_rank_cancelled_while_connecting_is_lost_to_its_peers_at_once() ->
     assert "rank 1" in str(result["trainer"]) and when["trainer"] < CFG.phase_timeout / 2
 
 
+@pytest.mark.parametrize("chars", [100, 3000])
+async def test_a_long_connect_error_is_one_text_on_every_rank(
+        monkeypatch: pytest.MonkeyPatch, chars: int) -> None:
+    # The failing rank's text reaches its peers through its note, which holds 2000
+    # characters: the rank raises the text cut as the note is.
+    from m2n_async._data import gloo
+
+    real = gloo.GlooTransport.connect
+
+    async def connect(self: gloo.GlooTransport, rdv: Any) -> None:
+        if self.ctx.rank == 1:
+            raise RuntimeError("y" * chars)
+        await real(self, rdv)
+
+    monkeypatch.setattr(gloo.GlooTransport, "connect", connect)
+    result, _ = await _connect_pair(MemoryStore(), CFG, cancel_worker=False)
+    trainer, worker = result["trainer"], result["worker"]
+    assert isinstance(trainer, PreflightError) and isinstance(worker, PreflightError), result
+    assert str(trainer) == str(worker)
+    assert "y" * min(chars, 1000) in worker.failures[1]
+
+
 async def test_rank_that_cannot_connect_its_data_plane_fails_every_rank_alike() -> None:
     # An address that is no interface of this host: Gloo refuses it on the worker only,
     # after every handshake phase passed.

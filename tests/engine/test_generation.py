@@ -210,6 +210,8 @@ async def test_rank_0_gone_between_the_counter_and_its_open_key(kind: str) -> No
                 assert out == {}
                 await joining(await open_store(), 0, out)
         assert out == {0: 3, 1: 3}
+        # Generation 2 never opened, and generation 1's open key went with it.
+        assert list(await s1.gather(f"{JOB}/open/", 0)) == [f"{JOB}/open/3"]
 
 
 @kinds

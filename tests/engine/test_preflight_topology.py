@@ -152,3 +152,34 @@ async def test_a_stray_rank_gets_one_outcome_on_every_member(late: int, after: i
     assert len({str(m) for m in members} | {str(stray)}) == 1, [str(m) for m in members]
     assert stray.failures == {4: "topology world_size=5, trainer_ranks=2 differs: 4 rank(s) "
                                  "[0, 1, 2, 3] have (4, 2)"}
+
+
+@pytest.mark.asyncio
+async def test_every_hello_a_failure_and_another_world_is_one_error() -> None:
+    # No envelope of the view is a topology (both ranks refused their own arguments), and
+    # rank 1 was given a world of 3: it decides on the view rank 0 recorded, whatever its
+    # own rule says, and raises rank 0's text at once instead of waiting for a third rank.
+    root = MemoryStore()
+    ns = f"job/{GEN}/preflight"
+    out: dict[int, BaseException | PreflightOutcome] = {}
+
+    async def rank_main(r: int, world: int) -> None:
+        inputs = dataclasses.replace(make_inputs(r, 1, 1, Log()), world_size=world,
+                                     argument_error=ValueError(f"bad argument on rank {r}"))
+        if r == 1:
+            await anyio.sleep(0.05)  # rank 0 records first
+        group = ControlGroup(root.session(), r, world, ns)
+        try:
+            out[r] = await run_preflight(group, inputs, phase_timeout=LONG)
+        except Exception as exc:
+            out[r] = exc
+            await group.aclose(lost=True)
+
+    with anyio.fail_after(BOUND):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(rank_main, 0, 2)
+            tg.start_soon(rank_main, 1, 3)
+    assert all(isinstance(e, PreflightError) for e in out.values()), out
+    assert len({str(e) for e in out.values()}) == 1, out
+    first = out[0]
+    assert isinstance(first, PreflightError) and set(first.failures) == {0, 1}, first
