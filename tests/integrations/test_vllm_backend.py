@@ -388,6 +388,26 @@ def test_a_failed_rpc_after_this_ranks_round_committed_raises_the_rpcs_error() -
     assert not pending.cancelled
 
 
+def test_a_connect_that_succeeded_beside_a_failed_init_rpc_is_closed() -> None:
+    # The engine it made holds this rank's claim: left open, the next trainer_init of the
+    # rank would wait for that claim.
+    class Engine:
+        closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+    engine = Engine()
+    pending = _FakePending()
+    pending.future.set_result(engine)  # type: ignore[arg-type]
+    backend._close_connected(pending)
+    assert engine.closed
+    failed = _FakePending()
+    failed.future.set_exception(RuntimeError("connect failed"))
+    backend._close_connected(failed)  # nothing to close
+    backend._close_connected(_FakePending())  # still running: nothing to close
+
+
 def test_a_trainer_that_reached_rank_0s_old_store_connects_again(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """Shutdown and init again on every trainer rank, with a fixed store port, in the order
