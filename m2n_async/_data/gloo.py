@@ -1396,7 +1396,12 @@ class GlooTransport(Transport):
             stuck = set(self._failed_peers)
         in_wait = self._in_wait  # one read: the wait thread may change it meanwhile
         if in_wait is not None:
+            # The op the wait thread is blocked on is the one known to be stuck. The ops
+            # queued behind it read "not completed" until they are waited, though their
+            # bytes may long have arrived: naming their peers too would give a healthy peer
+            # as many votes as the stuck one (1 trainer, 2 workers, one of them hung).
             stuck.add(in_wait)
+            return sorted(stuck)
         for work, peer in pending:
             try:
                 # Not ``is_success()``: torch deprecates it (and ``exception()``) with a

@@ -2,7 +2,8 @@
 world: what every rank raises, checked with ``assert_same_failure``'s full comparison (one
 class, one text, one culprit, cause, phase and round).
 
-Rank 1 (a worker) is the faulty one throughout; short deadlines keep a case a few seconds.
+Rank 1 (a worker) is the faulty one, but for a round hang on rank 2 (the last worker); short
+deadlines keep a case a few seconds.
 """
 
 from __future__ import annotations
@@ -102,6 +103,17 @@ def test_round(m2n_world: World, action: str, cause: str) -> None:
                               ranks=others)
     assert f"first failure on rank {BAD} (worker) ({cause})" in str(exc)
     assert_not_committed(res, 1)
+
+
+@pytest.mark.parametrize("point,bucket", [("round.start", None), ("round.bucket", 0)])
+def test_a_round_hang_on_the_last_worker_names_it(m2n_world: World, point: str,
+                                                  bucket: int | None) -> None:
+    # The trainer's ops to the healthy worker queued behind its blocked wait on the hung one
+    # read "not completed" until waited: the hung worker is named, not the healthy one.
+    where: dict[str, Any] = {"round": 1} if bucket is None else {"round": 1, "bucket": bucket}
+    res = _run(m2n_world(1, 2), Fault(point, "hang", rank=2, **where))  # type: ignore[arg-type]
+    exc = assert_same_failure(res, TransferError, culprit=2, cause="deadline", round=1)
+    assert "first failure on rank 2 (worker) (deadline)" in str(exc)
 
 
 def test_round_slow_within_the_deadline_changes_nothing(m2n_world: World) -> None:
