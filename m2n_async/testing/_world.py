@@ -23,9 +23,10 @@ The parent learns of a death from the pipe's end and the process's exit code.
 Watching a run: ``LocalWorld.events`` yields every ``ctx.event`` as it arrives, until every
 rank ended; ``collect`` then returns every rank's ``RankResult`` (a dead one with its
 ``exitcode``). Hangs: ``collect`` waits at most ``timeout`` seconds; a rank that has not
-reported by then is asked for its stacks (``faulthandler`` on ``SIGUSR1``, every thread),
-then killed so the pool stays usable, and ``WorldHangError`` carries every missing rank's
-stacks and every rank's result. With ``fail_grace``, once a rank raised or died (or the test
+reported by then is asked for its stacks (``faulthandler`` on ``SIGUSR1``, every thread;
+then, on ``SIGUSR2``, where each task of its event loop waits), then killed so the pool
+stays usable, and ``WorldHangError`` carries every missing rank's stacks and every rank's
+result. With ``fail_grace``, once a rank raised or died (or the test
 called ``mark_failed``), the others get that many seconds to end; then they are killed the
 same way and reported as ``"killed"``, with their stacks. A rank that froze itself through a
 ``freeze`` fault is not a hang: once every other rank reported, it is killed and reported as
@@ -189,10 +190,45 @@ def _error_pickle(exc: BaseException, tb: str) -> bytes:
         return pickle.dumps((RuntimeError(repr(exc)), tb))
 
 
+def _dump_tasks(out: Any, signum: int, frame: Any) -> None:
+    """``SIGUSR2``: where every task of the event loop this signal interrupted waits.
+
+    faulthandler (``SIGUSR1``) shows threads, and an event loop's thread is in ``select``
+    while its tasks wait: a rank stuck on an ``await`` shows no frame of its own there. A
+    Python-level handler runs in the loop's thread between bytecodes (a ``select`` is
+    interrupted by the signal), so the running loop is this thread's; a thread stuck in C
+    holding the GIL gets no such dump, and faulthandler's is all there is.
+    """
+    import asyncio
+
+    loop = asyncio._get_running_loop()
+    if loop is None:
+        print("(no event loop runs on the main thread: no tasks to show)", file=out)
+    else:
+        tasks = sorted(asyncio.all_tasks(loop), key=lambda t: t.get_name())
+        print(f"{len(tasks)} task(s) of the event loop, outermost call first:", file=out)
+        for task in tasks:
+            print(f"task {task.get_name()!r}:", file=out)
+            # Task.print_stack shows a suspended task's outermost coroutine only: follow
+            # what each one awaits down to the one that waits (asyncio.print_call_graph
+            # from Python 3.14 on).
+            coro: Any = task.get_coro()
+            while coro is not None:
+                f = (getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+                     or getattr(coro, "ag_frame", None))
+                if f is not None:
+                    print(f'  File "{f.f_code.co_filename}", line {f.f_lineno}, in '
+                          f"{f.f_code.co_name}", file=out)
+                coro = (getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+                        or getattr(coro, "ag_await", None))
+    out.flush()
+
+
 def _child(index: int, jobs: Any, conn: Any, stacks_path: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     stacks = open(stacks_path, "w")  # lives as long as the process
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    signal.signal(signal.SIGUSR2, functools.partial(_dump_tasks, stacks))
     with warnings.catch_warnings():
         # torch warns at import where NumPy is absent (a lean env, such as the demo's);
         # the pool imports it on every rank's behalf, so the warning would be every rank's.
@@ -317,8 +353,9 @@ class RankPool:
                 self._start(i)
 
     def stacks(self, i: int, wait: float = 0.5) -> str:
-        """Every thread's stack of process ``i`` (faulthandler), or why there is none. A
-        stopped (frozen) process runs for the moment it takes to write them, then is
+        """Every thread's stack of process ``i`` (faulthandler), then where each task of its
+        event loop waits (when the loop's thread gets to run Python), or why there is none.
+        A stopped (frozen) process runs for the moment it takes to write them, then is
         stopped again."""
         path = self._stacks_path(i)
         try:
@@ -327,6 +364,7 @@ class RankPool:
             # Pending before the process runs again: a stopped one dumps where it stopped
             # (the kernel delivers it on resuming, before the process's own next step).
             os.kill(self.pid(i), signal.SIGUSR1)
+            os.kill(self.pid(i), signal.SIGUSR2)  # the event loop's tasks (_dump_tasks)
             os.kill(self.pid(i), signal.SIGCONT)  # a stopped process cannot dump
         except (OSError, ProcessLookupError) as exc:
             return f"(no stacks: {exc})"
@@ -335,7 +373,7 @@ class RankPool:
             while time.monotonic() < deadline:
                 time.sleep(0.05)
                 if os.path.getsize(path) > before:
-                    time.sleep(0.05)  # let it finish writing
+                    time.sleep(0.1)  # let it finish writing, the tasks' dump included
                     break
         finally:
             if stopped:  # frozen it was, frozen it stays (a frozen-host test, not a slow one)

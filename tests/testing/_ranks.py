@@ -79,6 +79,17 @@ async def hangs_on(ctx: RankContext, *, rank: int) -> int:
     return ctx.rank
 
 
+async def _waits_forever() -> None:
+    await anyio.sleep(3600)
+
+
+async def awaits_forever_on(ctx: RankContext, *, rank: int) -> int:
+    """Rank ``rank`` waits on an ``await`` that never ends (its loop idle in ``select``)."""
+    if ctx.rank == rank:
+        await _waits_forever()
+    return ctx.rank
+
+
 async def tells(ctx: RankContext) -> int:
     ctx.event("hello", os.getpid())
     return os.getpid()

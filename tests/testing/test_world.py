@@ -12,7 +12,14 @@ import pytest
 
 from m2n_async.testing import LocalWorld, WorldHangError, process_counts
 
-from ._ranks import counts_into, hangs_on, raises_while_stacks_are_taken, returns_rank, tells
+from ._ranks import (
+    awaits_forever_on,
+    counts_into,
+    hangs_on,
+    raises_while_stacks_are_taken,
+    returns_rank,
+    tells,
+)
 
 World = Callable[[int, int], LocalWorld]
 
@@ -35,6 +42,15 @@ def test_a_hang_is_reported_with_every_stuck_ranks_stacks(m2n_world: World) -> N
     assert list(info.value.stacks) == [1]
     assert "hangs_on" in info.value.stacks[1]  # the rank function's frame, by faulthandler
     assert world.run(returns_rank).values == [0, 1, 2, 3]  # the killed rank was replaced
+
+
+def test_a_rank_stuck_on_an_await_shows_where_its_task_waits(m2n_world: World) -> None:
+    # faulthandler shows its loop's thread in select(); the task dump shows the await.
+    world = m2n_world(1, 1)
+    with pytest.raises(WorldHangError) as info:
+        world.run(awaits_forever_on, kwargs={"rank": 1}, timeout=2.0)
+    stacks = info.value.stacks[1]
+    assert "task(s) of the event loop" in stacks and "_waits_forever" in stacks, stacks
 
 
 def test_restart_replaces_one_rank_and_events_reach_the_test(m2n_world: World) -> None:
