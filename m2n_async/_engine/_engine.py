@@ -70,6 +70,7 @@ from m2n_async._proto.errors import (
     LocalProtocolError,
     M2NError,
     PeerLostError,
+    PhaseTimeoutError,
     PreflightError,
     TransferError,
 )
@@ -413,9 +414,11 @@ class _Engine:
             missing: list[int] = []
             with anyio.move_on_after(1.0):
                 missing = await group.missing_ranks()
-            timeout = TimeoutError(
+            timeout = PhaseTimeoutError(
                 f"preflight phase 'connected' (generation {self._generation}) timed out after "
-                f"{limit:g} s: rank(s) {missing} did not confirm their data plane")
+                f"{limit:g} s: rank(s) {missing} did not confirm their data plane",
+                phase=Phase.CONNECTED.value, ranks=tuple(missing),
+                generation=self._generation)
             timeout.add_note(f"seen by rank {self.rank}")
             raise timeout from None
 

@@ -49,7 +49,7 @@ import anyio
 import msgspec
 
 from m2n_async._engine import _faults
-from m2n_async._proto.errors import PeerLostError, PreflightError, StoreError
+from m2n_async._proto.errors import PeerLostError, PhaseTimeoutError, PreflightError, StoreError
 from m2n_async._proto.handshake import Event, Handshake, Phase, PreflightPlan
 from m2n_async._proto.messages import (
     CostInputs,
@@ -331,8 +331,8 @@ async def _gather(group: ControlGroup, phase: str, generation: int, deadline: fl
             return await group.all_gather_bytes(payload)
     except TimeoutError:
         abandon(Event.TIMED_OUT)
-        timeout = TimeoutError(await _timeout_message(group, phase, where, deadline,
-                                                      local_done))
+        text, blamed = await _timeout_message(group, phase, where, deadline, local_done)
+        timeout = PhaseTimeoutError(text, phase=phase, ranks=blamed, generation=generation)
         if local_done:
             timeout.add_note(f"seen by rank {group.rank}, waiting in call {group.calls - 1} "
                              f"of group {group.namespace!r}")
@@ -362,10 +362,11 @@ def _lost_text(ranks: Sequence[int]) -> str:
 
 
 async def _timeout_message(group: ControlGroup, phase: str, where: str, deadline: float,
-                           local_done: bool) -> str:
+                           local_done: bool) -> tuple[str, tuple[int, ...]]:
+    """The timeout's text and the ranks it blames."""
     if not local_done:
         return (f"{where} timed out after {deadline:.3g} s: rank {group.rank}'s own local "
-                f"step did not finish")
+                f"step did not finish"), (group.rank,)
     missing: list[int] | None = None
     with anyio.move_on_after(_MISSING_QUERY_TIMEOUT):
         missing = await group.missing_ranks()
@@ -382,4 +383,5 @@ async def _timeout_message(group: ControlGroup, phase: str, where: str, deadline
     else:
         who = (f"every rank had arrived at rank {group.rank}'s last call (rank {group.rank} "
                f"is the late one)")
-    return f"{where} timed out after {deadline:.3g} s: {who}"
+        missing = [group.rank]
+    return f"{where} timed out after {deadline:.3g} s: {who}", tuple(missing or ())

@@ -19,6 +19,7 @@ __all__ = [
     "LocalProtocolError",
     "M2NError",
     "PeerLostError",
+    "PhaseTimeoutError",
     "PlanError",
     "PreflightError",
     "ProtocolError",
@@ -79,6 +80,28 @@ class PreflightError(M2NError):
 def _rebuild_preflight(cls: type[PreflightError], phase: str, failures: Mapping[int, str],
                        generation: int | None) -> PreflightError:
     return cls(phase, failures, generation=generation)
+
+
+class PhaseTimeoutError(M2NError, TimeoutError):
+    """A handshake phase did not complete within its deadline: a ``TimeoutError`` that says
+    which phase and which ranks did not arrive (``ranks``; this rank itself when its own
+    step did not finish, empty when the store could not say)."""
+
+    def __init__(self, message: str, *, phase: str, ranks: tuple[int, ...] = (),
+                 generation: int | None = None):
+        self.phase = phase
+        self.ranks = ranks
+        self.generation = generation
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_phase_timeout, (type(self), self.args[0], self.phase),
+                _state(self))
+
+
+def _rebuild_phase_timeout(cls: type[PhaseTimeoutError], message: str, phase: str
+                           ) -> PhaseTimeoutError:
+    return cls(message, phase=phase)
 
 
 class StoreError(M2NError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pickle
 
-from m2n_async import PeerLostError, PreflightError, TransferError
+from m2n_async import PeerLostError, PhaseTimeoutError, PreflightError, TransferError
 
 
 def test_errors_keep_text_attributes_and_notes_across_a_pickle() -> None:
@@ -13,6 +13,8 @@ def test_errors_keep_text_attributes_and_notes_across_a_pickle() -> None:
         PreflightError("source", {1: "local step failed"}, generation=3),
         PeerLostError("rank 2 was lost", ranks=(2,), key="job/3/alive/2"),
         TransferError("round 1 failed", rank=2, round=1, cause="lost", generation=3),
+        PhaseTimeoutError("preflight phase 'source' timed out", phase="source", ranks=(2,),
+                          generation=3),
     ]
     for e in errors:
         e.add_note("seen by rank 0")
