@@ -179,15 +179,55 @@ def _resolve(target: Target) -> Callable[..., Any]:
 
 
 def _error_pickle(exc: BaseException, tb: str) -> bytes:
-    """``(exc, tb)`` pickled; a ``RuntimeError`` with its ``repr`` for an exception that
-    does not pickle or does not unpickle (an ``__init__`` whose arguments differ from
-    ``args`` fails only there: better here, with the text, than in the parent, without)."""
+    """``(exc, tb)`` pickled, with the exceptions ``exc`` was raised from (``__cause__``, or
+    ``__context__`` when no cause hides it: a pickle keeps neither), a few deep. Any of them
+    that does not pickle or does not unpickle (an ``__init__`` whose arguments differ from
+    ``args`` fails only there: better here, with the text, than in the parent, without) is
+    a ``RuntimeError`` with its ``repr``."""
+    chain: list[tuple[bool, BaseException]] = []
+    seen = {id(exc)}
+    e: BaseException | None = exc
+    while e is not None and len(chain) < _CHAIN_DEPTH:
+        cause = e.__cause__ is not None
+        e = e.__cause__ if cause else (None if e.__suppress_context__ else e.__context__)
+        if e is None or id(e) in seen:
+            break
+        seen.add(id(e))
+        chain.append((cause, e))
+    return pickle.dumps((_Rechained(_picklable(exc),
+                                    [(c, _picklable(x)) for c, x in chain]), tb))
+
+
+_CHAIN_DEPTH = 8  # exceptions of a chain kept, beyond the one raised
+
+
+def _picklable(exc: BaseException) -> BaseException:
     try:
-        data = pickle.dumps((exc, tb))
-        pickle.loads(data)
-        return data
+        pickle.loads(pickle.dumps(exc))
+        return exc
     except Exception:
-        return pickle.dumps((RuntimeError(repr(exc)), tb))
+        return RuntimeError(repr(exc))
+
+
+class _Rechained:
+    """An exception and what it was raised from, rebuilt as one chain when unpickled."""
+
+    def __init__(self, exc: BaseException, chain: list[tuple[bool, BaseException]]) -> None:
+        self.exc, self.chain = exc, chain
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rechain, (self.exc, self.chain))
+
+
+def _rechain(exc: BaseException, chain: list[tuple[bool, BaseException]]) -> BaseException:
+    e = exc
+    for cause, earlier in chain:
+        if cause:
+            e.__cause__ = earlier
+        else:
+            e.__context__ = earlier
+        e = earlier
+    return exc
 
 
 def _dump_tasks(out: Any, signum: int, frame: Any) -> None:

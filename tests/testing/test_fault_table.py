@@ -48,6 +48,9 @@ def test_handshake_raise(m2n_world: World) -> None:
     res = _run(m2n_world(1, 2), _handshake("raise", "source"))
     exc = assert_same_failure(res, PreflightError, culprit=BAD, phase="source")
     assert "InjectedFault: injected fault at handshake.phase" in str(exc)
+    # On the faulty rank it is raised from the InjectedFault, and the chain survives the
+    # trip to the test process.
+    assert type(res[BAD].error.__cause__).__name__ == "InjectedFault", res[BAD].traceback
     assert_not_committed(res, 1)
 
 
