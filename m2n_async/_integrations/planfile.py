@@ -66,6 +66,7 @@ from m2n_async._proto.plan import (
 from m2n_async._proto.stacking import COALESCE_BELOW_BYTES
 
 __all__ = [
+    "LanePrediction",
     "PlanFile",
     "add_plan_command",
     "run_plan_command",
@@ -132,6 +133,20 @@ class StackCall(msgspec.Struct, frozen=True):
     members: list[str]
 
 
+class LanePrediction(msgspec.Struct, frozen=True):
+    """One lane's predicted round (``_proto.cost.predict``), in numbers: ``seconds`` for
+    ``calls`` native calls, the busiest rank's bytes moved at ``bytes_per_second``, the rate
+    of the lane's cost terms (not ``--bandwidth``). ``below_lower_bound``: ``seconds`` is
+    less than the summary's lower bound at its bandwidth, so the terms assume a faster link
+    than the one the bound describes."""
+
+    lane: str
+    seconds: float
+    calls: int
+    bytes_per_second: float
+    below_lower_bound: bool
+
+
 class PlanSummary(msgspec.Struct, frozen=True):
     """What ``m2n-async plan`` prints (``--json`` prints this struct)."""
 
@@ -163,6 +178,10 @@ class PlanSummary(msgspec.Struct, frozen=True):
     #: lane -> (call_seconds, param_seconds, bytes_per_second) the prediction used
     cost_terms: dict[str, tuple[float, float, float]] = {}
     default_costs: bool = True  # those are ``DEFAULT_LANES`` (no --costs, no M2N_ASYNC_COSTS)
+    #: the m2n lane's ``coalesce_below`` the prediction and stacks used (0: coalescing off)
+    coalesce_below: int = COALESCE_BELOW_BYTES
+    #: ``predicted`` in numbers, per lane (the same lanes)
+    predictions: dict[str, LanePrediction] = {}
 
 
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -378,6 +397,7 @@ def summarize(plan: TransferPlan, *, source: str = "", bucket_bytes: int | None 
     stacks = [StackCall(b, list(plan.params[call[0]].spec.shape), plan.params[call[0]].spec.dtype,
                         [plan.params[i].name for i in call])
               for b, call in calls if len(call) > 1]
+    lower_bound = plan.lower_bound_seconds(bandwidth_bytes_per_second)
     ranks = [RankLoad(r, "trainer" if r < plan.trainer_ranks else "worker",
                       plan.send_bytes(r), plan.recv_bytes(r)) for r in range(plan.world_size)]
     return PlanSummary(
@@ -396,14 +416,18 @@ def summarize(plan: TransferPlan, *, source: str = "", bucket_bytes: int | None 
         largest_bucket_bytes=max((b.nbytes for b in buckets), default=0),
         ranks=ranks,
         bandwidth_bytes_per_second=bandwidth_bytes_per_second,
-        lower_bound_seconds=plan.lower_bound_seconds(bandwidth_bytes_per_second),
+        lower_bound_seconds=lower_bound,
         transports=transports,
         predicted={t: predicted[t].describe().removeprefix(f"{t} ") for t in ok},
+        predictions={t: LanePrediction(t, predicted[t].seconds, predicted[t].calls,
+                                       terms[t][2], predicted[t].seconds < lower_bound)
+                     for t in ok},
         auto=auto,
         m2n_calls=len(calls),
         stacks=stacks,
         cost_terms={t: terms[t] for t in sorted(terms)},
         default_costs=cost_terms is None,
+        coalesce_below=coalesce_below,
     )
 
 
@@ -450,10 +474,11 @@ def format_summary(s: PlanSummary, *, all_ranks: bool = False, stacks: bool = Fa
     if s.predicted:
         which = ("the default cost terms (docs/tuning.md)" if s.default_costs
                  else f"the cost terms of --costs / ${COSTS_ENV}")
-        lines.append(f"  predicted    one round with {which}, m2n coalesced")
+        lines.append(f"  predicted    one round with {which}, {_coalescing(s.coalesce_below)}")
         for t, text in s.predicted.items():
             terms = "" if s.default_costs else f"   [{describe_terms(s.cost_terms[t])}]"
             lines.append(f"    {t:<5} {text}{terms}{'   <- auto' if t == s.auto else ''}")
+        lines += _rate_lines(s)
     stacked = sum(len(c.members) for c in s.stacks)
     if s.transports.get("m2n") != "ok":
         return "\n".join(lines)
@@ -465,6 +490,39 @@ def format_summary(s: PlanSummary, *, all_ranks: bool = False, stacks: bool = Fa
             lines.append(f"    bucket {c.bucket}: {len(c.members)} of global shape "
                          f"{tuple(c.shape)} {c.dtype}, in this order: {', '.join(c.members)}")
     return "\n".join(lines)
+
+
+def _coalescing(coalesce_below: int) -> str:
+    """How the m2n lane's calls were counted, for the ``predicted`` heading."""
+    if coalesce_below <= 0:
+        return "m2n not coalesced (one reshard per parameter)"
+    if coalesce_below == COALESCE_BELOW_BYTES:
+        return "m2n coalesced"
+    return f"m2n coalesced below {human_bytes(coalesce_below)}"
+
+
+def _rate_lines(s: PlanSummary) -> list[str]:
+    """The rate each prediction assumed (its cost terms', not ``--bandwidth``), and what to
+    do when that puts a prediction below the lower bound."""
+    if not s.predictions:
+        return []
+    rates = ", ".join(f"{t} {p.bytes_per_second / 1e9:g}" for t, p in s.predictions.items())
+    lines = [f"               at each lane's own rate ({rates} GB/s per rank), not --bandwidth"]
+    fast = [p for p in s.predictions.values() if p.below_lower_bound]
+    if fast:
+        bw = s.bandwidth_bytes_per_second
+        costs = ", ".join(f'"{p.lane}": [{s.cost_terms[p.lane][0]:g}, '
+                          f'{s.cost_terms[p.lane][1]:g}, {bw:g}]' for p in fast)
+        lines += [
+            f"  warning      below the lower bound ({s.lower_bound_seconds:.4f} s at "
+            f"{bw / 1e9:g} GB/s): "
+            + ", ".join(f"{p.lane} (at {p.bytes_per_second / 1e9:g} GB/s)" for p in fast),
+            "               their terms assume a faster link than --bandwidth; on this "
+            "network predict",
+            "               with its own terms (docs/tuning.md, \"How auto chooses\"), e.g.",
+            f"               --costs '{{{costs}}}'",
+        ]
+    return lines
 
 
 # -- the subcommand ---------------------------------------------------------------------------

@@ -424,3 +424,55 @@ def test_the_prediction_takes_calibrated_cost_terms(monkeypatch: pytest.MonkeyPa
     assert got["cost_terms"]["m2n"] == [0.001, 0.0, 1e11]
     rc, _, err = _run(capsys, str(example), "--costs", '{"m2n": [1, 2]}')
     assert rc == 2 and "cost terms must be JSON like" in err
+
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "plan.toml"
+
+
+def test_predictions_say_their_rate_and_when_they_beat_the_lower_bound(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # The lanes' predictions move bytes at their cost terms' rate (240 GB/s by default), not
+    # at --bandwidth: at 48 GB/s they come out below the bound, and the report says so and
+    # what to pass instead.
+    monkeypatch.delenv("M2N_ASYNC_COSTS", raising=False)
+    rc, out, _ = _run(capsys, str(EXAMPLE), "--bandwidth", "48")
+    assert rc == 0
+    assert ("at each lane's own rate (m2n 240, nccl 240, gloo 2 GB/s per rank), not "
+            "--bandwidth") in out
+    assert ("warning      below the lower bound (0.0837 s at 48 GB/s): m2n (at 240 GB/s), "
+            "nccl (at 240 GB/s)") in out
+    suggested = out.split("--costs '", 1)[1].split("'", 1)[0]
+    assert json.loads(suggested) == {"m2n": [8e-05, 1e-06, 4.8e10],
+                                     "nccl": [0.00015, 3.5e-05, 4.8e10]}
+    rc, out, _ = _run(capsys, str(EXAMPLE), "--bandwidth", "48", "--costs", suggested)
+    assert rc == 0 and "warning" not in out
+    assert "at each lane's own rate (m2n 48, nccl 48, gloo 2 GB/s per rank)" in out
+    rc, out, _ = _run(capsys, str(EXAMPLE), "--bandwidth", "370")
+    assert rc == 0 and "warning" not in out
+
+
+def test_json_predictions_are_numbers(monkeypatch: pytest.MonkeyPatch,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("M2N_ASYNC_COSTS", raising=False)
+    rc, out, _ = _run(capsys, str(EXAMPLE), "--json", "--bandwidth", "48")
+    got = json.loads(out)
+    assert rc == 0 and got["predicted"]["m2n"] == "25.3 ms (103 calls)"  # the text stays
+    m2n = got["predictions"]["m2n"]
+    assert (m2n["lane"], m2n["calls"], m2n["bytes_per_second"]) == ("m2n", 103, 240e9)
+    assert m2n["seconds"] == pytest.approx(0.0253, abs=5e-5)
+    assert m2n["below_lower_bound"] and m2n["seconds"] < got["lower_bound_seconds"]
+    assert sorted(got["predictions"]) == sorted(got["predicted"])
+    assert not got["predictions"]["gloo"]["below_lower_bound"]
+    assert got["coalesce_below"] == 16 << 20
+
+
+def test_the_prediction_heading_follows_coalesce_below(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = _run(capsys, str(EXAMPLE), "--coalesce-below", "0")
+    assert rc == 0 and ", m2n not coalesced (one reshard per parameter)\n" in out
+    assert "m2n   40.3 ms (291 calls)" in out
+    rc, out, _ = _run(capsys, str(EXAMPLE), "--coalesce-below", "1MiB")
+    assert rc == 0 and ", m2n coalesced below 1.0 MiB\n" in out
+    rc, out, _ = _run(capsys, str(EXAMPLE))
+    assert rc == 0 and ", m2n coalesced\n" in out
+
