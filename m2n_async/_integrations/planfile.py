@@ -534,13 +534,16 @@ def add_plan_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "plan", help="validate a plan file (TOML/JSON) offline and summarize it",
         description="Validate a plan described in a TOML or JSON file (meshes, params, "
                     "placements) with the same checks the engine's handshake runs, and print "
-                    "bytes per rank, fan-in/out, buckets, a lower-bound time and which "
-                    "transports can carry it. Exit status: 0 valid, 1 invalid (or --require "
-                    "not met), 2 unreadable file.")
+                    "bytes per rank, fan-in/out, buckets, a lower-bound time, which "
+                    "transports can carry it and each one's predicted round (at its cost "
+                    "terms' rate, not --bandwidth). Exit status: 0 valid, 1 invalid (or "
+                    "--require not met), 2 unreadable file or bad option.")
     p.add_argument("spec", help="plan file: .toml or .json (schema: docs/concepts.md)")
     p.add_argument("--bandwidth", type=float, default=50.0, metavar="GB_PER_S",
                    help="link bandwidth per rank and direction in GB/s for the lower bound "
-                        "(default 50, a 400G NIC; NVLink4 is about 370)")
+                        "(default 50: a 400 Gb/s NIC, 50 GB/s raw; NVLink4 reaches about "
+                        "370 with NCCL); the predictions use their cost terms' rate "
+                        "(--costs)")
     defaults = ", ".join(f"{human_bytes(n)} on {t}" for t, n in lanes.DEFAULT_BUCKET_BYTES.items())
     p.add_argument("--bucket-bytes", default=None, metavar="SIZE",
                    help=f"bucket size, e.g. 512MiB (default: the file's, else the engine's "

@@ -476,3 +476,26 @@ def test_the_prediction_heading_follows_coalesce_below(
     rc, out, _ = _run(capsys, str(EXAMPLE))
     assert rc == 0 and ", m2n coalesced\n" in out
 
+
+def test_bad_options_exit_with_the_status_the_help_gives(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "Exit status: 0 valid, 1 invalid (or --require not met), 2 unreadable file or " \
+           "bad option." in help_text
+    path = _write(tmp_path, SPEC)
+    rc, out, err = _run(capsys, str(path), "--bucket-bytes", "0")
+    assert (rc, out) == (2, "") and "--bucket-bytes: must be at least 1 byte" in err
+
+
+def test_the_bandwidth_default_is_described_as_in_the_tuning_guide(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    wording = "a 400 Gb/s NIC, 50 GB/s raw"
+    assert f"(default 50: {wording};" in help_text
+    tuning = (EXAMPLE.parents[1] / "docs" / "tuning.md").read_text()
+    assert f"--bandwidth 50      # {wording}" in tuning
+    assert "≈ 48" not in tuning
