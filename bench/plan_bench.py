@@ -18,6 +18,7 @@ import argparse
 import json
 import pickle
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -26,6 +27,7 @@ import msgspec
 
 from m2n_async._proto import messages
 from m2n_async._proto.cost import DEFAULT_LANES, cost_inputs, predict
+from m2n_async._proto.errors import PlanError
 from m2n_async._proto.layout import REPLICATE, Layout, Mesh
 from m2n_async._proto.params import ParamSpec, ParamTransfer
 from m2n_async._proto.plan import (
@@ -105,14 +107,50 @@ def one_run(args: argparse.Namespace, rows: dict[str, list[float]]) -> TransferP
 TOTAL = "**total (build + validate + digests + geometry + buckets)**"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--params", type=int, default=100_000)
-    ap.add_argument("--trainers", type=int, default=64, help="multiple of 8")
-    ap.add_argument("--workers", type=int, default=64, help="multiple of 8")
-    ap.add_argument("--bucket-mib", type=int, default=512)
-    ap.add_argument("--repeat", type=int, default=3, help="runs; the table shows min and median")
-    args = ap.parse_args()
+#: The trainer counts ``build_transfers`` takes: TP groups of 8, FSDP shards that divide 2048
+#: rows, and a fan-in (trainers / 8 source shards into a worker's TP shard) within M2N's 16.
+TRAINERS = (8, 16, 32, 64, 128)
+TRAINER_CHOICES = ", ".join(map(str, TRAINERS[:-1])) + f" or {TRAINERS[-1]}"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked before anything is built, as far as they can be alone."""
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--params", type=int, default=100_000,
+                    help="tensors in the synthetic plan")
+    ap.add_argument("--trainers", type=int, default=64,
+                    help=f"trainer ranks: {TRAINER_CHOICES} (TP groups of 8, even FSDP "
+                         f"shards, fan-in at most 16 into the workers' TP 8)")
+    ap.add_argument("--workers", type=int, default=64,
+                    help="worker ranks; a positive multiple of 8 (TP groups of 8)")
+    ap.add_argument("--bucket-mib", type=int, default=512, help="bucket size in MiB")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="runs of every stage; the table shows min and median")
+    args = ap.parse_args(argv)
+    if args.trainers not in TRAINERS:
+        ap.error(f"--trainers must be {TRAINER_CHOICES} (TP groups of 8, FSDP shards that "
+                 f"divide the experts' 2048 rows, and M2N's fan-in limit of 16 shards into "
+                 f"one: trainers / 8), got {args.trainers}")
+    if args.workers < 8 or args.workers % 8:
+        ap.error(f"--workers must be a positive multiple of 8 (TP groups of 8), got "
+                 f"{args.workers}")
+    for flag in ("params", "bucket_mib", "repeat"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        _main(args)
+    except PlanError as e:  # what the flags cannot show alone, e.g. bytes per reshard
+        sys.exit(f"plan_bench.py: error: --trainers {args.trainers} --workers {args.workers} "
+                 f"give a plan M2N refuses: {e}")
+
+
+def _main(args: argparse.Namespace) -> None:
     rows: dict[str, list[float]] = {}
     plan = None
     for _ in range(args.repeat):
