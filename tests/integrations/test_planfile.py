@@ -499,3 +499,12 @@ def test_the_bandwidth_default_is_described_as_in_the_tuning_guide(
     tuning = (EXAMPLE.parents[1] / "docs" / "tuning.md").read_text()
     assert f"--bandwidth 50      # {wording}" in tuning
     assert "≈ 48" not in tuning
+
+
+def test_the_tuning_guides_plan_commands_name_the_projects_environment() -> None:
+    # `m2n-async` is on no PATH of a fresh shell: the commands shown run the venv's.
+    tuning = (EXAMPLE.parents[1] / "docs" / "tuning.md").read_text()
+    shown = [line for block in tuning.split("```bash\n")[1:]
+             for line in block.split("```", 1)[0].splitlines() if "m2n-async" in line]
+    assert shown and all(line.startswith(".venv/bin/m2n-async plan ") for line in shown), shown
+    assert "DEVELOPERS.md#build" in tuning.split("## 1.", 1)[0]

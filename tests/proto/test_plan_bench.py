@@ -48,3 +48,16 @@ def test_plan_bench_names_a_limit_the_flags_only_meet_together() -> None:
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.startswith("plan_bench.py: error: --trainers 8 --workers 4096 give a "
                                   "plan M2N refuses: parameter "), proc.stderr
+
+
+def test_the_tuning_guide_runs_the_benches_in_the_projects_environment() -> None:
+    # A bare `python bench/...` from a fresh shell has no m2n_async to import: the guide's
+    # commands name the venv's interpreter (the CPU benches) or the GPU host's python3.
+    import re
+
+    tuning = (BENCH.parents[1] / "docs" / "tuning.md").read_text()
+    commands = re.findall(r"`(\S*python\S* bench/[^`]*)`", tuning)  # not prose's bench/x.py
+    assert len(commands) >= 7 and any("plan_bench.py" in c for c in commands), commands
+    for command in commands:
+        gpu = "/gpu_" in command
+        assert command.startswith("python3 bench/" if gpu else ".venv/bin/python bench/"), command
