@@ -873,6 +873,7 @@ class LocalWorld:
         self.address = store_address
         self._prefix = job_prefix
         self._runs = 0
+        self._faults: tuple[Fault, ...] = ()  # the current run's (start)
         self.pool = RankPool(self.world_size)
         self.job = ""
 
@@ -900,7 +901,14 @@ class LocalWorld:
               per_rank: Callable[[int], Mapping[str, Any]] | None = None,
               faults: Sequence[Fault] = (), job: str | None = None) -> int:
         """Start ``fn`` on every rank without waiting (``collect`` ends it); the run's id.
-        ``per_rank(rank)`` adds keyword arguments for one rank."""
+        ``per_rank(rank)`` adds keyword arguments for one rank. A fault for a rank outside
+        the world is a ``ValueError``; one that fired on no rank is a warning at ``collect``
+        (a test that a fault changes nothing would pass without testing anything)."""
+        for fault in faults:
+            if fault.rank is not None and not 0 <= fault.rank < self.world_size:
+                raise ValueError(f"{fault!r}: rank {fault.rank} is outside this world of "
+                                 f"{self.world_size} ranks (0 .. {self.world_size - 1})")
+        self._faults = tuple(faults)
         self._runs += 1
         self.job = job or f"{self._prefix}-{os.getpid()}-{self._runs}-{secrets.token_hex(3)}"
         jobs = []
@@ -939,7 +947,19 @@ class LocalWorld:
             raw = self.pool.collect(run_id, self.world_size, timeout, fail_grace=fail_grace)
         except WorldHangError as exc:
             raise WorldHangError(str(exc), exc.stacks, self._results(exc.results)) from None
-        return self._results(raw)
+        results = self._results(raw)
+        self._warn_unfired(results)
+        return results
+
+    def _warn_unfired(self, results: WorldResult) -> None:
+        fired = [f for r in results for f in r.faults]
+        for fault in self._faults:
+            if not any(fault.matches(point, where) and action == fault.action
+                       for point, where, action in fired):
+                warnings.warn(f"{fault!r} fired on no rank in this run: no rank reached "
+                              f"that point with those coordinates (a round or bucket the run "
+                              f"never had, or a rank that ended first)", UserWarning,
+                              stacklevel=4)
 
     def _results(self, raw: Sequence[tuple[str, Any]]) -> WorldResult:
         out = []

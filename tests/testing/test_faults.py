@@ -150,3 +150,16 @@ def test_the_assertion_sees_ranks_that_disagree() -> None:
         assert_same_failure(res, TransferError)
     assert "rank 2 (worker): error TransferError(rank=0" in str(info.value)  # the table
     assert_same_failure(res, TransferError, culprit=3, ranks=[0, 1])
+
+
+def test_a_fault_for_a_rank_outside_the_world_is_refused(m2n_world: World) -> None:
+    with pytest.raises(ValueError, match="rank 7 is outside this world of 3 ranks"):
+        _run(m2n_world(1, 2), Fault("round.bucket", "raise", rank=7, round=1))
+
+
+def test_a_fault_that_fired_on_no_rank_is_a_warning(m2n_world: World) -> None:
+    # Bucket 99 of a one-bucket plan: the run succeeds, and says the fault tested nothing.
+    with pytest.warns(UserWarning, match="fired on no rank in this run"):
+        res = _run(m2n_world(1, 2), Fault("round.bucket", "raise", rank=1, round=1,
+                                          bucket=99))
+    assert all(r.status == "ok" for r in res)
