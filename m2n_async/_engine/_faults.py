@@ -33,10 +33,13 @@ The points (each with its coordinates):
 
 Actions: ``raise`` (``InjectedFault``), ``hang`` (an await that never returns but can be
 cancelled), ``freeze`` (the process stops itself with ``SIGSTOP``: its sockets stay open, as a
-frozen host's do), ``die`` (``SIGKILL`` to itself: no cleanup, as a crash), ``slow`` (sleeps
-``seconds`` on the loop), ``cancel`` (cancels the task running the point, as a caller that
-cancels ``sync_weights``/``receive`` would). ``round.commit`` is a synchronous point: only
-``raise``, ``freeze`` and ``die`` act there.
+frozen host's do), ``die`` (``SIGKILL`` to itself: no cleanup, as a crash), ``disconnect``
+(every store connection of the event loop that hit it breaks, as a lost network would, and
+the process lives on: its sessions end, so its peers see it lost, and its own next store
+call fails),
+``slow`` (sleeps ``seconds`` on the loop), ``cancel`` (cancels the task running the point, as
+a caller that cancels ``sync_weights``/``receive`` would). ``round.commit`` is a synchronous
+point: only ``raise``, ``freeze``, ``die`` and ``disconnect`` act there.
 
 Cancellation: ``hang`` and ``slow`` are cancellable awaits; nothing else awaits.
 """
@@ -54,9 +57,9 @@ __all__ = ["ENV", "Fault", "InjectedFault", "arm", "armed", "disarm", "hit", "hi
 
 ENV = "M2N_ASYNC_FAULTS"
 
-Action = Literal["raise", "hang", "freeze", "die", "slow", "cancel"]
+Action = Literal["raise", "hang", "freeze", "die", "disconnect", "slow", "cancel"]
 POINTS = ("handshake.phase", "round.start", "round.bucket", "round.commit")
-ACTIONS = ("raise", "hang", "freeze", "die", "slow", "cancel")
+ACTIONS = ("raise", "hang", "freeze", "die", "disconnect", "slow", "cancel")
 _WHERE = ("rank", "round", "bucket", "phase")
 
 
@@ -85,7 +88,8 @@ class Fault:
         if self.action not in ACTIONS:
             raise ValueError(f"unknown fault action {self.action!r}; actions: "
                              f"{', '.join(ACTIONS)}")
-        if self.point == "round.commit" and self.action not in ("raise", "freeze", "die"):
+        if self.point == "round.commit" and self.action not in ("raise", "freeze", "die",
+                                                                 "disconnect"):
             raise ValueError(f"round.commit is synchronous: {self.action!r} cannot act there")
         if self.times < 1:
             raise ValueError(f"times must be >= 1, got {self.times}")
@@ -152,6 +156,10 @@ def hit_now(point: str, **where: Any) -> Fault | None:
         os.kill(os.getpid(), signal.SIGSTOP)
     elif fault.action == "die":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif fault.action == "disconnect":
+        from m2n_async._store._client import sever_all
+
+        sever_all(f"injected fault at {point} ({_describe(where)})")
     return fault
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from types import TracebackType
@@ -74,7 +75,26 @@ from m2n_async._store._wire import (
     encode_frame,
 )
 
-__all__ = ["MAX_UNACKED", "StoreClient", "parse_address"]
+__all__ = ["MAX_UNACKED", "StoreClient", "parse_address", "sever_all"]
+
+#: Every client of this process that may still be open: what ``sever_all`` cuts.
+_LIVE: weakref.WeakSet[StoreClient] = weakref.WeakSet()
+
+
+def sever_all(reason: str) -> int:
+    """Break every open ``StoreClient`` of the running event loop at once, as a lost network
+    would: their calls fail with ``StoreError`` and the server ends their sessions
+    (ephemeral keys vanish, peers watching them get ``PeerLostError``). The process lives
+    on. Only this loop's: a client is not thread-safe, and an engine's clients live on its
+    loop. For the ``disconnect`` fault action (``m2n_async.testing``); how many it broke."""
+    loop = asyncio.get_running_loop()
+    n = 0
+    for client in list(_LIVE):
+        if client._loop is loop and not client._closed and client._broken is None:
+            client._break(StoreError(f"store connection to {client.address} severed: "
+                                     f"{reason}"))
+            n += 1
+    return n
 
 #: Unacknowledged sets one client may have outstanding; the next ``set(ack=False)`` past it
 #: waits for its acknowledgement (which settles every earlier one).
@@ -179,6 +199,7 @@ class StoreClient:
         self._closed = False
         self._loop = asyncio.get_running_loop()
         protocol.client = self
+        _LIVE.add(self)
 
     @classmethod
     async def connect(cls, address: str | tuple[str, int], *, token: str | bytes | None,

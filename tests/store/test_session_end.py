@@ -88,6 +88,27 @@ async def test_broken_client_ends_its_session(server: StoreServer) -> None:
     await other.aclose()
 
 
+async def test_sever_all_breaks_every_open_client_of_the_process(server: StoreServer) -> None:
+    """The ``disconnect`` fault's cut: every open client of this process at once, a closed
+    one left alone; the server ends their sessions (ephemeral keys go) and their next calls
+    fail, naming the cut."""
+    from m2n_async._store._client import sever_all
+
+    a = await StoreClient.connect(server.address, token=TOKEN)
+    b = await StoreClient.connect(server.address, token=TOKEN)
+    closed = await StoreClient.connect(server.address, token=TOKEN)
+    await closed.aclose()
+    await a.set("alive/a", b"1", ephemeral=True)
+    assert sever_all("test") == 2
+    with anyio.fail_after(10):
+        while "alive/a" in server.core.keys() or server.connections:  # noqa: ASYNC110
+            await anyio.sleep(0.005)
+    for client in (a, b):
+        with pytest.raises(StoreError, match="severed: test"):
+            await client.get("x")
+        await client.aclose()
+
+
 async def test_aclose_ends_session_even_when_the_server_stopped_reading_us(
         server: StoreServer) -> None:
     """A client that did not read its replies for a while (its loop was busy) has made the

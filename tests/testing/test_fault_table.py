@@ -14,7 +14,13 @@ from typing import Any
 
 import pytest
 
-from m2n_async import PeerLostError, PhaseTimeoutError, PreflightError, TransferError
+from m2n_async import (
+    PeerLostError,
+    PhaseTimeoutError,
+    PreflightError,
+    StoreError,
+    TransferError,
+)
 from m2n_async.testing import (
     Fault,
     LocalWorld,
@@ -82,6 +88,24 @@ def test_handshake_die_is_peer_lost_naming_the_rank(m2n_world: World) -> None:
     assert res[BAD].status == "dead"
     exc = assert_same_failure(res, PeerLostError, culprit=BAD)
     assert str(exc).startswith("preflight phase 'source' (generation ")
+
+
+def test_handshake_disconnect_is_peer_lost_naming_the_rank(m2n_world: World) -> None:
+    res = _run(m2n_world(1, 2), _handshake("disconnect", "source"))
+    assert res[BAD].status == "error" and isinstance(res[BAD].error, StoreError)
+    assert "severed: injected fault at handshake.phase" in str(res[BAD].error)
+    exc = assert_same_failure(res, PeerLostError, culprit=BAD, ranks=[0, 2])
+    assert str(exc).startswith("preflight phase 'source' (generation ")
+
+
+def test_round_disconnect_is_lost_naming_the_rank(m2n_world: World) -> None:
+    res = _run(m2n_world(1, 2), _bucket("disconnect"))
+    own = res[BAD].error
+    assert isinstance(own, TransferError) and own.cause == "store", repr(own)
+    exc = assert_same_failure(res, TransferError, culprit=BAD, cause="lost", round=1,
+                              ranks=[0, 2])
+    assert f"first failure on rank {BAD} (worker) (lost)" in str(exc)
+    assert_not_committed(res, 1)
 
 
 def test_handshake_slow_within_the_deadline_changes_nothing(m2n_world: World) -> None:
