@@ -459,8 +459,9 @@ class Transport(ABC):
         return left
 
     def waiting_on(self) -> list[int]:
-        """Peer ranks with an operation of this round still pending, for a timeout's message
-        (the engine names them); empty when the transport cannot tell. Any thread."""
+        """Peer ranks this rank is known to wait on in this round (an operation that failed
+        or is being waited on, or one still pending where the transport can tell), for a
+        deadline's verdict and message; empty when the transport cannot tell. Any thread."""
         return []
 
     def check_usable(self) -> None:

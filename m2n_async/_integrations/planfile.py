@@ -511,8 +511,11 @@ def _rate_lines(s: PlanSummary) -> list[str]:
     fast = [p for p in s.predictions.values() if p.below_lower_bound]
     if fast:
         bw = s.bandwidth_bytes_per_second
-        costs = ", ".join(f'"{p.lane}": [{s.cost_terms[p.lane][0]:g}, '
-                          f'{s.cost_terms[p.lane][1]:g}, {bw:g}]' for p in fast)
+        # Every lane's terms (pasting them must not drop the others'), the flagged ones at
+        # --bandwidth, in JSON's exact float text: the suggestion reproduces itself.
+        slow = {p.lane for p in fast}
+        costs = json.dumps({t: [*s.cost_terms[t][:2], bw if t in slow else s.cost_terms[t][2]]
+                            for t in s.predictions})[1:-1]
         lines += [
             f"  warning      below the lower bound ({s.lower_bound_seconds:.4f} s at "
             f"{bw / 1e9:g} GB/s): "

@@ -36,7 +36,9 @@ def _state(exc: BaseException) -> dict[str, object]:
 
 
 class M2NError(Exception):
-    """Base of every error m2n_async raises (timeouts excepted: builtin ``TimeoutError``)."""
+    """Base of every error m2n_async raises; timeouts are ``TimeoutError`` s, the builtin or,
+    for a handshake phase, ``PhaseTimeoutError`` (both an ``M2NError`` and a
+    ``TimeoutError``)."""
 
 
 class ProtocolError(M2NError):

@@ -316,9 +316,10 @@ class Round:
 
         First-failure choice, in order: a rank that failed by itself (its report says
         ``failed``; it normally wrote the abort record already); one written ``late`` by a
-        peer; a rank with no report (frozen, hung before reporting, too late); the rank the
-        most others were waiting on; a rank whose deadline passed waiting on nobody (stuck in
-        its own step). Among equals, the most suspected, then the lowest rank.
+        peer; a rank with no report (frozen, hung before reporting, too late); among the
+        ranks others were waiting on, one that itself waited on nobody (the end of a chain
+        of waits), else any; a rank whose deadline passed waiting on nobody (stuck in its
+        own step). Among equals, the most suspected, then the lowest rank.
         """
         votes = Counter(s for d in reports.values() for s in d.suspects
                         if 0 <= s < self.world_size)
@@ -344,7 +345,13 @@ class Round:
                            f"the round deadline of {timeout:g} s (frozen, hung or too "
                            f"late{by})")
         if votes:
-            r = pick(list(votes))
+            # Waits chain: a healthy worker waits on the trainer that waits on the hung
+            # worker, which waits on nobody (stuck in its own step). Votes alone would tie
+            # the trainer with the hung worker; the end of the chain is the one at fault.
+            ends = [r for r in votes if r in reports and not reports[r].ok
+                    and not any(0 <= s < self.world_size and s != r
+                                for s in reports[r].suspects)]
+            r = pick(ends or list(votes))
             waited = sorted(q for q, d in reports.items() if r in d.suspects)
             return Failure(Cause.DEADLINE, r,
                            f"rank {self.named([r])} did not finish its part of {self.where} "

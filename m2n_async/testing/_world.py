@@ -239,6 +239,14 @@ def _dump_tasks(out: Any, signum: int, frame: Any) -> None:
     interrupted by the signal), so the running loop is this thread's; a thread stuck in C
     holding the GIL gets no such dump, and faulthandler's is all there is.
     """
+    try:
+        _write_tasks(out)
+    except Exception as exc:  # never into the rank's own code (a second signal mid-print)
+        with contextlib.suppress(Exception):
+            print(f"(the tasks' stacks failed: {exc!r})", file=out)
+
+
+def _write_tasks(out: Any) -> None:
     import asyncio
 
     loop = asyncio._get_running_loop()
@@ -269,6 +277,7 @@ def _child(index: int, jobs: Any, conn: Any, stacks_path: str) -> None:
     stacks = open(stacks_path, "w")  # lives as long as the process
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     signal.signal(signal.SIGUSR2, functools.partial(_dump_tasks, stacks))
+    signal.siginterrupt(signal.SIGUSR2, False)  # as faulthandler's: restart interrupted calls
     with warnings.catch_warnings():
         # torch warns at import where NumPy is absent (a lean env, such as the demo's);
         # the pool imports it on every rank's behalf, so the warning would be every rank's.
@@ -1020,5 +1029,6 @@ class LocalWorld:
         os.kill(self.pool.pid(rank), signal.SIGSTOP)
 
     def stacks(self, rank: int) -> str:
-        """Every thread's stack of ``rank``'s process now (faulthandler)."""
+        """Every thread's stack of ``rank``'s process now (faulthandler), then where each
+        task of its event loop waits."""
         return self.pool.stacks(rank)

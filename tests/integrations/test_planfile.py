@@ -442,8 +442,14 @@ def test_predictions_say_their_rate_and_when_they_beat_the_lower_bound(
     assert ("warning      below the lower bound (0.0837 s at 48 GB/s): m2n (at 240 GB/s), "
             "nccl (at 240 GB/s)") in out
     suggested = out.split("--costs '", 1)[1].split("'", 1)[0]
-    assert json.loads(suggested) == {"m2n": [8e-05, 1e-06, 4.8e10],
-                                     "nccl": [0.00015, 3.5e-05, 4.8e10]}
+    assert json.loads(suggested) == {"m2n": [8e-05, 1e-06, 4.8e10],  # every lane's terms
+                                     "nccl": [0.00015, 3.5e-05, 4.8e10],
+                                     "gloo": [0.001, 5e-06, 2e9]}
+    # at a bandwidth that :g would round, the suggestion still ends the warning
+    rc, out, _ = _run(capsys, str(EXAMPLE), "--bandwidth", "48.1234567")
+    exact = out.split("--costs '", 1)[1].split("'", 1)[0]
+    rc, out, _ = _run(capsys, str(EXAMPLE), "--bandwidth", "48.1234567", "--costs", exact)
+    assert rc == 0 and "warning" not in out
     rc, out, _ = _run(capsys, str(EXAMPLE), "--bandwidth", "48", "--costs", suggested)
     assert rc == 0 and "warning" not in out
     assert "at each lane's own rate (m2n 48, nccl 48, gloo 2 GB/s per rank)" in out

@@ -77,6 +77,13 @@ def test_departure_rule() -> None:
     # nobody waited on anybody: the rank stuck in its own step
     ({0: (Status.OK, ()), 1: (Status.OK, ()), 2: (Status.OK, ()),
       3: (Status.DEADLINE, ())}, 3),
+    # a chain of waits (more buckets than max_inflight): worker 1 waits on trainer 0, which
+    # waits on worker 2, stuck in its own step: the end of the chain, not the tie's lower rank
+    ({0: (Status.DEADLINE, (2,)), 1: (Status.DEADLINE, (0,)), 2: (Status.DEADLINE, ()),
+      3: (Status.OK, ())}, 2),
+    # a cycle has no end: the votes decide, then the lowest rank
+    ({0: (Status.DEADLINE, (1,)), 1: (Status.DEADLINE, (0,)), 2: (Status.OK, ()),
+      3: (Status.OK, ())}, 0),
 ])
 def test_deadline_verdict_names_the_cause_not_the_first_deadline(
         case: dict[int, tuple[Status, tuple[int, ...]]], want_rank: int) -> None:

@@ -133,13 +133,18 @@ def test_round(m2n_world: World, action: str, cause: str) -> None:
     assert_not_committed(res, 1)
 
 
+@pytest.mark.parametrize("inflight", [3, 1], ids=["buckets-in-flight", "more-buckets"])
 @pytest.mark.parametrize("point,bucket", [("round.start", None), ("round.bucket", 0)])
 def test_a_round_hang_on_the_last_worker_names_it(m2n_world: World, point: str,
-                                                  bucket: int | None) -> None:
+                                                  bucket: int | None, inflight: int) -> None:
     # The trainer's ops to the healthy worker queued behind its blocked wait on the hung one
-    # read "not completed" until waited: the hung worker is named, not the healthy one.
+    # read "not completed" until waited; with more buckets than in flight, the healthy
+    # worker waits on the trainer, which waits on the hung one. Either way the hung worker
+    # is named, not the healthy one nor the trainer.
     where: dict[str, Any] = {"round": 1} if bucket is None else {"round": 1, "bucket": bucket}
-    res = _run(m2n_world(1, 2), Fault(point, "hang", rank=2, **where))  # type: ignore[arg-type]
+    res = m2n_world(1, 2).run(toy_rank, kwargs={"config": {**FAST, "max_inflight": inflight}},
+                              faults=[Fault(point, "hang", rank=2, **where)],  # type: ignore[arg-type]
+                              timeout=40)
     exc = assert_same_failure(res, TransferError, culprit=2, cause="deadline", round=1)
     assert "first failure on rank 2 (worker) (deadline)" in str(exc)
 
