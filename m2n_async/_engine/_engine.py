@@ -394,11 +394,7 @@ class _Engine:
         """The text ``rank`` left when its data plane failed to connect, if it left one."""
         assert self._rounds is not None
         with anyio.move_on_after(self.config.abort_grace):
-            try:
-                raw = await self._store.get(self._rounds.gone_key(rank))
-            except M2NError:
-                return None
-            text = None if raw is None else raw.decode(errors="replace")
+            text = await self._rounds.gone_note(rank)
             if text is not None and text.startswith(_CONNECT_NOTE):
                 return text[len(_CONNECT_NOTE):]
         return None

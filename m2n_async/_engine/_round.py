@@ -685,14 +685,19 @@ class RoundDriver:
             except M2NError as exc:
                 log.debug("rank %d could not leave its error note: %r", self.rank, exc)
 
-    async def left_failure(self, core: Round, rank: int) -> Failure:
-        """``rank`` left without reporting: the ``left`` failure, with the error it closed
-        on if it left a note (one read)."""
+    async def gone_note(self, rank: int) -> str | None:
+        """The text ``rank`` left as it closed on an error (``note_leaving``): None if it
+        left none or the store could not say (one read)."""
         try:
             raw = await self.store.get(self.gone_key(rank))
         except M2NError:
-            raw = None
-        return core.left(rank, None if raw is None else raw.decode(errors="replace"))
+            return None
+        return None if raw is None else raw.decode(errors="replace")
+
+    async def left_failure(self, core: Round, rank: int) -> Failure:
+        """``rank`` left without reporting: the ``left`` failure, with the error it closed
+        on if it left a note."""
+        return core.left(rank, await self.gone_note(rank))
 
     async def _forget(self, old: int) -> None:
         """Trainer rank 0, as round ``old + _KEEP_ROUNDS`` starts: round ``old``'s keys go, in

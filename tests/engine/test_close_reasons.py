@@ -30,8 +30,14 @@ PLAN2 = make_plan(DEFS[:1], (1, 2), (1, 1))  # two trainers
 
 
 async def _follow(worker: Any, got: list[Any]) -> None:
-    """The versions ``worker.updates()`` yields, then ``"ended"`` once the loop ends."""
-    got.extend([r.version async for r in worker.updates()])
+    """The versions ``worker.updates()`` yields, then ``"ended"`` once the loop ends, or
+    the ``PeerLostError`` it raises."""
+    try:
+        async for r in worker.updates():
+            got.append(r.version)
+    except PeerLostError as exc:
+        got.append(exc)
+        return
     got.append("ended")
 
 
@@ -46,18 +52,10 @@ async def _one_round(plan: Any = PLAN) -> tuple[list[Any], list[Any]]:
 async def test_rank0_leaving_async_with_on_an_error_fails_the_workers_updates() -> None:
     trainers, workers = await _one_round()
     got: list[Any] = []
-
-    async def follow() -> None:
-        try:
-            async for res in workers[0].updates():
-                got.append(res.version)
-        except PeerLostError as exc:
-            got.append(exc)
-
     try:
         with anyio.fail_after(30):
             async with anyio.create_task_group() as tg:
-                tg.start_soon(follow)
+                tg.start_soon(_follow, workers[0], got)
                 await anyio.sleep(0.2)  # the worker waits for round 2
                 with pytest.raises(KeyError):
                     async with trainers[0]:

@@ -15,7 +15,7 @@ import anyio
 import pytest
 
 from m2n_async import PreflightError
-from m2n_async._engine._preflight import PreflightOutcome, run_preflight
+from m2n_async._engine._preflight import PreflightInputs, PreflightOutcome, run_preflight
 from m2n_async._store import ControlGroup
 from m2n_async.testing import MemoryStore
 
@@ -24,25 +24,31 @@ from .test_preflight import GEN, Log, make_inputs
 LONG = 60.0  # the phase deadline: nobody may wait it out
 BOUND = 5.0  # the whole world must be done by then
 SPREAD = 1.0  # and every rank within this of the others
+NS = f"job/{GEN}/preflight"
+
+
+async def _preflight_rank(root: MemoryStore, inputs: PreflightInputs,
+                          out: dict[int, BaseException | PreflightOutcome]) -> None:
+    """One rank's handshake as the engine runs it: a group of the world it was given, left
+    as lost after a failure."""
+    group = ControlGroup(root.session(), inputs.rank, inputs.world_size, NS)
+    try:
+        out[inputs.rank] = await run_preflight(group, inputs, phase_timeout=LONG)
+    except Exception as exc:
+        out[inputs.rank] = exc
+        await group.aclose(lost=True)
 
 
 async def world(t: int, n: int, wrong: dict[int, dict[str, int]]
                 ) -> tuple[dict[int, BaseException | PreflightOutcome], dict[int, float]]:
     """``t + n`` ranks; rank r of ``wrong`` passes those inputs (world_size, trainer_ranks)."""
     root = MemoryStore()
-    ns = f"job/{GEN}/preflight"
     out: dict[int, BaseException | PreflightOutcome] = {}
     done: dict[int, float] = {}
 
     async def rank_main(r: int) -> None:
         inputs = dataclasses.replace(make_inputs(r, t, n, Log()), **wrong.get(r, {}))
-        store = root.session()
-        group = ControlGroup(store, r, inputs.world_size, ns)
-        try:
-            out[r] = await run_preflight(group, inputs, phase_timeout=LONG)
-        except Exception as exc:
-            out[r] = exc
-            await group.aclose(lost=True)  # as the engine leaves after a failure
+        await _preflight_rank(root, inputs, out)
         done[r] = time.monotonic()
 
     with anyio.fail_after(BOUND):
@@ -106,7 +112,6 @@ async def stray_world(t: int, n: int, late: int, after: int
     ``t + n + 1`` (a launcher that started one process too many); rank ``late`` starts
     ``after`` turns of the event loop behind the others."""
     root = MemoryStore()
-    ns = f"job/{GEN}/preflight"
     out: dict[int, BaseException | PreflightOutcome] = {}
     stray = t + n
 
@@ -118,12 +123,7 @@ async def stray_world(t: int, n: int, late: int, after: int
         if r == stray:
             inputs = dataclasses.replace(make_inputs(r - 1, t, n, Log()), rank=r,
                                          world_size=t + n + 1)
-        group = ControlGroup(root.session(), r, inputs.world_size, ns)
-        try:
-            out[r] = await run_preflight(group, inputs, phase_timeout=LONG)
-        except Exception as exc:
-            out[r] = exc
-            await group.aclose(lost=True)
+        await _preflight_rank(root, inputs, out)
 
     with anyio.fail_after(BOUND):
         async with anyio.create_task_group() as tg:
@@ -160,7 +160,6 @@ async def test_every_hello_a_failure_and_another_world_is_one_error() -> None:
     # rank 1 was given a world of 3: it decides on the view rank 0 recorded, whatever its
     # own rule says, and raises rank 0's text at once instead of waiting for a third rank.
     root = MemoryStore()
-    ns = f"job/{GEN}/preflight"
     out: dict[int, BaseException | PreflightOutcome] = {}
 
     async def rank_main(r: int, world: int) -> None:
@@ -168,12 +167,7 @@ async def test_every_hello_a_failure_and_another_world_is_one_error() -> None:
                                      argument_error=ValueError(f"bad argument on rank {r}"))
         if r == 1:
             await anyio.sleep(0.05)  # rank 0 records first
-        group = ControlGroup(root.session(), r, world, ns)
-        try:
-            out[r] = await run_preflight(group, inputs, phase_timeout=LONG)
-        except Exception as exc:
-            out[r] = exc
-            await group.aclose(lost=True)
+        await _preflight_rank(root, inputs, out)
 
     with anyio.fail_after(BOUND):
         async with anyio.create_task_group() as tg:
