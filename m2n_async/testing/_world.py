@@ -181,9 +181,11 @@ def _resolve(target: Target) -> Callable[..., Any]:
 def _error_pickle(exc: BaseException, tb: str) -> bytes:
     """``(exc, tb)`` pickled, with the exceptions ``exc`` was raised from (``__cause__``, or
     ``__context__`` when no cause hides it: a pickle keeps neither), a few deep. Any of them
-    that does not pickle or does not unpickle (an ``__init__`` whose arguments differ from
-    ``args`` fails only there: better here, with the text, than in the parent, without) is
-    a ``RuntimeError`` with its ``repr``."""
+    that does not pickle or does not unpickle here (an ``__init__`` whose arguments differ
+    from ``args`` fails only there: better here, with the text, than in the parent, without)
+    is a ``RuntimeError`` with its ``repr``. Each is pickled on its own, so one that unpickles
+    here but not in the test process (its class importable only in the rank) is replaced
+    there alone, and the rest of the chain still arrives."""
     chain: list[tuple[bool, BaseException]] = []
     seen = {id(exc)}
     e: BaseException | None = exc
@@ -194,40 +196,47 @@ def _error_pickle(exc: BaseException, tb: str) -> bytes:
             break
         seen.add(id(e))
         chain.append((cause, e))
-    return pickle.dumps((_Rechained(_picklable(exc),
-                                    [(c, _picklable(x)) for c, x in chain]), tb))
+    links = [(True, exc), *chain]  # the first link's flag is unused: it is the error itself
+    return pickle.dumps((_Rechained([(c, _pickled(x), repr(x)) for c, x in links]), tb))
 
 
 _CHAIN_DEPTH = 8  # exceptions of a chain kept, beyond the one raised
 
 
-def _picklable(exc: BaseException) -> BaseException:
+def _pickled(exc: BaseException) -> bytes:
     try:
-        pickle.loads(pickle.dumps(exc))
-        return exc
+        blob = pickle.dumps(exc)
+        pickle.loads(blob)
+        return blob
     except Exception:
-        return RuntimeError(repr(exc))
+        return pickle.dumps(RuntimeError(repr(exc)))
 
 
 class _Rechained:
-    """An exception and what it was raised from, rebuilt as one chain when unpickled."""
+    """An exception and what it was raised from, each pickled apart, rebuilt as one chain
+    when unpickled (by ``_rechain``, which the test process can always import)."""
 
-    def __init__(self, exc: BaseException, chain: list[tuple[bool, BaseException]]) -> None:
-        self.exc, self.chain = exc, chain
+    def __init__(self, links: list[tuple[bool, bytes, str]]) -> None:
+        self.links = links
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rechain, (self.exc, self.chain))
+        return (_rechain, (self.links,))
 
 
-def _rechain(exc: BaseException, chain: list[tuple[bool, BaseException]]) -> BaseException:
-    e = exc
-    for cause, earlier in chain:
+def _rechain(links: list[tuple[bool, bytes, str]]) -> BaseException:
+    errors: list[BaseException] = []
+    for _, blob, text in links:
+        try:
+            errors.append(pickle.loads(blob))
+        except Exception as exc:  # e.g. a class the rank defined and the test process lacks
+            errors.append(RuntimeError(f"{text} (did not unpickle in the test process: "
+                                       f"{exc!r})"))
+    for (cause, _, _), later, earlier in zip(links[1:], errors[:-1], errors[1:], strict=True):
         if cause:
-            e.__cause__ = earlier
+            later.__cause__ = earlier
         else:
-            e.__context__ = earlier
-        e = earlier
-    return exc
+            later.__context__ = earlier
+    return errors[0]
 
 
 def _dump_tasks(out: Any, signum: int, frame: Any) -> None:

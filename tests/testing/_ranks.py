@@ -72,6 +72,21 @@ async def returns_rank(ctx: RankContext, *, fail_on: int | None = None) -> int:
     return ctx.rank
 
 
+async def raises_from_a_class_only_it_has(ctx: RankContext) -> int:
+    """Raise a ``ValueError`` from an exception whose class lives in a module only this rank
+    has: it pickles and unpickles in the rank, but not in the test process."""
+    import sys
+    import types
+
+    mod = types.ModuleType("only_in_the_rank")
+    mod.Local = type("Local", (Exception,), {"__module__": "only_in_the_rank"})  # type: ignore[attr-defined]
+    sys.modules["only_in_the_rank"] = mod
+    try:
+        raise mod.Local("the rank's own error")  # type: ignore[attr-defined]
+    except Exception as exc:
+        raise ValueError(f"rank {ctx.rank} failed") from exc
+
+
 async def hangs_on(ctx: RankContext, *, rank: int) -> int:
     """Rank ``rank`` blocks its whole process (a hang the world must detect)."""
     if ctx.rank == rank:

@@ -16,6 +16,7 @@ from ._ranks import (
     awaits_forever_on,
     counts_into,
     hangs_on,
+    raises_from_a_class_only_it_has,
     raises_while_stacks_are_taken,
     returns_rank,
     tells,
@@ -33,6 +34,16 @@ def test_every_rank_returns_or_raises(m2n_world: World) -> None:
     assert [r.role for r in res] == ["trainer", "trainer", "worker", "worker"]
     with pytest.raises(AssertionError, match=r"ranks 2 \(error"):
         _ = res.values
+
+
+def test_a_cause_the_test_process_cannot_unpickle_keeps_the_error(m2n_world: World) -> None:
+    # Only the cause is replaced (by a RuntimeError with its text): the error stays itself.
+    res = m2n_world(1, 1).run(raises_from_a_class_only_it_has)
+    for r in res:
+        assert isinstance(r.error, ValueError) and f"rank {r.rank} failed" in str(r.error)
+        cause = r.error.__cause__
+        assert isinstance(cause, RuntimeError) and "the rank's own error" in str(cause)
+        assert "did not unpickle in the test process" in str(cause)
 
 
 def test_a_hang_is_reported_with_every_stuck_ranks_stacks(m2n_world: World) -> None:
