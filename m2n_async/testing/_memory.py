@@ -19,13 +19,12 @@ from typing import Self
 import anyio
 from anyio.lowlevel import checkpoint
 
-from m2n_async._proto.errors import PeerLostError, StoreError
+from m2n_async._proto.errors import StoreError
+from m2n_async._store._client import _fresh  # one rule for both stores' raised errors
 from m2n_async._store._core import (
     DEFAULT_MAX_BYTES,
     Snapshot,
-    StaleGenerationError,
     StoreCore,
-    StoreLimitError,
     Waiter,
 )
 from m2n_async._store._wire import DEFAULT_MAX_FRAME
@@ -176,14 +175,3 @@ class MemoryStore:
         if waiter.error is not None:
             raise _fresh(waiter.error)
         return waiter.result
-
-
-def _fresh(exc: Exception) -> Exception:
-    if isinstance(exc, PeerLostError):
-        return PeerLostError(str(exc), ranks=exc.ranks, key=exc.key)
-    if isinstance(exc, StaleGenerationError):
-        return StaleGenerationError(str(exc), job=exc.job, generation=exc.generation,
-                                    current=exc.current)
-    if isinstance(exc, StoreLimitError):
-        return StoreLimitError(str(exc), limit=exc.limit)
-    return exc
