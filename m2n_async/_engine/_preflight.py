@@ -331,7 +331,8 @@ async def _gather(group: ControlGroup, phase: str, generation: int, deadline: fl
             return await group.all_gather_bytes(payload)
     except TimeoutError:
         abandon(Event.TIMED_OUT)
-        text, blamed = await _timeout_message(group, phase, where, deadline, local_done)
+        text, blamed = await _timeout_message(group, phase, where, deadline, local_done,
+                                              machine if settled is not None else None)
         timeout = PhaseTimeoutError(text, phase=phase, ranks=blamed, generation=generation)
         if local_done:
             timeout.add_note(f"seen by rank {group.rank}, waiting in call {group.calls - 1} "
@@ -362,14 +363,23 @@ def _lost_text(ranks: Sequence[int]) -> str:
 
 
 async def _timeout_message(group: ControlGroup, phase: str, where: str, deadline: float,
-                           local_done: bool) -> tuple[str, tuple[int, ...]]:
-    """The timeout's text and the ranks it blames."""
+                           local_done: bool, hello: Handshake | None = None
+                           ) -> tuple[str, tuple[int, ...]]:
+    """The timeout's text and the ranks it blames. With ``hello`` (the open gather of the
+    ``hello`` phase), the missing ranks are those the gathered view waits for, which need
+    not be this rank's world (``Handshake.hello_missing``), and a disagreement on the
+    topology is said: so a rank started with the right world, among peers started with a
+    bigger one, names the rank they wait for and why, as they do."""
     if not local_done:
         return (f"{where} timed out after {deadline:.3g} s: rank {group.rank}'s own local "
                 f"step did not finish"), (group.rank,)
     missing: list[int] | None = None
+    disagreement: str | None = None
     with anyio.move_on_after(_MISSING_QUERY_TIMEOUT):
-        missing = await group.missing_ranks()
+        if hello is not None:
+            missing, disagreement = hello.hello_missing(await group.arrived())
+        else:
+            missing = await group.missing_ranks()
     if missing is None:
         who = "the store did not say which ranks are missing"
     elif missing and phase == Phase.HELLO.value:
@@ -384,4 +394,6 @@ async def _timeout_message(group: ControlGroup, phase: str, where: str, deadline
         who = (f"every rank had arrived at rank {group.rank}'s last call (rank {group.rank} "
                f"is the late one)")
         missing = [group.rank]
+    if disagreement is not None:
+        who = f"{who}; {disagreement}"
     return f"{where} timed out after {deadline:.3g} s: {who}", tuple(missing or ())

@@ -637,6 +637,32 @@ class Handshake:
         the same envelopes and raises the same text. An index beyond a world is an envelope
         of another topology, like any other.
         """
+        world, _ = self._hello_reference(present)
+        return all(r in present for r in range(world))
+
+    def hello_missing(self, present: Mapping[int, bytes]) -> tuple[list[int], str | None]:
+        """For a ``hello`` that timed out with ``present`` gathered: the ranks its view still
+        waits for (those of the reference topology, as ``hello_settled`` reads it, not yet
+        present), and when the envelopes show two topologies, what each rank said (the
+        same text on every rank that reads the same envelopes: a majority started with too
+        big a world waits for a rank that never comes, and only the minority knew better).
+        """
+        world, topologies = self._hello_reference(present)
+        missing = [r for r in range(world) if r not in present]
+        if len(set(topologies.values())) < 2:
+            return missing, None
+        by: dict[tuple[int, int], list[int]] = {}
+        for r, topology in sorted(topologies.items()):
+            by.setdefault(topology, []).append(r)
+        said = "; ".join(f"rank(s) {_short(rs)} were started with world_size={w}, "
+                         f"trainer_ranks={t}"
+                         for (w, t), rs in sorted(by.items(), key=lambda kv: kv[1]))
+        return missing, f"the ranks present disagree on the topology: {said}"
+
+    def _hello_reference(self, present: Mapping[int, bytes]
+                         ) -> tuple[int, dict[int, tuple[int, int]]]:
+        """The world ``hello_settled`` waits for, and the topology each decodable envelope
+        of this generation gives."""
         topologies: dict[int, tuple[int, int]] = {}
         for r, data in present.items():
             env = _decode_hello(data, r)
@@ -652,7 +678,7 @@ class Handshake:
             if counts:
                 top = counts[0][1]
                 world = min(w for (w, _), c in counts if c == top)
-        return all(r in present for r in range(world))
+        return world, topologies
 
     def receive(self, payloads: Sequence[bytes] | Mapping[int, bytes]) -> Phase:
         """Validate the gathered envelopes of the current phase (index = rank) and advance.

@@ -258,12 +258,23 @@ class ControlGroup:
 
         Cancellation: a read-only query; safe to cancel.
         """
-        if self._current is None:
+        if self._current is None:  # no call yet: nobody is missing from one
             return []
-        present = await self.store.gather(self._current, 0)
-        arrived = {self._index_of(key, self._current) for key in present
-                   if key != f"{self._current}{_VIEW}"}
+        arrived = await self.arrived()
         return [r for r in range(self.world_size) if r not in arrived]
+
+    async def arrived(self) -> dict[int, bytes]:
+        """The contributions posted to the current (or last) call so far, by key index
+        (indices beyond ``world_size`` included, as ``all_gather_open`` sees them; its
+        recorded view left out) — for timeout messages that read what the peers said.
+
+        Cancellation: a read-only query; safe to cancel.
+        """
+        if self._current is None:
+            return {}
+        present = await self.store.gather(self._current, 0)
+        return {self._index_of(key, self._current): value for key, value in present.items()
+                if key != f"{self._current}{_VIEW}"}
 
     async def aclose(self, *, lost: bool = False) -> None:
         """Remove this rank's keys (its last calls' keys and its liveness key).

@@ -123,6 +123,9 @@ class FaultyGroup:
     async def missing_ranks(self) -> list[int]:
         return await self.inner.missing_ranks()
 
+    async def arrived(self) -> dict[int, bytes]:
+        return await self.inner.arrived()
+
     async def all_gather_open(self, payload: bytes,
                               settled: Callable[[Mapping[int, bytes]], bool]
                               ) -> dict[int, bytes]:

@@ -14,7 +14,7 @@ import time
 import anyio
 import pytest
 
-from m2n_async import PreflightError
+from m2n_async import PhaseTimeoutError, PreflightError
 from m2n_async._engine._preflight import PreflightInputs, PreflightOutcome, run_preflight
 from m2n_async._store import ControlGroup
 from m2n_async.testing import MemoryStore
@@ -28,18 +28,19 @@ NS = f"job/{GEN}/preflight"
 
 
 async def _preflight_rank(root: MemoryStore, inputs: PreflightInputs,
-                          out: dict[int, BaseException | PreflightOutcome]) -> None:
+                          out: dict[int, BaseException | PreflightOutcome],
+                          phase_timeout: float = LONG) -> None:
     """One rank's handshake as the engine runs it: a group of the world it was given, left
     as lost after a failure."""
     group = ControlGroup(root.session(), inputs.rank, inputs.world_size, NS)
     try:
-        out[inputs.rank] = await run_preflight(group, inputs, phase_timeout=LONG)
+        out[inputs.rank] = await run_preflight(group, inputs, phase_timeout=phase_timeout)
     except Exception as exc:
         out[inputs.rank] = exc
         await group.aclose(lost=True)
 
 
-async def world(t: int, n: int, wrong: dict[int, dict[str, int]]
+async def world(t: int, n: int, wrong: dict[int, dict[str, int]], phase_timeout: float = LONG
                 ) -> tuple[dict[int, BaseException | PreflightOutcome], dict[int, float]]:
     """``t + n`` ranks; rank r of ``wrong`` passes those inputs (world_size, trainer_ranks)."""
     root = MemoryStore()
@@ -48,7 +49,7 @@ async def world(t: int, n: int, wrong: dict[int, dict[str, int]]
 
     async def rank_main(r: int) -> None:
         inputs = dataclasses.replace(make_inputs(r, t, n, Log()), **wrong.get(r, {}))
-        await _preflight_rank(root, inputs, out)
+        await _preflight_rank(root, inputs, out, phase_timeout)
         done[r] = time.monotonic()
 
     with anyio.fail_after(BOUND):
@@ -104,6 +105,29 @@ async def test_the_text_names_the_culprit_and_the_majority() -> None:
     assert e.failures == {3: "topology world_size=5, trainer_ranks=2 differs: 3 rank(s) "
                              "[0, 1, 2] have (4, 2)"}
 
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("right", [3, 0], ids=["last-rank-right", "rank0-right"])
+async def test_a_majority_started_with_too_big_a_world_times_out_with_one_text(
+        right: int) -> None:
+    # Three of four ranks say world_size=5: they wait for a rank 4 that may yet come, so
+    # this is a timeout, not an early error. The one rank started right waits for it too,
+    # and every rank says why: the rank missing, and who was started with which world.
+    wrong = {r: {"world_size": 5} for r in range(4) if r != right}
+    out, _ = await world(2, 2, wrong, phase_timeout=1.0)
+    texts = set()
+    for r in range(4):
+        e = out[r]
+        assert isinstance(e, PhaseTimeoutError) and e.phase == "hello", (r, repr(e))
+        assert e.ranks == (4,), (r, e.ranks)
+        texts.add(str(e))
+    assert len(texts) == 1, texts
+    text = texts.pop()
+    others = [r for r in range(4) if r != right]
+    assert "rank(s) [4] did not arrive" in text, text
+    assert f"rank(s) {others} were started with world_size=5, trainer_ranks=2" in text, text
+    assert f"rank(s) [{right}] were started with world_size=4, trainer_ranks=2" in text, text
 
 
 async def stray_world(t: int, n: int, late: int, after: int
