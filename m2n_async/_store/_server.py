@@ -559,7 +559,8 @@ class _ServerProtocol(asyncio.BufferedProtocol):
             return
         try:
             before = self._reader.buffered
-            self._reader.feed(data)
+            if data:  # nothing to feed on resume: feeding would replace a pending framing
+                self._reader.feed(data)  # error (raised after the frames before it) with another
             # A frame completed in these bytes: what is still held is of a newer frame, whose
             # frame_timeout starts now (a pipelining client always holds part of one).
             newer = self._reader.buffered < before + len(data)
@@ -614,7 +615,14 @@ class _ServerProtocol(asyncio.BufferedProtocol):
         self._count_output(0)  # down to the low-water mark: what keeps up is not counted
         if self._transport is not None and not self._closing and not self._rejected:
             self._transport.resume_reading()
-            self.data_received(b"")  # execute what was parsed but not executed while paused
+            # Execute what was parsed but not executed while paused -- soon, not here: the
+            # transport calls this from inside its own write callback, and a request executed
+            # now may close the transport (a framing error, a limit), which asyncio's selector
+            # transport then reports lost twice (a traceback in the log).
+            asyncio.get_running_loop().call_soon(self._resume)
+
+    def _resume(self) -> None:
+        self.data_received(b"")
 
     # --- the connection's logic (synchronous) --------------------------------------------
 

@@ -757,3 +757,64 @@ async def test_tombstones_are_bounded_in_bytes(monkeypatch: pytest.MonkeyPatch) 
         raw.close()
     finally:
         await runner.stop()
+
+
+# --- a client that falls behind, then reads again ---
+
+
+async def _paused_then_read(server: StoreServer, tail: bytes) -> list[ServerMessage]:
+    """Pipeline 40 reads of a 200 KB value and ``tail`` in one write without reading, until the
+    server pauses the connection; then read everything it sends until it closes."""
+    async with await StoreClient.connect(server.address, token=TOKEN) as writer:
+        await writer.set("big", b"x" * 200_000)
+    raw = await Raw.open(server, authenticate=True, rcvbuf=4096)
+    raw.writer.write(b"".join(encode_frame(Get(rid, "big")) for rid in range(1, 41)) + tail)
+    await raw.writer.drain()
+    await until(lambda: any(p._paused for p in server._protocols), "the server pauses it")
+    replies = []
+    while (msg := await raw.read()) is not None:
+        replies.append(msg)
+    raw.close()
+    return replies
+
+
+async def test_a_framing_error_read_while_paused_comes_after_the_requests_before_it() -> None:
+    # The bad frame arrives with the requests before it, while the client is not reading: once
+    # it reads again every request before the bad frame is answered, then the framing error
+    # itself is reported (not a reader "used after a framing error").
+    runner = RunningServer(max_frame=1 << 20)
+    server = await runner.start()
+    try:
+        replies = await _paused_then_read(server, b"\x00\x00\x00\x01\xc1")
+        assert [type(r) for r in replies[:-1]] == [Value] * 40, replies[-1]
+        last = replies[-1]
+        assert isinstance(last, Error) and (last.rid, last.kind) == (0, "protocol"), last
+        assert "undecodable store frame" in last.message, last
+        await healthy(server)
+    finally:
+        await runner.stop()
+
+
+async def test_a_request_that_drops_the_connection_as_it_resumes_leaves_no_traceback() -> None:
+    # The requests left when the client reads again run after the transport's write callback,
+    # not inside it: one that drops the connection (here a request id reused while pending)
+    # closes the transport once, with nothing for the event loop to report.
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, object]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _, context: reported.append(context))
+    runner = RunningServer(max_frame=1 << 20)
+    server = await runner.start()
+    try:
+        parked = encode_frame(Get(1000, "absent", wait=True))
+        replies = await _paused_then_read(server, parked + parked)
+        assert [type(r) for r in replies[:-1]] == [Value] * 40, replies[-1]
+        last = replies[-1]
+        assert isinstance(last, Error) and last.kind == "protocol", last
+        assert "reused while pending" in last.message, last
+        await healthy(server)
+        await asyncio.sleep(0.1)  # a second connection_lost would be called soon
+        assert reported == [], reported
+    finally:
+        await runner.stop()
+        loop.set_exception_handler(previous)
