@@ -125,6 +125,19 @@ def _key_bytes(key: str) -> int:
     return len(key) if key.isascii() else len(key.encode())
 
 
+#: How many characters of a key an error message quotes. A key may be nearly as long as a
+#: frame, and its repr up to 4x that: an error quoting it whole would not fit a reply frame,
+#: and its client would see a protocol error instead of the refusal.
+_QUOTE_CHARS: Final[int] = 200
+
+
+def _quote(key: str) -> str:
+    """``key`` for an error message: its repr, cut to ``_QUOTE_CHARS`` characters."""
+    if len(key) <= _QUOTE_CHARS:
+        return repr(key)
+    return f"{key[:_QUOTE_CHARS]!r}... ({_key_bytes(key)} bytes)"
+
+
 def _job_of(key: str) -> str | None:
     slash = key.find("/")
     return key[:slash] if slash > 0 else None
@@ -320,7 +333,7 @@ class StoreCore:
             old, _ = self._tombstones.popitem(last=False)
             self._tombstone_bytes -= _key_bytes(old)
         for waiter in list(self._watchers.get(key, ())):
-            self._finish(waiter, error=PeerLostError(f"store key {key!r} was lost: {why}",
+            self._finish(waiter, error=PeerLostError(f"store key {_quote(key)} was lost: {why}",
                                                      key=key))
 
     # --- non-blocking operations ---------------------------------------------------------
@@ -346,7 +359,7 @@ class StoreCore:
         self._check_live(session)
         self._check_key(key)
         if not _INT64_MIN <= delta <= _INT64_MAX:
-            raise StoreError(f"add to {key!r}: delta {delta} is not an int64")
+            raise StoreError(f"add to {_quote(key)}: delta {delta} is not an int64")
         protection = _protection(key)
         if protection == "claim":
             self._refuse(key, "add", protection)
@@ -357,7 +370,7 @@ class StoreCore:
                 f"never deleted, so its key is at most {MAX_COUNTER_KEY} bytes",
                 limit="max_counter_key")
         if protection == "counter" and delta < 0:
-            raise StoreError(f"add to {key!r}: delta {delta} would move a job counter back, "
+            raise StoreError(f"add to {_quote(key)}: delta {delta} would move a job counter back, "
                              "which would hand out a generation or ticket twice (delta >= 0)")
         old = self._data.get(key)
         base = 0
@@ -366,11 +379,11 @@ class StoreCore:
                 base = int(old)
             except ValueError:
                 what = "job counter" if protection else "key"
-                raise StoreError(f"add to {key!r}: the {what} holds a non-integer value "
+                raise StoreError(f"add to {_quote(key)}: the {what} holds a non-integer value "
                                  f"({old[:32]!r})") from None
         value = base + delta
         if not _INT64_MIN <= value <= _INT64_MAX:
-            raise StoreError(f"add to {key!r}: {base} + {delta} overflows int64")
+            raise StoreError(f"add to {_quote(key)}: {base} + {delta} overflows int64")
         self._write(key, str(value).encode())
         return value
 
@@ -442,7 +455,7 @@ class StoreCore:
         self._check_live(session)
         self._check_key(prefix, prefix=True)
         if n < 0:
-            raise StoreError(f"gather {prefix!r}: n must be >= 0, got {n}")
+            raise StoreError(f"gather {_quote(prefix)}: n must be >= 0, got {n}")
         waiter = Waiter(session, "gather", notify)
         waiter.prefix, waiter.n = prefix, n
         track = self._prefixes.get(prefix)
@@ -478,7 +491,7 @@ class StoreCore:
         if delete is not None:
             self._check_key(delete)
         if n < 0:
-            raise StoreError(f"exchange {prefix!r}: n must be >= 0, got {n}")
+            raise StoreError(f"exchange {_quote(prefix)}: n must be >= 0, got {n}")
         self._check_writable(session, key, "exchange")
         if delete is not None:
             self._check_writable(session, delete, "exchange")
@@ -508,16 +521,17 @@ class StoreCore:
         current = self._generations.get(job)
         if current is not None and generation < current:
             raise StaleGenerationError(
-                f"store {'prefix' if prefix else 'key'} {key!r} belongs to generation "
-                f"{generation} of job {job!r}, which is stale (current generation: {current})",
+                f"store {'prefix' if prefix else 'key'} {_quote(key)} belongs to generation "
+                f"{generation} of job {_quote(job)}, which is stale (current generation: "
+                f"{current})",
                 job=job, generation=generation, current=current)
 
     def _refuse(self, key: str, op: str, protection: Literal["counter", "claim"]) -> None:
         if protection == "counter":
-            raise StoreError(f"{op} of {key!r} refused: it is a job counter (generation or "
+            raise StoreError(f"{op} of {_quote(key)} refused: it is a job counter (generation or "
                              "claim tickets), which only add (delta >= 0) changes")
-        raise StoreError(f"{op} of {key!r} refused: it is a job claim entry, which its holder "
-                         "writes with set(ephemeral=True) and deletes, and nobody else")
+        raise StoreError(f"{op} of {_quote(key)} refused: it is a job claim entry, which its "
+                         "holder writes with set(ephemeral=True) and deletes, and nobody else")
 
     def _check_writable(self, session: Session, key: str, op: str, *,
                         ephemeral: bool = True) -> None:
@@ -528,11 +542,11 @@ class StoreCore:
         if protection == "counter" or op == "exchange":
             self._refuse(key, op, protection)
         if not ephemeral:
-            raise StoreError(f"set of {key!r} refused: a job claim entry must be ephemeral "
+            raise StoreError(f"set of {_quote(key)} refused: a job claim entry must be ephemeral "
                              "(it must vanish with its holder)")
         owner = self._owner.get(key)
         if owner is not None and owner is not session:
-            raise StoreError(f"{op} of {key!r} refused: the claim entry belongs to store "
+            raise StoreError(f"{op} of {_quote(key)} refused: the claim entry belongs to store "
                              f"session {owner.id}, not to session {session.id}")
 
     def _check_quota(self, key: str, value: bytes) -> None:
@@ -543,7 +557,7 @@ class StoreCore:
             return
         if self._max_bytes is not None and self._bytes + grow > self._max_bytes:
             raise StoreLimitError(
-                f"store quota max_bytes ({self._max_bytes} bytes) refuses a write of {key!r} "
+                f"store quota max_bytes ({self._max_bytes} bytes) refuses a write of {_quote(key)} "
                 f"({len(value)} bytes): the store holds {self._bytes} bytes", limit="max_bytes")
         job = _job_of(key)
         if self._max_job_bytes is not None and job is not None:
@@ -551,7 +565,8 @@ class StoreCore:
             if held + grow > self._max_job_bytes:
                 raise StoreLimitError(
                     f"store quota max_job_bytes ({self._max_job_bytes} bytes per job) refuses a "
-                    f"write of {key!r} ({len(value)} bytes): job {job!r} holds {held} bytes",
+                    f"write of {_quote(key)} ({len(value)} bytes): job {_quote(job)} holds "
+                    f"{held} bytes",
                     limit="max_job_bytes")
 
     def _account(self, key: str, grow: int) -> None:
@@ -578,7 +593,7 @@ class StoreCore:
                                        for k in keys)
         if self._max_reply is not None and nbytes > self._max_reply:
             return StoreLimitError(
-                f"gather of {prefix!r}: the reply ({len(keys)} keys, {nbytes} bytes) would "
+                f"gather of {_quote(prefix)}: the reply ({len(keys)} keys, {nbytes} bytes) would "
                 f"exceed the store's frame limit for a reply (max_reply, {self._max_reply} bytes)",
                 limit="max_reply")
         return Snapshot({k: data[k] for k in sorted(keys)}, nbytes)
@@ -589,7 +604,7 @@ class StoreCore:
         if lost:
             key = min(lost, key=self._tombstones.__getitem__)
             raise PeerLostError(
-                f"store key {key!r} was lost: the session that wrote it ended", key=key)
+                f"store key {_quote(key)} was lost: the session that wrote it ended", key=key)
         if len(waiter.session.waiters) >= self._max_waiters:
             raise StoreError(f"store session {waiter.session.id} has {self._max_waiters} "
                              "blocking requests pending (the limit)")
@@ -721,8 +736,8 @@ class StoreCore:
         for waiter, key in doomed:
             gen = _generation_of(key)
             self._finish(waiter, error=StaleGenerationError(
-                f"store key {key!r} became stale while waiting: job {job!r} moved on to "
-                f"generation {current}", job=job, generation=gen[1] if gen else -1,
+                f"store key {_quote(key)} became stale while waiting: job {_quote(job)} moved "
+                f"on to generation {current}", job=job, generation=gen[1] if gen else -1,
                 current=current))
 
 

@@ -820,6 +820,13 @@ class _ServerProtocol(asyncio.BufferedProtocol):
                     f"limit of {self._server._max_frame} bytes", key="max_frame"))
             elif not self._fits(len(frame)):
                 return
+        elif len(frame) - 4 > self._server._max_frame:
+            # The core quotes keys cut short, but an error's key field names one whole (a lost
+            # key, a job), which may be nearly a frame long: the error then goes without it,
+            # its message cut to fit too (a tiny max_frame), rather than as a frame too big
+            # for its client to read.
+            frame = encode_frame(msgspec.structs.replace(
+                msg, key=None, message=msg.message[:max(0, self._server._max_frame - 128) // 4]))
         transport = self._transport
         if transport is None or self._closing:
             return

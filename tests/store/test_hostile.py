@@ -283,7 +283,7 @@ async def test_unread_error_replies_count_toward_the_store_wide_budget() -> None
     # Those replies count like any other: past the budget the connection holding the most
     # is dropped, and the store-wide count never stays above the budget.
     budget = OUTPUT_LIMITS["max_output_bytes"]
-    long_key = "w/" + "x" * 20_000
+    long_key = "w/" + "x" * 40_000  # named whole in the key field, cut short in the message
     groups, per_group = 40, 8
     runner = RunningServer(**OUTPUT_LIMITS)
     server = await runner.start()
@@ -818,3 +818,47 @@ async def test_a_request_that_drops_the_connection_as_it_resumes_leaves_no_trace
     finally:
         await runner.stop()
         loop.set_exception_handler(previous)
+
+
+# --- errors about long keys ---
+
+
+@pytest.mark.parametrize("case", ["claim", "stale", "non-integer", "lost", "lost, key kept"])
+async def test_a_refusal_naming_a_key_nearly_a_frame_long_fits_a_frame(case: str) -> None:
+    # An error quotes a key cut short: one nearly a frame long (its repr up to 4x that) is
+    # refused with a frame its client reads, not one past the client's limit (which would
+    # break the connection with a protocol error). A lost key is named whole in the error's
+    # key field while that fits.
+    from m2n_async import PeerLostError, StaleGenerationError
+
+    max_frame = 64 * 1024
+    runner = RunningServer(max_frame=max_frame)
+    server = await runner.start()
+    long = "j/1/" + "\x00" * (max_frame - (2000 if case == "lost, key kept" else 100))
+    try:
+        with anyio.fail_after(DEADLINE):
+            async with await StoreClient.connect(server.address, token=TOKEN,
+                                                 max_frame=max_frame) as client:
+                if case == "claim":
+                    with pytest.raises(StoreError, match="job claim entry"):
+                        await client.add("j/claims/" + long[4:])
+                elif case == "stale":
+                    await next_generation(client, "j")
+                    await next_generation(client, "j")
+                    with pytest.raises(StaleGenerationError, match="stale") as stale:
+                        await client.set(long, b"v")
+                    assert stale.value.job == "j"
+                elif case == "non-integer":
+                    await client.set(long, b"x")
+                    with pytest.raises(StoreError, match="non-integer"):
+                        await client.add(long)
+                else:
+                    await client.delete(long, lost=True)
+                    with pytest.raises(PeerLostError, match="was lost") as lost:
+                        await client.get("j/absent", wait=True, watch=[long])
+                    assert lost.value.key == (long if case == "lost, key kept" else None)
+                await client.set("after", b"1")  # the connection still serves
+                assert await client.get("after") == b"1"
+        await healthy(server)
+    finally:
+        await runner.stop()
