@@ -119,6 +119,11 @@ MAX_TOMBSTONE_BYTES: Final[int] = 64 << 20
 #: What one key a parked waiter indexes costs beyond its bytes (the index entries): a
 #: session's waiters index at most ``max_reply`` bytes of keys so counted.
 _INDEX_ENTRY_COST: Final[int] = 64
+#: The keys that parked gathers' prefixes index, all prefixes together. Past it a prefix keeps
+#: only a count of its keys and collects them when its gather completes: otherwise gathers
+#: parked on nested prefixes ("", "a", "aa", ...) would each index every key of the store,
+#: outside every quota (a collective's few prefixes stay far below it, and fast).
+MAX_TRACKED_KEYS: Final[int] = 1 << 20
 
 
 def _key_bytes(key: str) -> int:
@@ -230,12 +235,14 @@ class Waiter:
 
 
 class _PrefixTrack:
-    """Keys present under a prefix that gather waiters are watching (dropped when unwatched)."""
+    """Keys present under a prefix that gather waiters are watching (dropped when unwatched):
+    how many, and which while ``MAX_TRACKED_KEYS`` allows (``None``: collected on completion)."""
 
-    __slots__ = ("keys", "waiters")
+    __slots__ = ("count", "keys", "waiters")
 
-    def __init__(self, keys: set[str]) -> None:
+    def __init__(self, keys: set[str] | None, count: int) -> None:
         self.keys = keys
+        self.count = count
         self.waiters: set[Waiter] = set()
 
 
@@ -258,6 +265,7 @@ class StoreCore:
         self._owner: dict[str, Session] = {}
         self._key_waiters: dict[str, set[Waiter]] = {}
         self._prefixes: dict[str, _PrefixTrack] = {}
+        self._tracked = 0  # keys the tracks' ``keys`` sets hold, together (MAX_TRACKED_KEYS)
         self._watchers: dict[str, set[Waiter]] = {}
         # key -> when it was lost (a sequence number): a waiter watching several lost keys
         # is told about the first loss, the root cause, not whichever it lists first.
@@ -459,8 +467,11 @@ class StoreCore:
         waiter = Waiter(session, "gather", notify)
         waiter.prefix, waiter.n = prefix, n
         track = self._prefixes.get(prefix)
-        present = track.keys if track is not None else {
-            k for k in self._data if k.startswith(prefix)}
+        present: Collection[str]
+        if track is None:
+            fresh = present = {k for k in self._data if k.startswith(prefix)}
+        else:
+            fresh, present = None, self._keys_of(track, prefix)
         if len(present) >= n:
             snapshot = self._snapshot(present, prefix)
             if isinstance(snapshot, StoreLimitError):
@@ -468,10 +479,12 @@ class StoreCore:
             waiter.done = True
             waiter.result = snapshot
             return waiter
-        if track is None:
-            track = _PrefixTrack(present)
+        if fresh is not None:
+            within = self._tracked + len(fresh) <= MAX_TRACKED_KEYS
+            track = _PrefixTrack(fresh if within else None, len(fresh))
             self._register(waiter, watch, track=track)  # raises before mutating anything
             self._prefixes[prefix] = track
+            self._tracked += len(fresh) if within else 0
         else:
             self._register(waiter, watch, track=track)
         return waiter
@@ -586,6 +599,12 @@ class StoreCore:
             self._account(key, -(_key_bytes(key) + len(value)))
         return value
 
+    def _keys_of(self, track: _PrefixTrack, prefix: str) -> Collection[str]:
+        """The keys present under ``track``'s prefix (``prefix``)."""
+        if track.keys is not None:
+            return track.keys
+        return [k for k in self._data if k.startswith(prefix)]
+
     def _snapshot(self, keys: Collection[str], prefix: str) -> Snapshot | StoreLimitError:
         """The gather result for ``keys``, or the error if it would pass ``max_reply``."""
         data = self._data
@@ -645,6 +664,7 @@ class StoreCore:
                 track.waiters.discard(waiter)
                 if not track.waiters:
                     del self._prefixes[waiter.prefix]
+                    self._tracked -= len(track.keys) if track.keys is not None else 0
 
     def _finish(self, waiter: Waiter, *, result: bytes | Snapshot | None = None,
                 error: M2NError | None = None) -> None:
@@ -689,10 +709,17 @@ class StoreCore:
         if self._prefixes:
             for prefix, track in list(self._prefixes.items()):
                 if key.startswith(prefix):
-                    track.keys.add(key)
-                    ready = [w for w in track.waiters if w.n <= len(track.keys)]
+                    track.count += 1
+                    if track.keys is not None:
+                        if self._tracked < MAX_TRACKED_KEYS:
+                            track.keys.add(key)
+                            self._tracked += 1
+                        else:  # from now on counted only (MAX_TRACKED_KEYS says why)
+                            self._tracked -= len(track.keys)
+                            track.keys = None
+                    ready = [w for w in track.waiters if w.n <= track.count]
                     if ready:
-                        snapshot = self._snapshot(track.keys, prefix)
+                        snapshot = self._snapshot(self._keys_of(track, prefix), prefix)
                         for waiter in ready:
                             if isinstance(snapshot, StoreLimitError):
                                 self._finish(waiter, error=snapshot)
@@ -703,7 +730,10 @@ class StoreCore:
         if self._prefixes:
             for prefix, track in self._prefixes.items():
                 if key.startswith(prefix):
-                    track.keys.discard(key)
+                    track.count -= 1  # it was present: only keys held are removed
+                    if track.keys is not None:
+                        track.keys.discard(key)
+                        self._tracked -= 1
 
     def _maybe_advance_generation(self, key: str, value: bytes) -> None:
         slash = key.find("/")

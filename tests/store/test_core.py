@@ -64,3 +64,41 @@ def test_notify_called_exactly_once() -> None:
 ])
 def test_generation_parsing(key: str, expected: tuple[str, int] | None) -> None:
     assert _generation_of(key) == expected
+
+
+def test_parked_gathers_on_nested_prefixes_do_not_each_index_the_store(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Gathers parked on 100 nested prefixes ("", "a", "aa", ...), each of which every key
+    # below matches: past MAX_TRACKED_KEYS (here 5000) the prefixes only count their keys,
+    # so the store's keys are not indexed once more per prefix (which made 0.2 MB of keys
+    # cost ~20 MB of index, outside every quota).
+    import tracemalloc
+
+    from m2n_async._store import _core
+
+    monkeypatch.setattr(_core, "MAX_TRACKED_KEYS", 5000, raising=False)
+    core = StoreCore()
+    s = core.open_session()
+    base = "a" * 100
+    waiters = [core.begin_gather(s, base[:i], 10**6, (), lambda: None) for i in range(100)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for j in range(2000):
+            core.set(s, f"{base}/{j}", b"")
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 4 * core.nbytes, (grown, core.nbytes)
+    assert core._tracked <= 5000
+    # The counts still complete a gather, and still follow deletes.
+    core.delete(s, f"{base}/0")
+    done = core.begin_gather(s, base, 1999, (), lambda: None)
+    assert done.done and len(done.result.items) == 1999  # type: ignore[union-attr]
+    notified: list[int] = []
+    w = core.begin_gather(s, base + "/", 2000, (), lambda: notified.append(1))
+    core.set(s, f"{base}/0", b"back")
+    assert notified == [1] and w.done and len(w.result.items) == 2000  # type: ignore[union-attr]
+    for waiter in waiters:
+        core.cancel(waiter)
+    assert core._prefixes == {} and core._tracked == 0
