@@ -442,12 +442,17 @@ class Streams:
 
     @contextlib.contextmanager
     def on(self, stream: Any) -> Iterator[None]:
-        """Run torch ops of the block on ``stream`` (and our device)."""
-        if not self.cuda:
-            yield
-            return
+        """Run torch ops of the block on ``stream`` (and our device), autograd off: the
+        block copies from sources and into targets that may be parameters requiring grad
+        (an in-place write into such a leaf is refused; a copy from one records a graph
+        that would tie the staging to it). The block must not ``await``: grad mode is the
+        thread's, so the event loop's other tasks would run with it off."""
         torch = _torch()
-        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+        if not self.cuda:
+            with torch.no_grad():
+                yield
+            return
+        with torch.no_grad(), torch.cuda.device(self.device), torch.cuda.stream(stream):
             yield
 
 
@@ -756,7 +761,8 @@ class GpuTransportBase(Transport):
                 torch.cuda.set_device(device)
             for name, fn, tensor in callbacks:
                 try:
-                    fn(name, tensor)
+                    with torch.no_grad():  # a callback copies into parameters (LoadTarget.into)
+                        fn(name, tensor)
                 except Exception as exc:
                     raise TransferError(
                         f"{self.name}: load callback for parameter {name!r} raised at "

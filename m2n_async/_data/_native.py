@@ -179,6 +179,12 @@ class NativeThread:
         return not self._thread.is_alive()
 
     def _run(self) -> None:
+        # Autograd off on this thread (grad mode is per thread): its copies read sources and
+        # write targets that may be parameters requiring grad, where autograd would refuse
+        # an in-place write into a leaf, or record a graph nobody uses.
+        import torch
+
+        torch.set_grad_enabled(False)
         if self._nice > 0 and hasattr(os, "setpriority"):
             try:  # per thread on Linux: PRIO_PROCESS with the thread's own id
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)

@@ -1210,7 +1210,8 @@ class GlooTransport(Transport):
             return TimeoutError(f"gloo {op} did not complete before the round deadline at "
                                 f"{where}: {text}")
         if "closed by peer" in text or "Connection reset" in text:
-            err = TransferError(f"gloo {op}: peer rank {peer} closed the connection (process "
+            who = "a peer" if peer is None else f"peer rank {peer}"  # None: not known here
+            err = TransferError(f"gloo {op}: {who} closed the connection (process "
                                 f"died or aborted) at {where}: {text}",
                                 rank=self.ctx.rank, round=self.round)
             err.peer = peer  # type: ignore[attr-defined]  # lets the engine blame the peer

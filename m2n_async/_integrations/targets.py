@@ -259,6 +259,10 @@ def targets_from_module(module: torch.nn.Module, tp_plan: Mapping[str, TPStyle] 
       segment (so an entry for a block, ``"layers.*"``, does not shadow its children's);
       only where none matches so, ``*`` may cross dots (``"*.q_proj"``).
 
+    A plain parameter is the target itself, so storage the module gets later (``param.data
+    = ...``, ``Module.to``) is written next round, or refused naming it; a DTensor's local
+    shard is taken now, and storage it gets later is not followed.
+
     ``loaders`` adds or overrides names with ``LoadTarget``s (fused or quantized layouts),
     which the engine delivers through their callbacks instead of in place.
     Names use the same cleaning and ``rename`` as ``specs_from_module``, so the trainer's
@@ -291,12 +295,15 @@ def targets_from_module(module: torch.nn.Module, tp_plan: Mapping[str, TPStyle] 
             continue
         if _is_dtensor(t):
             placements = _dtensor_placements(name, t)
-            local = t.to_local()  # type: ignore[attr-defined]
+            # The local shard as of now: a DTensor given new storage later is not followed.
+            local = t.to_local().detach()  # type: ignore[attr-defined]
         else:
             dim = _shard_dim(modules, fqn, t.dim(), tp_plan)
             placements = None if dim is None else (REPLICATE, dim)
+            # The parameter itself, not a detached alias: the engine reads a target's
+            # storage every round, so ``param.data = ...`` or ``module.to(...)`` between
+            # rounds is followed (or refused), not silently left stale.
             local = t
-        local = local.detach()
         # A non-contiguous parameter (channels_last, a transposed view) cannot take a message
         # in place, and a .contiguous() copy would leave the model untouched: copy into it.
         targets[name] = ((local, placements) if local.is_contiguous()

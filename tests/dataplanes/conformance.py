@@ -14,7 +14,8 @@ pair (and counts exactly the plan's bytes); ``abort`` wakes a completion that wa
 who never come, from another thread, with ``TransferError`` naming the reason, and nothing is
 usable afterwards; ``close`` is idempotent and lets go of every tensor it was handed; later
 rounds reuse what the first one cached (views, descriptors, arenas) only where it is still
-right — new source tensors, sources updated in place, a new sinks mapping with new targets.
+right — new source tensors, sources updated in place, a new sinks mapping with new targets;
+sources and targets that are parameters requiring grad move like plain tensors.
 """
 
 from __future__ import annotations
@@ -244,9 +245,49 @@ async def second_round_reuses_state(rank: int, t: Transport) -> None:
     assert not stale, f"{t.name} rank {rank}: round 3 wrote the old targets of {stale}"
 
 
+def _requiring_grad(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The floating tensors as parameters requiring grad (an ``nn.Module``'s, as users hand
+    them over); the others as they are (autograd takes floating dtypes only)."""
+    return {k: torch.nn.Parameter(v) if v.is_floating_point() else v
+            for k, v in tensors.items()}
+
+
+async def moves_parameters_requiring_grad(rank: int, t: Transport) -> None:
+    """Sources and targets that are parameters requiring grad move like plain tensors: no
+    refusal of an in-place write into a leaf, no autograd graph recorded (it would tie the
+    staging to the sources), the targets still leaves; and ``close`` lets go of them all."""
+    handed: list[weakref.ref[torch.Tensor]] = []
+    if rank < t.ctx.trainer_ranks:
+        src = _requiring_grad(_sources(t, 0))
+        handed += [weakref.ref(x) for x in src.values()]
+        await _round(t, 0, sources=src)
+        with torch.no_grad():  # an optimizer step: the same parameters, updated in place
+            for k, v in _sources(t, 1).items():
+                src[k].copy_(v)
+        await _round(t, 1, sources=src)
+        del src
+    else:
+        targets = _requiring_grad(_targets(t))
+        handed += [weakref.ref(x) for x in targets.values()]
+        for rnd in (0, 1):
+            with torch.no_grad():
+                _refill(targets)
+            await _round(t, rnd, sinks=targets)
+            _check_landed(t, targets, rnd, f"round {rnd} (parameters requiring grad)")
+        leaves = [k for k, x in targets.items() if x.grad_fn is not None]
+        assert not leaves, f"{t.name} rank {rank}: targets given a grad_fn: {leaves}"
+        del targets
+    await t.close()
+    gc.collect()
+    alive = [ref() for ref in handed if ref() is not None]
+    assert not alive, (f"{t.name} rank {rank}: {len(alive)} of {len(handed)} parameters are "
+                       "still referenced after close")
+
+
 CHECKS: dict[str, Check] = {
     "bit_exact": moves_bytes_bit_exact,
     "abort": abort_wakes_a_pending_completion,
     "close": close_is_idempotent_and_releases,
     "reuse": second_round_reuses_state,
+    "grad": moves_parameters_requiring_grad,
 }

@@ -49,6 +49,14 @@ async def test_second_round_reuses_state(fake_world: fake_nccl.FakeWorld, lane: 
     await _run(lane, "reuse", layout)
 
 
+@pytest.mark.asyncio
+@pytest.mark.parametrize("layout", ["2+2", "2+3"])
+@pytest.mark.parametrize("lane", LANES)
+async def test_moves_parameters_requiring_grad(fake_world: fake_nccl.FakeWorld, lane: str,
+                                               layout: str) -> None:
+    await _run(lane, "grad", layout)
+
+
 def test_every_check_runs_here() -> None:
     # a check added to the suite needs its test above (and in tests/gpu)
-    assert set(conformance.CHECKS) == {"bit_exact", "abort", "close", "reuse"}
+    assert set(conformance.CHECKS) == {"bit_exact", "abort", "close", "reuse", "grad"}

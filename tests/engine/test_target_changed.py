@@ -15,7 +15,7 @@ from m2n_async import TransferError
 from m2n_async.testing import MemoryStore
 
 from ._plans import make_plan, source_shards
-from .test_engine_local import DEFS, _check, _close, _connect_all, _round
+from .test_engine_local import DEFS, _check, _close, _connect_all, _round, _same
 
 PLAN = make_plan(DEFS[:1], (1, 1), (1, 1))  # w_row: (12, 6) float32, whole on the worker
 
@@ -86,3 +86,30 @@ async def test_new_storage_of_another_kind_fails_the_round_naming_the_parameter(
         assert says in str(exc) and "the target changed after connect" in str(exc), exc
     assert str(trainer) == str(worker)
     assert engine == (1, "poisoned")
+
+
+@pytest.mark.asyncio
+async def test_a_module_target_given_new_storage_is_followed() -> None:
+    # targets_from_module hands the engine the module's parameter itself, so storage the
+    # module gets later (``param.data = ...``, ``Module.to``) is what the next round writes,
+    # or refuses: never a stale alias of the old storage that leaves the module untouched.
+    from m2n_async import targets_from_module
+
+    module = torch.nn.Module()
+    module.w_row = torch.nn.Parameter(torch.zeros(12, 6))  # requires grad, as a module's do
+    trainers, workers = await _connect_all(
+        MemoryStore(), PLAN, targets={1: targets_from_module(module)})
+    try:
+        await _round(trainers, workers, lambda e: e.sync_weights(source_shards(PLAN, 0, 1)))
+        assert _same(module.w_row.detach(), source_shards(PLAN, 0, 1)["w_row"])
+        with torch.no_grad():
+            module.w_row.data = torch.zeros(12, 6)  # new storage, the planned kind
+        await _round(trainers, workers, lambda e: e.sync_weights(source_shards(PLAN, 0, 2)))
+        assert _same(module.w_row.detach(), source_shards(PLAN, 0, 2)["w_row"])
+        module.to(torch.float64)
+        with pytest.raises(BaseExceptionGroup) as info:  # both sides raise it
+            await _round(trainers, workers,
+                         lambda e: e.sync_weights(source_shards(PLAN, 0, 3)))
+        assert info.group_contains(TransferError, match="tensor dtype float64 != planned")
+    finally:
+        await _close(*trainers, *workers)
