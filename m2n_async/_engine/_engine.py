@@ -755,8 +755,11 @@ class TrainerEngine(_Engine):
         ``weights``: name -> local shard (a dict, ``module_shards(...)`` or any Mapping), a
         ``torch.nn.Module``, a callable ``f(names) -> Mapping`` called once per bucket, or an
         iterable of ``(name, tensor)`` pairs — lazy sources are materialized bucket by bucket.
-        Each shard is checked against the plan (dtype, local shape, contiguity, device) when
-        its bucket is staged; keep the tensors unchanged until this returns.
+        Each shard is checked against the plan (present, dtype, local shape, contiguity,
+        device): a dict (or ``MappingProxyType``) of tensors whole, before the round; a
+        module and ``module_shards(...)`` for their dtypes before the round and the rest
+        when each bucket is staged; any other source when its bucket is staged. Keep the
+        tensors unchanged until this returns.
 
         Dtypes: a shard may have its parameter's planned (wire) dtype, or another float
         dtype among float64 / float32 / bfloat16 / float16 when the wire dtype is one of them
@@ -765,14 +768,21 @@ class TrainerEngine(_Engine):
         ``shard.to(wire_dtype)`` (round to nearest even) and ``SyncResult.cast_bytes`` says
         how many bytes were cast. Any other conversion (int <-> float, to or from fp8,
         bool, integer widths) raises ``PlanError`` naming the parameter, the rank and both
-        dtypes. For a dict (or ``MappingProxyType``) of tensors, a module and
-        ``module_shards(...)`` it is raised before the round: nothing was sent and the
-        engine stays READY (on a trainer rank other than 0, whose peers may have begun the
-        round: call again with fixed weights to join it, or close the engine so they fail
-        at once). A lazy source (a callable, an iterable, any other Mapping, which may
-        compute on lookup) is checked when its bucket is staged: the round then fails on
-        every rank with a ``TransferError`` naming the parameter, as any other bad shard,
-        and the engine is POISONED.
+        dtypes.
+
+        Refused before the round, with ``PlanError`` naming the parameter, the rank and what
+        is wrong: for a dict (or ``MappingProxyType``) of tensors, a missing parameter, a
+        dtype refused above, a shard of another local shape, on another device or not
+        contiguous; for a module and ``module_shards(...)``, a missing parameter or a dtype
+        refused above. Nothing was sent and the engine stays READY. Every trainer checks
+        every parameter of the plan against its own local shapes, the ones it does not send
+        included, so weights built alike on every trainer are refused on every trainer and
+        no round starts. A rank other than 0 refused alone leaves its peers in the round
+        rank 0 began: call again with fixed weights to join it, or close the engine so they
+        fail at once. A lazy source (a callable, an iterable, any other Mapping, which may
+        compute on lookup), and a module's shapes, are checked when the bucket is staged:
+        the round then fails on every rank with a ``TransferError`` naming the parameter, as
+        any other bad shard, and the engine is POISONED.
         ``version`` (rank 0): the version to commit (default: current + 1; must increase).
         ``timeout`` (rank 0): the round deadline for every rank (default
         ``config.round_timeout``). ``progress(bytes_done, bytes_total)`` after each bucket.
@@ -794,7 +804,7 @@ class TrainerEngine(_Engine):
         ``version`` that is not an int above the committed one, a ``timeout`` that is not a
         finite number > 0, ``weights`` of none of the kinds above, or a second
         ``sync_weights`` while one runs on this engine; ``PlanError`` (likewise) for a
-        module lacking a plan parameter or a dtype refused before the round (above).
+        shard refused before the round (above).
 
         Cancellation: if cancelled before rank 0 publishes the round, nothing happened and
         the engine stays READY. Rank 0's publish itself is shielded (bounded by the round
@@ -830,8 +840,9 @@ class TrainerEngine(_Engine):
         device = str(resolved) if resolved is not None else (
             transport.ctx.settings.device or "cpu")
         # Before the round: a weights object of the wrong kind, a module lacking plan names,
-        # or a dtype that is not a float cast of the wire dtype is refused with nothing
-        # sent, the engine still READY.
+        # a dtype that is not a float cast of the wire dtype, or a dict's missing, misshapen,
+        # misplaced or non-contiguous shard is refused with nothing sent, the engine still
+        # READY.
         t0 = time.perf_counter()
         sources = _Sources(weights, plan, rank, device, self._expect, self._names)
         if sources.unplanned and not self._warned_unplanned:
@@ -843,15 +854,15 @@ class TrainerEngine(_Engine):
                         "not carry, not sent: %s%s (the plan is what connect agreed; connect "
                         "again with specs_from_module of this module to carry them)",
                         rank, len(sources.unplanned), shown, more)
+        v = self._version + 1 if version is None else version
+        if self.rank == 0 and v <= self._version:  # the cheap argument check first
+            raise LocalProtocolError(f"sync_weights: version {v} does not advance the "
+                                     f"committed version {self._version}")
         await sources.precheck()
         k = self._round + 1
         rounds = self._rounds
         assert rounds is not None
         if self.rank == 0:
-            v = self._version + 1 if version is None else version
-            if v <= self._version:
-                raise LocalProtocolError(f"sync_weights: version {v} does not advance the "
-                                         f"committed version {self._version}")
             rt = self.config.round_timeout if timeout is None else float(timeout)
             start = RoundStart(PROTO_VERSION, self._generation, k, v, rt, False)
             # A caller cancelled already: nothing published, nothing happened.

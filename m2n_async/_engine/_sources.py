@@ -11,19 +11,26 @@ naming the parameter and the rank.
 Where the checks run: a plain dict is checked on the event loop in chunks of
 ``_INLINE_PARAMS`` with a checkpoint between chunks (a thread hop costs more than the lookups,
 and a thread running a Python loop holds the GIL); any other source may compute on lookup and
-is resolved on a worker thread. Sources whose dtypes can be read without computing a shard
-are dtype-checked before the round (``precheck``).
+is resolved on a worker thread.
+
+Before the round (``precheck``): a mapping of stored tensors (a dict or ``MappingProxyType``,
+its lookups compute nothing) is checked whole — every plan parameter present, of an accepted
+dtype, of this rank's local shape, on the device and contiguous — and a module or
+``module_shards`` has its dtypes checked. What is wrong is refused with ``PlanError`` before
+any round starts, so the engine stays READY. Every trainer checks every parameter of the
+plan, not only those it sends, against its own local shapes: a mistake in what each rank's
+training code builds alike (a dropped name, a wrong shard) is refused on every trainer, and
+no rank starts a round its peers refused. Lazy sources (a callable, an iterable, any other
+Mapping) are checked bucket by bucket at staging, where a bad shard fails the round.
 
 The per-round cost for a plain dict: every shard's dtype, shape, device and contiguity are
 read every round (``Tensor.data`` can be reassigned and in-place ops change shapes, so a
 shard seen last round proves nothing), but by C-level ``map`` calls over chunks of
 ``_INLINE_PARAMS`` tensors fetched with one ``operator.itemgetter`` (``_Expectations.chunks``:
 the getters and expected values are a pure function of the plan, built once per engine),
-not by a Python loop per parameter. ``precheck`` reads only the dtypes that way, before the
-round; each bucket's shapes, devices and contiguity are read when the pipeline asks for the
-bucket, so that this work overlaps the transfer of the bucket before. A chunk that fails the
-fast pass goes through the per-parameter check, which raises the error naming the parameter
-(dtype problems before the round, the others when their bucket is staged: as before).
+not by a Python loop per parameter, and once per round: ``precheck`` reads all of it, and
+the buckets then read nothing again (``_checked``). A chunk that fails the fast pass goes
+through the per-parameter check, which raises the error naming the parameter.
 """
 
 from __future__ import annotations
@@ -68,9 +75,9 @@ _INLINE_PARAMS = 512
 
 
 #: Mappings whose values are stored tensors (a dict or MappingProxyType, its ``__getitem__``
-#: not overridden): reading a dtype computes nothing, so the
-#: dtypes are checked before the round (``_Sources.precheck``). Any other Mapping may compute
-#: on lookup (a ``to_local()``, a cast) and is checked bucket by bucket, at staging.
+#: not overridden): a lookup computes nothing, so every shard is checked before the round
+#: (``_Sources.precheck``). Any other Mapping may compute on lookup (a ``to_local()``, a
+#: cast) and is checked bucket by bucket, at staging.
 _STORED_GETITEM: tuple[object, ...] = (dict.__getitem__, MappingProxyType.__getitem__)
 
 
@@ -79,8 +86,9 @@ class _Sources:
 
     Dtypes: a source may have the planned (wire) dtype or one the transports cast to it
     while packing (``_proto.plan.cast_problem``: a float-to-float cast). ``precheck`` refuses
-    any other dtype before the round wherever it can be read without computing a shard; the
-    per-bucket check catches the rest at staging.
+    any other dtype before the round wherever it can be read without computing a shard, and
+    for a mapping of stored tensors a missing name, a wrong shape, device or layout as well;
+    the per-bucket check catches the rest at staging.
     """
 
     def __init__(self, weights: Weights, plan: TransferPlan, rank: int, device: str,
@@ -92,8 +100,11 @@ class _Sources:
         self._rank = rank
         self._device = device
         self._on_device, self._all_on_device = device_predicates(device)
-        #: ``precheck`` found every dtype of this round's plain dict accepted
-        self._dtypes_ok = False
+        #: ``precheck`` checked every shard of this round's stored mapping (name, dtype,
+        #: shape, device, contiguity): the buckets read nothing again
+        self._checked = False
+        #: a mapping of stored tensors (lookups compute nothing): checked whole by ``precheck``
+        self._stored = False
         self._limiter = anyio.CapacityLimiter(1)
         self._iter: Iterator[tuple[str, torch.Tensor]] | None = None
         self._pending: dict[str, torch.Tensor] = {}
@@ -117,6 +128,7 @@ class _Sources:
                 type(weights).__getitem__ in _STORED_GETITEM):
             get = weights.get
             self._dtype_of = lambda n: getattr(get(n), "dtype", None)
+            self._stored = True
         if isinstance(weights, Mapping):
             self._map = weights
             # A plain dict is looked up on the loop (cheap) for small buckets; any other
@@ -135,18 +147,29 @@ class _Sources:
                 f"{type(weights).__name__}")
 
     async def precheck(self) -> None:
-        """Refuse, before the round, a source whose dtype is neither the wire dtype nor one
-        cast to it while packing, for sources whose dtypes can be read without computing a
-        shard (a dict of tensors, a module or ``module_shards``): ``PlanError`` naming the
-        parameter, the rank and both dtypes. Chunked like the per-bucket check of a dict,
-        so that 10^5 parameters never hold the loop for long."""
-        if self.inline and await self._fast_ok(0, len(self._names), dtypes=True):
-            self._dtypes_ok = True  # the per-bucket checks need not read dtypes again
+        """Refuse, before the round, what can be found wrong without computing a shard:
+        ``PlanError`` naming the parameter, the rank and what is wrong. A mapping of stored
+        tensors (a dict or ``MappingProxyType``) is checked whole: every plan name present,
+        its dtype the wire dtype or one cast to it while packing, its local shape, device and
+        contiguity. A module or ``module_shards`` has its dtypes checked (its shards are
+        computed at staging). Chunked like the per-bucket check of a dict, so that 10^5
+        parameters never hold the loop for long."""
+        names = self._names
+        if self._stored:
+            m = self._map
+            assert m is not None
+            if not await self._fast_ok(0, len(names)):
+                # The per-parameter check raises the error naming the first bad shard.
+                for a in range(0, len(names), _INLINE_PARAMS):
+                    if a:
+                        await anyio.lowlevel.checkpoint()
+                    self._check(a, names[a:a + _INLINE_PARAMS], m)
+            self._checked = True  # the buckets need not read anything again
             return
         dtype_of = self._dtype_of
         if dtype_of is None:
             return
-        expect, names = self._expect, self._names
+        expect = self._expect
         for a in range(0, len(names), _INLINE_PARAMS):
             if a:
                 await anyio.lowlevel.checkpoint()
@@ -157,12 +180,11 @@ class _Sources:
                     i = a + names[a:a + _INLINE_PARAMS].index(n)
                     check_source_dtype(self._plan.params[i].spec, d, self._rank)
 
-    async def _fast_ok(self, start: int, stop: int, *, dtypes: bool) -> bool:
-        """True when the shards of params ``[start, stop)`` in the plain dict are tensors
-        with an accepted dtype (``dtypes``) or with their shape, on this device and
-        contiguous (not ``dtypes``): the fast pass of the module docstring. False as soon as
-        a chunk fails it (the per-parameter checks then explain). Chunked with checkpoints
-        between chunks, like those checks."""
+    async def _fast_ok(self, start: int, stop: int) -> bool:
+        """True when the shards of params ``[start, stop)`` in the stored mapping are tensors
+        with an accepted dtype and their shape, on this device and contiguous: the fast pass
+        of the module docstring. False as soon as a chunk fails it (the per-parameter check
+        then explains). Chunked with checkpoints between chunks, like that check."""
         m = self._map
         assert m is not None
         expect = self._expect
@@ -176,19 +198,17 @@ class _Sources:
                 ts = get(m)
                 if type(ts) is not tuple:  # an itemgetter of one name returns the value
                     ts = (ts,)
-                if dtypes:
-                    if not all(map(operator.contains, oks, map(_DTYPE, ts))):
-                        return False
-                elif not laid_out(ts, shapes, on_device):
+                if not (all(map(operator.contains, oks, map(_DTYPE, ts)))
+                        and laid_out(ts, shapes, on_device)):
                     return False
             except (KeyError, AttributeError, TypeError):  # missing, or not a tensor
                 return False
         return True
 
     async def __call__(self, bucket: Bucket) -> Mapping[str, torch.Tensor]:
-        if self._dtypes_ok and await self._fast_ok(bucket.start, bucket.stop, dtypes=False):
+        if self._checked:
             assert self._map is not None
-            return self._map  # every shard of the bucket checked (dtypes by ``precheck``)
+            return self._map  # every shard checked by ``precheck``, this round
         names = self._names[bucket.start:bucket.stop]
         if self.inline:
             # The user's dict itself is the bucket's mapping (no copy per bucket). Checked in
@@ -248,13 +268,23 @@ class _Sources:
         on_device = self._on_device
         for (dtype, shape, ok), n in zip(expect[start:start + len(names)], names,
                                          strict=True):
-            t = got.get(n)
+            t: Any = got.get(n)
             # Fast path (a few attribute reads, ~0.7 us); the full check explains a mismatch.
-            if (t is None or (t.dtype is not dtype and t.dtype not in ok) or t.shape != shape
-                    or not on_device(t) or not t.is_contiguous()):
+            try:
+                bad = ((t.dtype is not dtype and t.dtype not in ok) or t.shape != shape
+                       or not on_device(t) or not t.is_contiguous())
+            except AttributeError:  # None (missing) or not a tensor
+                bad = True
+            if bad:
                 if t is None:
                     raise PlanError(f"sync_weights: no local shard for parameter {n!r} "
                                     f"(rank {self._rank})")
+                import torch
+
+                if not isinstance(t, torch.Tensor):
+                    raise PlanError(f"sync_weights: the local shard for parameter {n!r} "
+                                    f"(rank {self._rank}) is a {type(t).__name__}, not a "
+                                    f"tensor")
                 i = start + names.index(n)
                 validate_local_buffer(self._plan.params[i].spec, t, self._rank, "source",
                                       device=self._device, cast=True)

@@ -16,7 +16,8 @@ from ._world import TOKEN
 async def cycles(*, address: str, job: str, rank: int, cycles: int, fail: bool,
                  **_: Any) -> list[tuple[int, int]]:
     """1 trainer + 1 worker, Gloo: ``cycles`` times connect -> a round -> close (the round
-    fails on every rank when ``fail``: the trainer's shard has a wrong shape). Returns the
+    fails on every rank when ``fail``: the trainer's shard has a wrong shape, from a callable
+    so that it is found at staging, in the round, not before it). Returns the
     (threads, fds) after each close, gc disabled throughout."""
     from m2n_async import EngineConfig, Layout, Mesh, ParamSpec, TrainerEngine, WorkerEngine
     from m2n_async._proto.errors import M2NError
@@ -45,7 +46,8 @@ async def cycles(*, address: str, job: str, rank: int, cycles: int, fail: bool,
                     shards = {s.name: torch.ones(8) for s in specs}
                     if fail:
                         shards["p1"] = torch.ones(9)
-                    await engine.sync_weights(shards)
+                    await engine.sync_weights(
+                        (lambda names, s=shards: {n: s[n] for n in names}) if fail else shards)
                 else:
                     await engine.receive(timeout=30)
             except M2NError:

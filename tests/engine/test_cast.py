@@ -276,6 +276,63 @@ async def test_refused_before_the_round_engine_stays_ready(how: str, case: str,
         await close(*trainers, *workers)
 
 
+BROKEN = {
+    "missing": lambda t: None,
+    "shape": lambda t: torch.cat([t.reshape(-1), t.reshape(-1)]),
+    "noncontiguous": lambda t: torch.stack([t, t], dim=-1)[..., 0],
+    "device": lambda t: t.to("meta"),
+}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("name", ["ok", "rep"])
+@pytest.mark.parametrize("fault", sorted(BROKEN))
+async def test_a_bad_shard_of_a_dict_is_refused_before_the_round_on_every_trainer(
+        fault: str, name: str) -> None:
+    """A dict missing a name, or holding a shard of another local shape, device or layout, is
+    refused on every trainer before the round, as a bad dtype is: each trainer checks every
+    parameter (``rep`` is sent by one trainer only), nothing moves and the engines stay
+    READY for the next round."""
+    plan = make_plan([("ok", (8, 4), torch.bfloat16, (R, 0), None),
+                      ("rep", (6,), torch.float32, None, (R, 0))], (1, 2), (1, 2))
+    store = MemoryStore()
+    targets = {r: zeros(plan, r) for r in range(plan.trainer_ranks, plan.world_size)}
+    trainers, workers = await connect(store, plan, targets)
+    try:
+        received: list[SyncResult] = []
+
+        async def receive(w: WorkerEngine) -> None:
+            received.append(await w.receive())
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                for w in workers:
+                    tg.start_soon(receive, w)
+                for e in trainers:
+                    bad = sources(plan, e.rank, 1)
+                    broken = BROKEN[fault](bad[name])
+                    if broken is None:
+                        del bad[name]
+                    else:
+                        bad[name] = broken
+                    with pytest.raises(PlanError) as info:
+                        await e.sync_weights(bad)
+                    msg = str(info.value)
+                    assert repr(name) in msg and f"rank {e.rank}" in msg, msg
+                    assert e.state.value == "ready" and e.version == 0
+                await anyio.sleep(0.05)
+                assert received == []  # no round started: the workers still wait
+                good = {e.rank: sources(plan, e.rank, 1) for e in trainers}
+                res = await one_round(trainers, [], good)
+        assert [r.round for r in received] == [1, 1] and res[0].round == 1
+        for w in workers:
+            assert w.state.value == "ready" and w.version == 1
+            for n, want in expected(plan, w.rank, 1).items():
+                assert same_bytes(targets[w.rank][n], want), n
+    finally:
+        await close(*trainers, *workers)
+
+
 @pytest.mark.asyncio
 async def test_specs_from_module_bf16_then_sync_the_fp32_module() -> None:
     torch.manual_seed(0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from types import MappingProxyType
 
 import anyio
 import pytest
@@ -62,7 +63,7 @@ def test_tables_kept_across_rounds() -> None:
     assert isinstance(eng.expect, _Expectations)
     shards = source_shards(eng.plan, 0)
     first = eng.round(shards)
-    assert first._dtypes_ok
+    assert first._checked
     tables = dict(eng.expect._chunks)
     eng.round(shards)
     assert eng.expect._chunks.keys() == tables.keys()
@@ -99,15 +100,54 @@ def test_a_change_after_a_good_round_is_refused(fault: str, where: int) -> None:
         eng.round(shards)
 
 
-def test_dtype_refused_before_any_bucket() -> None:
-    """A wrong dtype is still refused by ``precheck`` (before the round), not per bucket."""
+@pytest.mark.parametrize("fault", sorted(_FAULTS))
+@pytest.mark.parametrize("where", [0, _INLINE_PARAMS + 3, N - 1])
+def test_refused_before_any_bucket(fault: str, where: int) -> None:
+    """Whatever is wrong with a shard of a plain dict (a missing name, another shape, dtype
+    or layout) is refused by ``precheck``, before the round, not when its bucket is staged."""
     eng = _Engine()
     shards = source_shards(eng.plan, 0)
     eng.round(shards)
-    shards["half"] = shards["half"].to(torch.int16)
+    name = eng.names[where]
+    _FAULTS[fault](shards, name)
     src = _Sources(shards, eng.plan, 0, "cpu", eng.expect, eng.names)
-    with pytest.raises(PlanError, match="'half'"):
+    with pytest.raises(PlanError, match=f"{name!r}.*rank 0"):
         anyio.run(src.precheck)
+    assert not src._checked
+
+
+def test_a_mapping_proxy_is_checked_before_the_round() -> None:
+    eng = _Engine()
+    shards = source_shards(eng.plan, 0)
+    del shards["mat"]
+    src = _Sources(MappingProxyType(shards), eng.plan, 0, "cpu", eng.expect, eng.names)
+    with pytest.raises(PlanError, match="no local shard for parameter 'mat' \\(rank 0\\)"):
+        anyio.run(src.precheck)
+
+
+def test_a_non_tensor_is_named() -> None:
+    eng = _Engine()
+    shards: dict[str, object] = dict(source_shards(eng.plan, 0))
+    shards["p7"] = [1.0, 2.0, 3.0, 4.0]
+    src = _Sources(shards, eng.plan, 0, "cpu", eng.expect, eng.names)
+    with pytest.raises(PlanError, match="'p7' \\(rank 0\\) is a list, not a tensor"):
+        anyio.run(src.precheck)
+
+
+def test_buckets_read_nothing_after_precheck() -> None:
+    """``precheck`` read every shard's dtype, shape, device and contiguity: a bucket reads
+    none of them again (the per-round cost is one pass)."""
+    eng = _Engine()
+    shards = source_shards(eng.plan, 0)
+    src = _Sources(shards, eng.plan, 0, "cpu", eng.expect, eng.names)
+
+    async def main() -> None:
+        await src.precheck()
+        assert src._checked
+        del shards["p3"]  # not looked up again: the caller keeps the dict as it was
+        for b in BUCKETS:
+            assert await src(b) is shards
+    anyio.run(main)
 
 
 def test_float_cast_sources_pass() -> None:
@@ -116,7 +156,7 @@ def test_float_cast_sources_pass() -> None:
     shards = source_shards(eng.plan, 0)
     shards["half"] = shards["half"].float()
     shards["p0"] = shards["p0"].to(torch.bfloat16)
-    assert eng.round(shards)._dtypes_ok
+    assert eng.round(shards)._checked
 
 
 def test_device_checked_by_the_fast_pass() -> None:
