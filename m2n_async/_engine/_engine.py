@@ -638,7 +638,10 @@ class _Engine:
                 if self._round < k:
                     started = True
                     break
-            reason = None if healthy else f"engine closed in state {self._state.value}"
+            # A worker whose job ended (POISONED: no more rounds) leaves as cleanly as a READY
+            # one: its peers are done, and nothing failed.
+            reason = (None if healthy or self._job_closed
+                      else f"engine closed in state {self._state.value}")
             if self._state is EngineState.UPDATING or started:
                 reason = "engine closed during a round"
                 self._poison_with(TransferError(f"rank {self.rank}: {reason}", rank=self.rank))
@@ -1061,10 +1064,12 @@ class WorkerEngine(_Engine):
         ``TransferError`` as every other rank when the round failed — also when it failed
         while this rank waited for it to start (a peer died, a trainer gave up on rank 0):
         engine POISONED, targets may hold a partial update; ``exc.rank`` is the rank that
-        caused it. Raises ``PeerLostError`` (ranks ``(0,)``, the engine stays usable only for
-        ``close``) when there will be no more rounds in this generation: trainer rank 0
-        closed the job (its text names the error it closed on, if it did: see ``close``), or
-        already opened a newer generation (a reconnect). A second ``receive`` while one runs
+        caused it. Raises ``PeerLostError`` (ranks ``(0,)``) when there will be no more
+        rounds in this generation: trainer rank 0 closed the job (its text names the error it
+        closed on, if it did: see ``close``), or already opened a newer generation (a
+        reconnect). The engine is then POISONED, though nothing failed: it can receive no
+        more and is usable only for ``close`` (connect again to follow a new generation);
+        a later ``receive`` raises the same ``PeerLostError``. A second ``receive`` while one runs
         on this engine raises ``LocalProtocolError`` (the running one is unaffected); so
         does this one when a ``close()`` of this engine ends its wait for the round.
 
@@ -1075,14 +1080,15 @@ class WorkerEngine(_Engine):
         part is done, the round's outcome is gathered and committed shielded (bounded), as on
         every other rank; the cancel takes effect after.
         """
+        if self._job_closed and self._state is EngineState.POISONED:
+            # The job ended: told again as it was told first (and updates() ends again).
+            raise PeerLostError(f"generation {self._generation}: {self._job_end}; no more "
+                                f"rounds", ranks=(0,))
         with self._exclusive("receive"):
             return await self._receive(timeout, progress)
 
     async def _receive(self, timeout: float | None,  # noqa: ASYNC109 - the API's argument
                        progress: Progress | None) -> SyncResult:
-        if self._job_closed:
-            raise PeerLostError(f"generation {self._generation}: {self._job_end}; no more "
-                                f"rounds", ranks=(0,))
         k = self._round + 1
         t0 = time.perf_counter()
         assert self._rounds is not None
@@ -1096,11 +1102,15 @@ class WorkerEngine(_Engine):
             self._poison_with(exc)
             raise
         except JobEnded as ended:
+            # No more rounds in this generation: the engine can only be closed (POISONED, as
+            # a trainer that sees the job end), though nothing failed.
             self._job_closed = True
             self._job_failed = ended.error is not None
             self._job_end = ended.why
-            raise PeerLostError(f"generation {self._generation}: {ended.why}; no more "
-                                f"rounds", ranks=(0,)) from None
+            err = PeerLostError(f"generation {self._generation}: {ended.why}; no more "
+                                f"rounds", ranks=(0,))
+            self._poison_with(err)
+            raise err from None
         assert self._plan is not None and self._transport is not None
         plan, transport, rank = self._plan, self._transport, self.rank
 
@@ -1124,9 +1134,10 @@ class WorkerEngine(_Engine):
 
     async def updates(self) -> AsyncIterator[SyncResult]:
         """``async for result in worker.updates():`` — one ``SyncResult`` per round, until
-        trainer rank 0 closes the job or opens a newer generation (the iteration then ends;
-        close this engine and connect again to follow the new one), or this engine is closed
-        (it ends too). Errors as ``receive``: rank 0 closing the job on an error raises its
+        trainer rank 0 closes the job or opens a newer generation (the iteration then ends
+        and the engine is POISONED: it can receive no more, and a later ``updates()`` ends at
+        once; close this engine and connect again to follow the new one), or this engine is
+        closed (it ends too). Errors as ``receive``: rank 0 closing the job on an error raises its
         ``PeerLostError``. Bound the wait for a round with ``receive(timeout=...)`` instead.
 
         Cancellation: as ``receive``.

@@ -90,6 +90,38 @@ async def test_a_clean_exit_still_ends_the_workers_updates() -> None:
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("how", ["clean", "error"])
+async def test_a_worker_whose_job_ended_is_poisoned(how: str) -> None:
+    """Once rank 0 ended the job, the worker can receive no more: its state says so
+    (POISONED, not READY: done, not idle), while ``receive()`` keeps raising the job's end
+    and ``updates()`` keeps ending (or raising it); ``close()`` then closes it."""
+    trainers, workers = await _one_round()
+    worker = workers[0]
+    got: list[Any] = []
+    try:
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_follow, worker, got)
+                await anyio.sleep(0.2)  # the worker waits for round 2
+                assert worker.state.value == "ready"
+                await trainers[0].close(error=None if how == "clean" else "loss is NaN")
+        assert got == ["ended"] if how == "clean" else isinstance(got[0], PeerLostError), got
+        assert worker.state.value == "poisoned" and worker.version == 1
+        for _ in range(2):
+            with pytest.raises(PeerLostError, match="no more rounds") as info:
+                await worker.receive()
+            assert info.value.ranks == (0,)
+            again: list[Any] = []
+            await _follow(worker, again)
+            assert again == ["ended"] if how == "clean" else isinstance(
+                again[0], PeerLostError), again
+        await worker.close()
+        assert worker.state.value == "closed"
+    finally:
+        await _close(*trainers, *workers)
+
+
+@pytest.mark.asyncio
 async def test_a_trainer_closing_on_an_error_is_named_with_it_in_the_round() -> None:
     # Trainer 1 refuses its weights before the round (its engine stays READY) and its
     # async with closes it on that error, while rank 0 and the worker are in round 2.
