@@ -55,7 +55,14 @@ from m2n_async._proto.errors import (
     PreflightError,
     RemoteProtocolError,
 )
-from m2n_async._proto.lanes import AUTO, LANE_NAMES, LANES, PREFERENCE, REQUESTABLE
+from m2n_async._proto.lanes import (
+    AUTO,
+    DEFAULT_BUCKET_BYTES,
+    LANE_NAMES,
+    LANES,
+    PREFERENCE,
+    REQUESTABLE,
+)
 from m2n_async._proto.layout import Layout, Mesh, show_placements
 from m2n_async._proto.messages import (
     PROTO_VERSION,
@@ -382,12 +389,73 @@ def _cost_fields(costs: object) -> dict[str, object]:
     return out
 
 
+def _bucket_setting(costs: object) -> str | None:
+    """The ``EngineConfig.bucket_bytes`` that gives ``costs`` its lanes' bucket sizes: the
+    one size they all have, or ``None`` when each has its transport's default; ``None`` (the
+    Python value) when no one setting gives them (they came from elsewhere)."""
+    if not isinstance(costs, CostInputs) or not costs.lanes:
+        return None
+    sizes = {c.lane: c.bucket_bytes for c in costs.lanes}
+    if len(set(sizes.values())) == 1:
+        return str(next(iter(sizes.values())))
+    if all(DEFAULT_BUCKET_BYTES.get(lane) == n for lane, n in sizes.items()):
+        shown = ", ".join(f"{lane} {n}" for lane, n in sizes.items())
+        return f"None (each transport's default: {shown})"
+    return None
+
+
+def _only_buckets_differ(mine: object, theirs: object) -> bool:
+    """Whether two ranks' cost inputs differ in their bucket sizes alone, each side's given
+    by one ``EngineConfig.bucket_bytes`` (``_bucket_setting``), over the same lanes."""
+    if not (isinstance(mine, CostInputs) and isinstance(theirs, CostInputs)):
+        return False
+    a, b = _bucket_setting(mine), _bucket_setting(theirs)
+    if a is None or b is None or a == b:
+        return False
+    return [(c.lane, c.call_seconds, c.param_seconds, c.bytes_per_second)
+            for c in mine.lanes] == [(c.lane, c.call_seconds, c.param_seconds,
+                                      c.bytes_per_second) for c in theirs.lanes] and (
+        mine.coalesce_below == theirs.coalesce_below)
+
+
+def _holders(costs: Mapping[int, object], value: object) -> str:
+    """``"rank 2"`` or ``"ranks [0, 1]"``: the ranks whose cost inputs are ``value``."""
+    ranks = sorted(r for r, v in costs.items() if v == value)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_short(ranks)}"
+
+
 def _cost_difference(mine: object, theirs: object) -> str:
-    """Which settings differ between two ranks' cost inputs, with both values."""
+    """Which settings differ between two ranks' cost inputs, with both values; bucket sizes
+    that one ``EngineConfig.bucket_bytes`` gives on each side are named as that setting."""
     a, b = _cost_fields(mine), _cost_fields(theirs)
-    diffs = [f"{k} {a.get(k, 'absent')} here, {b.get(k, 'absent')} there"
-             for k in {**a, **b} if a.get(k) != b.get(k)]
+    buckets = _bucket_setting(mine), _bucket_setting(theirs)
+    one_setting = None not in buckets and buckets[0] != buckets[1] and (
+        [k for k in a if k.startswith("bucket_bytes on ")]
+        == [k for k in b if k.startswith("bucket_bytes on ")])
+    diffs = []
+    if one_setting:
+        diffs.append(f"EngineConfig.bucket_bytes {buckets[0]} here, {buckets[1]} there")
+    diffs += [f"{k} {a.get(k, 'absent')} here, {b.get(k, 'absent')} there"
+              for k in {**a, **b} if a.get(k) != b.get(k)
+              and not (one_setting and k.startswith("bucket_bytes on "))]
     return "; ".join(diffs) or "no setting"
+
+
+def _costs_differ(rank: int, costs: Mapping[int, object], other: object, note: str) -> str:
+    """Why ``rank``'s cost inputs are refused, against ``other`` (the majority's, or with
+    none, the lowest other rank's): the user's ``EngineConfig.bucket_bytes`` with who holds
+    which value when that setting is all that differs, else every differing setting and
+    both sides' inputs. Built from what every rank gathered: the same text on every rank."""
+    mine = costs[rank]
+    if _only_buckets_differ(mine, other):
+        return (f"EngineConfig.bucket_bytes: {_bucket_setting(mine)} on "
+                f"{_holders(costs, mine)}, {_bucket_setting(other)} on "
+                f"{_holders(costs, other)} (bucket boundaries derive from it: it must match "
+                f"on every rank)")
+    return (f"its cost inputs differ ({_cost_difference(mine, other)}; "
+            f"EngineConfig.costs / M2N_ASYNC_COSTS, bucket_bytes and "
+            f"coalesce settings must match on every rank): "
+            f"{_show_costs(mine)}, but {note}")
 
 
 def _short(ranks: Sequence[int], limit: int = 8) -> str:
@@ -994,10 +1062,7 @@ class Handshake:
             # what differs first, against the majority (or, with none, the lowest other rank)
             other = ref_costs if ref_costs is not None else next(
                 v for q, v in sorted(costs.items()) if q != r)
-            _add(failures, r, f"its cost inputs differ ({_cost_difference(costs[r], other)}; "
-                              f"EngineConfig.costs / M2N_ASYNC_COSTS, bucket_bytes and "
-                              f"coalesce settings must match on every rank): "
-                              f"{_show_costs(costs[r])}, but {note}")
+            _add(failures, r, _costs_differ(r, costs, other, note))
         workers = {r: (d.mesh_dims, d.placements_digest) for r, d in dests.items()
                    if r >= t and r not in failures}
         ref, odd = _outliers(workers, _show_destination)

@@ -678,6 +678,42 @@ def test_auto_chooses_by_predicted_cost_and_names_a_rank_whose_costs_differ() ->
     assert agreed is not None and agreed.transport == "m2n" and agreed.predicted_seconds is None
 
 
+def test_a_rank_with_another_bucket_bytes_is_told_that_setting() -> None:
+    """Bucket sizes that one ``EngineConfig.bucket_bytes`` gives (one size on every lane, or
+    each lane's default) are named as that setting, with who holds which value; the same
+    text on every rank. Cost terms that differ beside them keep the detail."""
+    from m2n_async._proto.cost import DEFAULT_LANES, cost_inputs
+    from m2n_async._proto.lanes import DEFAULT_BUCKET_BYTES
+
+    default = cost_inputs(DEFAULT_LANES, DEFAULT_BUCKET_BYTES, 16 << 20)
+    small = cost_inputs(DEFAULT_LANES, dict.fromkeys(DEFAULT_LANES, 1024), 16 << 20)
+    shown = ", ".join(f"{c.lane} {c.bucket_bytes}" for c in default.lanes)
+    err = World(2, 3, costs={**dict.fromkeys(range(5), default), 2: small, 4: small}
+                ).fail_at(Phase.DESTINATION, {})
+    assert sorted(err.failures) == [2, 4], err.failures
+    for r in (2, 4):
+        assert err.failures[r] == (
+            f"EngineConfig.bucket_bytes: 1024 on ranks [2, 4], None (each transport's "
+            f"default: {shown}) on ranks [0, 1, 3] (bucket boundaries derive from it: it "
+            f"must match on every rank)"), err.failures[r]
+    # two ranks, no majority: each is named against the other
+    err = World(1, 1, costs={0: default, 1: small}).fail_at(Phase.DESTINATION, {})
+    assert err.failures[1].startswith("EngineConfig.bucket_bytes: 1024 on rank 1, None ("), err
+    assert err.failures[0].startswith("EngineConfig.bucket_bytes: None ("), err
+    assert err.failures[0].endswith(" on rank 0, 1024 on rank 1 (bucket boundaries derive "
+                                    "from it: it must match on every rank)"), err
+    # and with cost terms that differ too: the detail, the buckets as the one setting
+    dear = cost_inputs({**DEFAULT_LANES, "m2n": (1.0, 0.0, 1e9)},
+                       dict.fromkeys(DEFAULT_LANES, 1024), 16 << 20)
+    err = World(2, 3, costs={**dict.fromkeys(range(5), default), 3: dear}
+                ).fail_at(Phase.DESTINATION, {})
+    assert err.failures[3].startswith(
+        "its cost inputs differ (EngineConfig.bucket_bytes 1024 here, None (each "
+        f"transport's default: {shown}) there; cost terms of m2n (1 s/call, 0 s/param, "
+        "1e+09 B/s) here, (8e-05 s/call"), err.failures[3]
+    assert "bucket_bytes on " not in err.failures[3].split("):")[0], err.failures[3]
+
+
 @pytest.mark.parametrize("lane", [("m2n", 8e-5, 1e-6, 0.0, 1 << 28),           # bytes/s 0
                                   ("m2n", 8e-5, 1e-6, 1e9, 0),                 # no buckets
                                   ("m2n", float("nan"), 1e-6, 1e9, 1 << 28),   # NaN
