@@ -6,6 +6,10 @@ What it shows:
   while another task keeps generating with the current weights — generation never waits for
   the trainer, only for the brief swap of a new version into the live model; the iteration
   ends by itself when the trainer closes the job;
+- the update loop's body is that swap and nothing more: a worker takes part in a round only
+  while the loop awaits the next one, so the trainer's next ``sync_weights`` waits for the
+  body to finish (and a body longer than ``round_timeout`` fails the round, naming the
+  worker); generation runs in its own task, not in the loop;
 - every output is tagged with the weight **version** it was generated with (what an
   off-policy RL trainer needs to weigh or drop stale rollouts);
 - double buffering: the engine writes into *shadow* tensors (declared with

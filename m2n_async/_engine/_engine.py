@@ -155,7 +155,8 @@ class _Engine:
 
     @property
     def version(self) -> int:
-        """The last version committed on every rank (0 before the first round)."""
+        """The last version committed on every rank (0 before the first round of this
+        engine: the count restarts with every connect, see ``sync_weights(version=)``)."""
         return self._version
 
     @property
@@ -787,6 +788,11 @@ class TrainerEngine(_Engine):
         the round then fails on every rank with a ``TransferError`` naming the parameter, as
         any other bad shard, and the engine is POISONED.
         ``version`` (rank 0): the version to commit (default: current + 1; must increase).
+        The default counts this engine's rounds: a new ``connect`` (a reconnect after a
+        failure, a restarted rank) starts again at version 1. A framework that reconnects
+        and tags rollouts by version passes its own increasing number, e.g.
+        ``sync_weights(model, version=step)``, so versions keep increasing across
+        reconnects.
         ``timeout`` (rank 0): the round deadline for every rank (default
         ``config.round_timeout``). ``progress(bytes_done, bytes_total)`` after each bucket.
 
@@ -819,7 +825,12 @@ class TrainerEngine(_Engine):
         generation. Once its part
         is done, the outcome is gathered and committed shielded (bounded by the round
         deadline), so the round ends here as on every other rank; the cancel takes effect
-        after.
+        after. To bound a round, pass ``timeout=`` on rank 0 (or set
+        ``EngineConfig.round_timeout``) rather than wrapping this call in
+        ``asyncio.wait_for`` / ``anyio.fail_after``: a timeout that cancels it mid-round
+        leaves this engine POISONED and raises a bare ``TimeoutError``, while the engine's
+        deadline fails the round on every rank with a ``TransferError`` naming the late rank
+        (``cause="deadline"``).
         """
         with self._exclusive("sync_weights"):
             return await self._sync_weights(weights, version, timeout, progress)
@@ -1137,8 +1148,16 @@ class WorkerEngine(_Engine):
         trainer rank 0 closes the job or opens a newer generation (the iteration then ends
         and the engine is POISONED: it can receive no more, and a later ``updates()`` ends at
         once; close this engine and connect again to follow the new one), or this engine is
-        closed (it ends too). Errors as ``receive``: rank 0 closing the job on an error raises its
-        ``PeerLostError``. Bound the wait for a round with ``receive(timeout=...)`` instead.
+        closed (it ends too). Errors as ``receive``: rank 0 closing the job on an error
+        raises its ``PeerLostError``. Bound the wait for a round with
+        ``receive(timeout=...)`` instead.
+
+        Keep the loop body short — swap a pointer, copy into the live model, hand the result
+        to another task: this worker takes part in a round only while the loop awaits the
+        next one. While the body runs, the trainers' next ``sync_weights`` waits for this
+        worker, and a body longer than the round deadline (``round_timeout``) fails that
+        round on every rank with a ``TransferError`` naming this worker
+        (``cause="deadline"``).
 
         Cancellation: as ``receive``.
         """
