@@ -211,12 +211,14 @@ class _Blocking(Generic[E]):
 
     @property
     def state(self) -> EngineState:
-        """The engine's lifecycle state (PREFLIGHT, READY, UPDATING, POISONED, CLOSED)."""
+        """The engine's lifecycle state (PREFLIGHT, READY, UPDATING, POISONED, CLOSED;
+        ``EngineState`` says what each means: POISONED on a worker whose job ended too)."""
         return self._engine.state
 
     @property
     def version(self) -> int:
-        """The last version committed on every rank (0 before the first round)."""
+        """The last version committed on every rank (0 before the first round of this
+        engine: the count restarts with every connect)."""
         return self._engine.version
 
     @property
