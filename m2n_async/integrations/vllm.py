@@ -32,7 +32,9 @@ Worker side (``VLLMWorkerBackend``), as the GPU worker calls it:
   are cloned onto a small bounded queue that **this** thread drains through one
   ``model.load_weights(iterator)`` call (one invocation, as vLLM's own backends do: some
   loaders keep invocation-local state; and on vLLM's thread, where its context variables and
-  CUDA stream are). Returns once every rank reported the round complete and the device is
+  CUDA stream are). This rank's part of the round ends only once that call returned, so a
+  ``load_weights`` that raises fails the round on every rank with its error, naming this
+  worker. Returns once every rank reported the round complete and the device is
   synchronized.
 - ``finish_weight_update()``: ``finalize_layerwise_reload(model, model_config)``. The version
   vLLM publishes (``finish_weight_update(weight_version)``) is vLLM's; the backend publishes
@@ -371,19 +373,41 @@ class _LoadFeed:
     ``put`` (unpack thread) clones the staged tensor (it is valid only during the callback,
     and layerwise reload keeps loaded tensors until a layer completes) onto a queue of a few
     items, waiting while it is full, so memory stays bounded by a few full tensors. ``items``
-    (vLLM's thread) yields them until the round has finished and the queue is empty.
-    ``stop`` makes a waiting ``put`` fail at once (the consumer gave up), which fails the
-    round on this rank.
+    (vLLM's thread) yields them until all ``expected`` were yielded, or the round has
+    finished and the queue is empty.
+
+    The round's part on this rank ends only once ``load_weights`` has returned: the
+    ``expected``-th ``put`` waits for ``loaded()`` (``items`` ends after that tensor, so the
+    call can return). A ``load_weights`` that raises therefore always has a ``put`` waiting
+    or still to come: ``stop(error)`` makes it raise that error's text, which fails the
+    round on this rank with the load error as its cause, the same text on every rank.
     """
 
     DEPTH = 2
 
-    def __init__(self) -> None:
+    def __init__(self, expected: int = 0, where: str = "") -> None:
         self._q: queue.Queue[tuple[str, torch.Tensor, Any]] = queue.Queue(self.DEPTH)
         self._stopped = threading.Event()
+        self._loaded = threading.Event()
+        self._error: BaseException | None = None
+        self.expected = expected
+        self.where = where  # "worker rank N", for the error
         self.yielded = 0
         self.put_count = 0
         self.names: list[str] = []  # what ``put`` delivered this round, for the error
+
+    def begin(self) -> None:
+        """A new round: nothing delivered yet."""
+        self.yielded = self.put_count = 0
+        self.names.clear()
+        self._loaded.clear()
+        self._stopped.clear()
+        self._error = None
+        while True:
+            try:
+                self._q.get_nowait()
+            except queue.Empty:
+                break
 
     def put(self, name: str, tensor: torch.Tensor) -> None:
         import torch
@@ -396,21 +420,41 @@ class _LoadFeed:
             done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             done.record(torch.cuda.current_stream(copy.device))
         item = (name, copy, done)
-        while not self._stopped.is_set():
+        while True:
+            if self._stopped.is_set():
+                raise self._stopped_error(f"before {name!r} was delivered")
             try:
                 self._q.put(item, timeout=0.05)
-                self.put_count += 1
-                self.names.append(name)
-                return
+                break
             except queue.Full:
                 continue
-        raise RuntimeError(f"m2n_async: load_weights stopped before {name!r} was delivered")
+        self.put_count += 1
+        self.names.append(name)
+        if self.put_count < self.expected:
+            return
+        # The last one: this rank's part of the round ends when load_weights did.
+        while not self._loaded.wait(0.05):
+            if self._stopped.is_set():
+                raise self._stopped_error(f"after {name!r} was delivered")
 
-    def stop(self) -> None:
+    def _stopped_error(self, when: str) -> RuntimeError:
+        if self._error is None:
+            return RuntimeError(f"m2n_async: {self.where}: load_weights stopped {when}")
+        return RuntimeError(f"m2n_async: {self.where}: model.load_weights raised "
+                            f"{self._error!r}")
+
+    def stop(self, error: BaseException | None = None) -> None:
+        """The consumer gave up (``error``: why): a ``put`` waiting or to come raises."""
+        if self._error is None:
+            self._error = error
         self._stopped.set()
 
+    def loaded(self) -> None:
+        """``load_weights`` returned having consumed every tensor: the last ``put`` returns."""
+        self._loaded.set()
+
     def items(self, finished: Callable[[], bool]) -> Iterator[tuple[str, torch.Tensor]]:
-        while True:
+        while self.yielded < self.expected:
             try:
                 item = self._q.get(timeout=0.02)
             except queue.Empty:
@@ -569,13 +613,14 @@ class VLLMWorkerBackend:
         mesh_dims = (workers // tp, tp) if allow_direct else (workers, 1)
         direct = resolve_destinations(self.model, info.params, tp=tp, allow_direct=allow_direct)
         device = torch.device(self.device) if self.device is not None else torch.device("cpu")
-        self._feed = feed = _LoadFeed()
+        self._feed = feed = _LoadFeed(where=f"worker rank {self.rank}")
         targets: dict[str, Any] = {}
         for p in info.params:
             d = direct[p.name]
             targets[p.name] = d if d is not None else LoadTarget(
                 p.shape, p.dtype, None, feed.put, device)
         self._loaded = tuple(p.name for p in info.params if direct[p.name] is None)
+        feed.expected = len(self._loaded)
         log.info("m2n_async destinations: %d of %d parameters written in place, %d through "
                  "load_weights", len(info.params) - len(self._loaded), len(info.params),
                  len(self._loaded))
@@ -654,6 +699,7 @@ class VLLMWorkerBackend:
         else:
             feed = self._feed
             assert feed is not None
+            feed.begin()
             pending = worker.start_receive(timeout=timeout)
             try:
                 with _mtp_unchecked():
@@ -662,10 +708,22 @@ class VLLMWorkerBackend:
                     for _ in items:  # what load_weights left unread would be lost
                         raise RuntimeError("m2n_async: model.load_weights returned before "
                                            "consuming every received tensor")
+            except Exception as exc:
+                # The unpack thread still has a load callback waiting (the last one waits for
+                # load_weights to return) or to come: it raises this error's text, so the
+                # round fails on every rank naming this worker and the load error.
+                feed.stop(exc)
+                try:
+                    pending.result()
+                except BaseException as round_error:
+                    exc.add_note(f"m2n_async: worker rank {self.rank}: the round failed on "
+                                 f"every rank: {round_error}")
+                raise
             except BaseException:
-                feed.stop()  # a callback waiting for room fails: the round fails here
+                feed.stop()  # interrupted: a callback waiting for room fails
                 pending.cancel()
                 raise
+            feed.loaded()
             result = pending.result()
             if feed.yielded != len(self._loaded) or feed.put_count != len(self._loaded):
                 missing = sorted(set(self._loaded) - set(feed.names))
@@ -673,8 +731,6 @@ class VLLMWorkerBackend:
                     f"m2n_async: worker rank {self.rank}: load_weights got {feed.yielded} of "
                     f"{len(self._loaded)} tensors ({feed.put_count} received; never received: "
                     f"{missing[:5]}{' ...' if len(missing) > 5 else ''})")
-            feed.yielded = feed.put_count = 0
-            feed.names.clear()
         if torch.device(self.device or "cpu").type == "cuda":
             torch.cuda.synchronize(self.device)  # the next forward reads what landed
         return result
@@ -1106,17 +1162,23 @@ def _close_connected(pending: Any) -> None:
 
 
 _RPC_SETTLE_S = 5.0  # how long a failed RPC waits for the round to report the same failure
+# How long a failed round waits for its update RPC (the workers fail with the same round):
+# the sender's cleanup finish_weight_update must not run beside a worker's update_weights.
+_RPC_AFTER_FAILURE_S = 30.0
 
 
 def _wait_with_rpc(pending: Any, rpc: Future[None] | None, what: str, *,
-                   grace: float = 300.0, settle: float = _RPC_SETTLE_S) -> Any:
+                   grace: float = 300.0, settle: float = _RPC_SETTLE_S,
+                   rpc_wait: float = _RPC_AFTER_FAILURE_S) -> Any:
     """Wait for an engine call and, on the sender, for the RPC that runs beside it.
 
     An RPC that fails first gives the engine call ``settle`` seconds to end: a worker whose
     part of the round failed (its ``load_weights`` raised, say) fails the round on every
     rank, and that diagnosis, naming the rank, is what this rank raises, the RPC's error
     added as a note. An engine call still running after ``settle`` is cancelled (its
-    cancellation semantics apply) and the RPC's error is raised."""
+    cancellation semantics apply) and the RPC's error is raised. An engine call that fails
+    first is what this rank raises, once the RPC ended (at most ``rpc_wait`` more seconds),
+    its error, or that it had not returned, added as a note."""
     if rpc is None:
         return pending.result()
     try:
@@ -1145,10 +1207,19 @@ def _wait_with_rpc(pending: Any, rpc: Future[None] | None, what: str, *,
                            ) from rpc_error
     try:
         result = pending.result()
-    except BaseException:
-        # The workers fail with the same round; let their RPC end (bounded) before raising.
-        with contextlib.suppress(Exception):
-            rpc.result(timeout=min(grace, 30.0))
+    except BaseException as call_error:
+        # The workers fail with the same round; let their RPC end (bounded) before raising,
+        # its error added as a note.
+        limit = min(grace, rpc_wait)
+        try:
+            rpc.result(timeout=limit)
+        except Exception as rpc_error:
+            if not rpc.done():
+                call_error.add_note(f"m2n_async: the workers' {what} had not returned "
+                                    f"{limit:g} s after this rank's part failed")
+            else:
+                call_error.add_note(f"m2n_async: the workers' {what} failed too: "
+                                    f"{rpc_error!r}")
         raise
     try:  # this rank's part is done; the workers' side of the call gets ``grace`` more
         rpc.result(timeout=grace)

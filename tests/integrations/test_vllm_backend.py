@@ -229,22 +229,91 @@ def test_misuse_failure_and_recovery() -> None:
         job.close()
 
 
-def test_a_worker_failing_after_the_round_ends_every_session_and_recovery_works() -> None:
-    # Worker 0's load_weights raises after it consumed the round (the round itself
-    # committed): send_weights raises. The other worker's update succeeded, so vLLM still
-    # has its session open; the sender ends it (no version published), so that shutdown
-    # and init recover. Otherwise vLLM refuses shutdown_weight_transfer_engine there, and
-    # the layerwise reload of that worker stays open (every layer on the meta device).
+def test_a_load_failure_names_the_worker_and_its_error_on_every_trainer_rank() -> None:
+    # Worker rank 3's load_weights raises mid-round: the round fails on every rank with
+    # that worker and the load error as its cause (not as a cancellation), so each trainer
+    # rank's TransferError says which worker failed and why; the worker raises the load
+    # error itself, with the round's failure in a note.
+    job = _job()
+    job.init_trainers("vllm-load-fails")
+    try:
+        job.send(1)
+        job.models[1].fail_load = True
+        assert job.trainers is not None
+        with ThreadPoolExecutor(T) as ex:
+            futs = [ex.submit(t.send_weights) for t in job.trainers]
+            errors = [f.exception(60) for f in futs]
+        for err in errors:
+            assert isinstance(err, TransferError), errors
+            assert "rank 3 (worker)" in str(err) and "load_weights failed (injected)" in str(
+                err), err
+            assert "cancelled" not in str(err), err
+        poison = job.backends[1]._poison
+        assert isinstance(poison, RuntimeError) and "injected" in str(poison)
+        assert any("rank 3" in n for n in getattr(poison, "__notes__", ())), poison
+        job.models[1].fail_load = False
+        job.shutdown_trainers()
+        job.init_trainers("vllm-load-fails")
+        job.send(2)
+        job.check(2)
+    finally:
+        job.close()
+
+
+def test_a_load_failure_after_the_last_tensor_fails_the_round() -> None:
+    # load_weights consumed every tensor, then raised (a layer's processing after loading):
+    # this worker's part of the round had not ended yet, so the round fails everywhere with
+    # that error instead of committing on the other ranks.
+    from vllm.model_executor.model_loader import reload
+
+    job = _job()
+    job.init_trainers("vllm-post-load")
+    try:
+        job.send(1)
+        job.models[0].fail_after_load = True
+        with pytest.raises(TransferError, match=r"rank 2 \(worker\).*post-load processing"):
+            job.send(2)
+        job.models[0].fail_after_load = False
+        assert not any(w._weight_update_active for w in job.workers)
+        assert not reload.OPEN
+        assert job.client.versions == [None]  # round 1's; the failed round's finish raised
+        job.shutdown_trainers()
+        job.init_trainers("vllm-post-load")
+        job.send(3)
+        job.check(3)
+    finally:
+        job.close()
+
+
+def test_a_worker_failing_after_the_round_ends_every_session_and_recovery_works(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Worker 0's update_weights raises after the round itself committed (a failure after
+    # the receive, e.g. the device synchronize): send_weights raises. The other worker's
+    # update succeeded, so vLLM still has its session open; the sender ends it (no version
+    # published), so that shutdown and init recover. Otherwise vLLM refuses
+    # shutdown_weight_transfer_engine there, and the layerwise reload of that worker stays
+    # open (every layer on the meta device).
     from vllm.model_executor.model_loader import reload
 
     job = _job()
     job.init_trainers("vllm-post-commit")
+    be = job.backends[0]
+    real = be._receive
+    boom = {"on": False}
+
+    def receive(worker: Any, timeout: float | None) -> Any:
+        result = real(worker, timeout)
+        if boom["on"]:
+            raise RuntimeError("after the receive (injected)")
+        return result
+
+    monkeypatch.setattr(be, "_receive", receive)
     try:
         job.send(1)
-        job.models[0].fail_after_load = True
+        boom["on"] = True
         with pytest.raises(RuntimeError, match="injected"):
             job.send(2)
-        job.models[0].fail_after_load = False
+        boom["on"] = False
         assert not any(w._weight_update_active for w in job.workers)
         assert not reload.OPEN
         assert job.client.versions == [None]  # the failed update published no version
@@ -363,6 +432,27 @@ def test_a_failed_rpc_raises_the_rounds_diagnosis_when_the_round_fails_too() -> 
         backend._wait_with_rpc(pending, rpc, "update_weights", grace=30.0, settle=10.0)
     assert not pending.cancelled
     assert any("injected" in note for note in info.value.__notes__)
+
+
+def test_a_round_that_fails_first_carries_the_rpcs_error_as_a_note() -> None:
+    # The round fails on this rank while the workers' update_weights is still running; the
+    # RPC then fails too: send_weights raises the round's error, the RPC's in a note.
+    from concurrent.futures import Future
+
+    rpc = Future[None]()
+
+    class FailsThenRPCFails(_FakePending):
+        def result(self) -> str:
+            if not rpc.done():
+                rpc.set_exception(RuntimeError("the loader raised (injected)"))
+            return super().result()
+
+    pending = FailsThenRPCFails()
+    pending.future.set_exception(TransferError("round 2 failed: rank 3 (worker)"))
+    with pytest.raises(TransferError, match="rank 3") as info:
+        backend._wait_with_rpc(pending, rpc, "update_weights", grace=30.0)
+    assert any("update_weights failed too" in n and "injected" in n
+               for n in info.value.__notes__), info.value.__notes__
 
 
 def test_a_failed_rpc_cancels_a_round_that_does_not_end() -> None:
