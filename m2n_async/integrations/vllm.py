@@ -77,7 +77,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from m2n_async._engine._config import EngineConfig, EngineState, SyncResult
 from m2n_async._integrations.targets import LoadTarget
-from m2n_async._proto.errors import AuthenticationError, PlanError, StoreError
+from m2n_async._proto.errors import (
+    AuthenticationError,
+    EnginePoisonedError,
+    LocalProtocolError,
+    PlanError,
+    StoreError,
+)
 from m2n_async._proto.layout import REPLICATE, Layout, Mesh
 from m2n_async._proto.params import ParamSpec, dtype_name
 from m2n_async.blocking import BlockingTrainer, BlockingWorker
@@ -947,6 +953,7 @@ class VLLMTrainerEngine:
         self._trainer: BlockingTrainer | None = trainer
         self._store = store
         self._executor = executor
+        self._failure: BaseException | None = None  # what failed the last send_weights
 
     @property
     def engine(self) -> BlockingTrainer | None:
@@ -1025,7 +1032,8 @@ class VLLMTrainerEngine:
         ``update_weights`` while the round runs, then ``finish_weight_update(weight_version)``
         (the version vLLM publishes). Returns this rank's ``SyncResult``. A failed round
         raises the engine's ``TransferError`` (the engine is then POISONED: ``shutdown()``
-        and ``trainer_init`` again). A failed RPC whose round also fails (a worker's
+        and ``trainer_init`` again; until then ``send_weights`` raises
+        ``EnginePoisonedError`` before any RPC). A failed RPC whose round also fails (a worker's
         ``load_weights`` raised) raises the round's ``TransferError``, the RPC's error in a
         note; a round still running 5 s after its RPC failed is cancelled and the RPC's
         error raised."""
@@ -1033,6 +1041,18 @@ class VLLMTrainerEngine:
         if trainer is None:
             raise RuntimeError("m2n_async: send_weights after shutdown(); call trainer_init "
                                "again")
+        # This engine's own state first: no RPC reaches the workers for a round that cannot
+        # run here (after a failed round they refuse start_weight_update anyway).
+        state = trainer.state
+        if state is EngineState.POISONED:
+            raise EnginePoisonedError(
+                f"m2n_async send_weights: trainer rank {self.rank} is poisoned by an earlier "
+                f"failure ({self._failure!r}); call shutdown() and trainer_init again"
+            ) from self._failure
+        if state is not EngineState.READY:
+            raise LocalProtocolError(f"m2n_async send_weights: trainer rank {self.rank} is "
+                                     f"{state.value.upper()}, needs READY (one send_weights "
+                                     f"at a time)")
         rpc: Future[None] | None = None
         try:
             if self.is_sender:
@@ -1045,7 +1065,8 @@ class VLLMTrainerEngine:
                                                 grace=self.init_info.update_timeout)
             if self.is_sender:
                 self.client.finish_weight_update(weight_version)
-        except BaseException:
+        except BaseException as exc:
+            self._failure = exc
             if self.is_sender:
                 # Workers whose part succeeded (or whose finish failed) still have vLLM's
                 # update session open, and vLLM refuses shutdown_weight_transfer_engine then:

@@ -217,6 +217,12 @@ def test_misuse_failure_and_recovery() -> None:
         assert job.trainers is not None
         with pytest.raises(EnginePoisonedError):
             job.trainers[1].send_weights()
+        # The sender checks its own state before any RPC: no start_weight_update is sent.
+        calls = list(job.client.calls)
+        with pytest.raises(EnginePoisonedError, match="poisoned") as info:
+            job.trainers[0].send_weights()
+        assert isinstance(info.value.__cause__, TransferError)
+        assert job.client.calls == calls
         # Recovery: shut down (the trainer asks the workers to shut down too) and init again.
         job.models[0].fail_load = False
         job.shutdown_trainers()
