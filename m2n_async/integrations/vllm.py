@@ -1004,9 +1004,11 @@ class VLLMTrainerEngine:
                 try:
                     # settle=0: a worker whose init failed may never have joined the
                     # handshake, so its peers would wait out phase_timeout: cancel at once.
+                    # A failed handshake is the answer: the RPC gets a short settle (for its
+                    # error as a note), not another wait as long as the handshake's.
                     try:
                         trainer = _wait_with_rpc(pending, rpc, "init_weight_transfer_engine",
-                                                 settle=0.0)
+                                                 settle=0.0, rpc_wait=_RPC_SETTLE_S)
                     except BaseException:
                         _close_connected(pending)  # the RPC failed as the connect succeeded
                         raise

@@ -484,6 +484,45 @@ def test_a_failed_rpc_after_this_ranks_round_committed_raises_the_rpcs_error() -
     assert not pending.cancelled
 
 
+def test_a_failed_handshake_waits_only_a_short_settle_for_the_init_rpc(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # No worker joins and the workers' init RPC never returns: trainer_init raises the
+    # handshake's error after phase_timeout plus the short settle (here 0.1 s), saying the
+    # RPC had not returned, instead of waiting for the RPC as long again.
+    import threading
+
+    from m2n_async import PhaseTimeoutError
+
+    monkeypatch.setattr(backend, "_RPC_SETTLE_S", 0.1)
+    release = threading.Event()
+
+    class HungInit(FanOutClient):
+        def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+            release.wait(60)
+
+    job = _job()
+    info = backend.TrainerInitInfo(rank=0, trainer_ranks=1, world_size=1 + TP,
+                                   store_port=job.port, job="vllm-hung-init",
+                                   transport="gloo", phase_timeout=0.5, round_timeout=5)
+    out: dict[str, BaseException] = {}
+
+    def init() -> None:
+        try:
+            backend.VLLMTrainerEngine.trainer_init(info, client=HungInit(job.workers),
+                                                   source=ShardedSource(0, 1))
+        except BaseException as exc:
+            out["error"] = exc
+
+    thread = threading.Thread(target=init, daemon=True)
+    thread.start()
+    thread.join(20.0)  # the old bound was 30 s after the handshake failed
+    release.set()
+    assert not thread.is_alive(), "trainer_init waited for the init RPC past its settle"
+    err = out.get("error")
+    assert isinstance(err, PhaseTimeoutError), out
+    assert any("init_weight_transfer_engine had not returned" in n for n in err.__notes__)
+
+
 def test_a_connect_that_succeeded_beside_a_failed_init_rpc_is_closed() -> None:
     # The engine it made holds this rank's claim: left open, the next trainer_init of the
     # rank would wait for that claim.
