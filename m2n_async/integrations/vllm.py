@@ -81,6 +81,7 @@ from m2n_async._proto.errors import (
     AuthenticationError,
     EnginePoisonedError,
     LocalProtocolError,
+    PhaseTimeoutError,
     PlanError,
     StoreError,
 )
@@ -634,11 +635,24 @@ class VLLMWorkerBackend:
                            phase_timeout=info.phase_timeout, round_timeout=info.round_timeout,
                            device=None if device.type == "cpu" else str(device),
                            host=info.host, job=info.job)
-        return BlockingWorker.connect(info.store_address, token=token, rank=self.rank,
-                                      trainer_ranks=info.trainer_ranks,
-                                      world_size=info.world_size, targets=targets,
-                                      mesh_dims=mesh_dims, config=cfg,
-                                      timeout=info.connect_timeout)
+        from m2n_async._store import JobClaimedError
+
+        try:
+            return BlockingWorker.connect(info.store_address, token=token, rank=self.rank,
+                                          trainer_ranks=info.trainer_ranks,
+                                          world_size=info.world_size, targets=targets,
+                                          mesh_dims=mesh_dims, config=cfg,
+                                          timeout=info.connect_timeout)
+        except JobClaimedError as exc:
+            offset = info.rank_offset if info.rank_offset is not None else info.trainer_ranks
+            raise JobClaimedError(
+                f"m2n_async: two processes claim worker rank {self.rank} of job {info.job!r}"
+                f" (rank_offset {offset} + data_parallel_index {pc.data_parallel_index} x "
+                f"{pc.world_size} + rank {pc.rank}); it is held by "
+                f"{exc.holder.describe() if exc.holder is not None else 'another process'}. "
+                f"Several vLLM instances driven by one trainer must be the data-parallel "
+                f"ranks of one deployment (distinct data_parallel_index), or each get its "
+                f"own rank_offset", job=exc.job, rank=exc.rank, holder=exc.holder) from exc
 
     def start_weight_update(self) -> None:
         """Open a session (one round); initializes layerwise reload when some parameter goes
@@ -1009,8 +1023,9 @@ class VLLMTrainerEngine:
                     try:
                         trainer = _wait_with_rpc(pending, rpc, "init_weight_transfer_engine",
                                                  settle=0.0, rpc_wait=_RPC_SETTLE_S)
-                    except BaseException:
+                    except BaseException as exc:
                         _close_connected(pending)  # the RPC failed as the connect succeeded
+                        _explain_missing_workers(exc, info)
                         raise
                     break
                 except StoreError as exc:
@@ -1172,6 +1187,24 @@ def _share_store(info: TrainerInitInfo, token: str) -> tuple[_ServedStore | None
     box: list[object] = [store.address if store is not None else None]
     dist.broadcast_object_list(box, src=0)
     return store, str(box[0])
+
+
+def _explain_missing_workers(exc: BaseException, info: TrainerInitInfo) -> None:
+    """A handshake that timed out waiting for worker ranks: a note on how they are
+    numbered, and the usual reason some never arrive (two instances claiming one rank)."""
+    if not isinstance(exc, PhaseTimeoutError):
+        return
+    missing = sorted(r for r in exc.ranks if r >= info.trainer_ranks)
+    if not missing:
+        return
+    exc.add_note(
+        f"m2n_async: worker rank(s) {missing} never joined. A worker's rank is rank_offset "
+        f"(default trainer_ranks = {info.trainer_ranks}) + data_parallel_index x (TP x PP) + "
+        f"its rank in the instance, and every rank in [{info.trainer_ranks}, "
+        f"{info.world_size}) must be started exactly once: world_size counts every worker "
+        f"of every vLLM instance the client drives, and several instances must be the "
+        f"data-parallel ranks of one deployment (independent instances all start at "
+        f"rank_offset, claim the same ranks, and the ranks above them never arrive)")
 
 
 def _close_connected(pending: Any) -> None:

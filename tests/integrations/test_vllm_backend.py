@@ -523,6 +523,55 @@ def test_a_failed_handshake_waits_only_a_short_settle_for_the_init_rpc(
     assert any("init_weight_transfer_engine had not returned" in n for n in err.__notes__)
 
 
+def test_worker_ranks_that_never_join_are_explained_on_the_trainer() -> None:
+    # world_size counts two worker ranks no instance starts (as when two independent
+    # instances claim the same ranks): the handshake's PhaseTimeoutError names them, and a
+    # note says how worker ranks are numbered and what to do.
+    from m2n_async import PhaseTimeoutError
+
+    job = _job()
+    info = backend.TrainerInitInfo(rank=0, trainer_ranks=1, world_size=1 + TP + 2,
+                                   store_port=job.port, job="vllm-missing-ranks",
+                                   dtype="bfloat16", transport="gloo", phase_timeout=1,
+                                   round_timeout=5)
+    try:
+        with pytest.raises(PhaseTimeoutError) as err:
+            backend.VLLMTrainerEngine.trainer_init(info, client=job.client,
+                                                   source=ShardedSource(0, 1))
+        notes = "\n".join(err.value.__notes__)
+        assert "worker rank(s) [3, 4] never joined" in notes, notes
+        assert "data_parallel_index" in notes and "exactly once" in notes, notes
+    finally:
+        for w in job.workers:
+            w.shutdown()
+
+
+def test_two_workers_claiming_one_rank_say_so() -> None:
+    # A second vLLM instance with the same rank_offset and data_parallel_index: its worker
+    # computes a rank another live worker holds, and its init names the clash.
+    from m2n_async import JobClaimedError
+
+    job = _job()
+    job.init_trainers("vllm-clash")
+    try:
+        info = backend.TrainerInitInfo(rank=0, trainer_ranks=T, world_size=T + TP,
+                                       job="vllm-clash", dtype="bfloat16", transport="gloo",
+                                       phase_timeout=0.3)
+        specs = backend.specs_from_source(job.sources[0], T, "bfloat16")
+        payload = backend._worker_payload(info, f"127.0.0.1:{job.port}", specs)
+        twin = backend.VLLMWorkerBackend(object(), vllm_config(0, TP), torch.device("cpu"),
+                                         TinyLlama(0, TP))
+        with pytest.raises(JobClaimedError, match=r"two processes claim worker rank 2 .*"
+                                                  r"data_parallel_index 0") as err:
+            twin.init_transfer_engine(twin.parse_init_info(payload))
+        assert "data-parallel ranks of one deployment" in str(err.value)
+        assert twin.engine is None
+        job.send(1)  # the job itself is untouched
+        job.check(1)
+    finally:
+        job.close()
+
+
 def test_a_connect_that_succeeded_beside_a_failed_init_rpc_is_closed() -> None:
     # The engine it made holds this rank's claim: left open, the next trainer_init of the
     # rank would wait for that claim.
