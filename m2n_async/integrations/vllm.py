@@ -68,6 +68,7 @@ import logging
 import math
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -883,6 +884,12 @@ class TrainerInitInfo:
             if not (v is None and name == "connect_timeout") and not _is_seconds(v):
                 raise ValueError(f"m2n_async TrainerInitInfo: {name} must be a finite number "
                                  f"of seconds > 0, got {v!r}")
+        # A trainer process is no vLLM process: vLLM never runs its general plugins there,
+        # so WeightTransferTrainerFactory would not know this backend. Where vLLM's factory
+        # is loaded already (it is whoever calls its trainer_init), register now; otherwise
+        # the caller must call register() first (docs/vllm.md).
+        if "vllm.distributed.weight_transfer" in sys.modules:
+            register()
 
     @property
     def is_sender(self) -> bool:
@@ -945,6 +952,11 @@ def specs_from_source(source: Any, trainer_ranks: int, dtype: Any = None) -> lis
     return specs
 
 
+# vLLM's VLLMWeightSyncClient protocol: what trainer rank 0 calls on the workers.
+_CLIENT_METHODS = ("init_weight_transfer_engine", "start_weight_update", "update_weights",
+                   "finish_weight_update")
+
+
 class VLLMTrainerEngine:
     """vLLM trainer-side weight-transfer engine ``m2n_async`` (module docstring).
 
@@ -989,6 +1001,13 @@ class VLLMTrainerEngine:
             raise ValueError(f"m2n_async: need 0 <= rank < trainer_ranks < world_size, got "
                              f"rank={info.rank}, trainer_ranks={info.trainer_ranks}, "
                              f"world_size={info.world_size}")
+        if info.is_sender:
+            missing = [m for m in _CLIENT_METHODS if not callable(getattr(client, m, None))]
+            if missing:
+                raise ValueError(f"m2n_async trainer_init: trainer rank 0's client must be a "
+                                 f"vLLM VLLMWeightSyncClient (e.g. RayVLLMWeightSyncClient, "
+                                 f"HTTPVLLMWeightSyncClient); {type(client).__name__} has no "
+                                 f"{missing}")
         token = _token(info.token_env, info.token)
         specs = specs_from_source(source, info.trainer_ranks, info.dtype)
         store, address = _open_store(info, token)

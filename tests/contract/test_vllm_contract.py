@@ -273,3 +273,40 @@ def _expected_whole(model: nn.Module) -> dict[str, torch.Tensor]:
     full = {n: p.detach().to(WIRE) for n, p in model.named_parameters()}
     return {"embed.weight": full["embed.weight"], "norm.weight": full["norm.weight"],
             "qk.weight": torch.cat([full["q_proj.weight"], full["k_proj.weight"]])}
+
+
+_PLAIN_TRAINER = """
+import os
+os.environ["M2N_ASYNC_TOKEN"] = "x"
+from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+from m2n_async.integrations.vllm import TrainerInitInfo
+
+class Client:
+    def init_weight_transfer_engine(self, init_info): pass
+    def start_weight_update(self): pass
+    def update_weights(self, update_info): pass
+    def finish_weight_update(self, weight_version=None): pass
+
+info = TrainerInitInfo(rank=0, trainer_ranks=1, world_size=2)
+try:
+    WeightTransferTrainerFactory.trainer_init(info, client=Client())
+except ValueError as exc:
+    print("RAISED", exc)
+"""
+
+
+def test_a_plain_trainer_process_reaches_the_backend_without_plugins(tmp_path: Path) -> None:
+    # A fresh interpreter that never runs vLLM's general plugins (as a trainer process):
+    # the documented snippet's trainer_init is dispatched to m2n_async, whose own check
+    # answers (no WeightSource), not vLLM's "Invalid weight transfer backend".
+    import subprocess
+
+    import m2n_async
+
+    here = str(Path(m2n_async.__file__).resolve().parents[1])  # m2n_async as imported here
+    path = os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _PLAIN_TRAINER], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "VLLM_PLUGINS": "", "PYTHONPATH": path})
+    assert "RAISED" in done.stdout and "needs a WeightSource" in done.stdout, (
+        done.stdout, done.stderr[-2000:])

@@ -638,12 +638,33 @@ def test_a_trainer_that_reached_rank_0s_old_store_connects_again(
         job.close()
 
 
+def test_a_trainer_init_info_registers_the_backend_where_vllms_factory_is_loaded() -> None:
+    # A plain trainer process runs no vLLM general plugins: building the init info
+    # registers the backend, so vLLM's trainer factory dispatches to it.
+    from vllm.distributed.weight_transfer import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
+
+    for factory in (WeightTransferEngineFactory, WeightTransferTrainerFactory):
+        factory._registry.pop(backend.BACKEND, None)
+    info = backend.TrainerInitInfo(rank=0, trainer_ranks=T, world_size=T + TP)
+    assert backend.BACKEND in WeightTransferTrainerFactory._registry
+    assert backend.BACKEND in WeightTransferEngineFactory._registry
+    with pytest.raises(ValueError, match="needs a WeightSource"):  # ours, dispatched
+        WeightTransferTrainerFactory.trainer_init(info, client=_job().client)
+    backend.TrainerInitInfo(rank=1, trainer_ranks=T, world_size=T + TP)  # idempotent
+    backend.register()
+
+
 def test_trainer_init_rejects_what_it_cannot_send() -> None:
     job = _job()
     info = backend.TrainerInitInfo(rank=0, trainer_ranks=T, world_size=T + TP,
                                    store_port=job.port)
     with pytest.raises(ValueError, match="needs a WeightSource"):
         backend.VLLMTrainerEngine.trainer_init(info, client=job.client)
+    with pytest.raises(ValueError, match=r"VLLMWeightSyncClient.*'update_weights'"):
+        backend.VLLMTrainerEngine.trainer_init(info, client=object(), source=job.sources[0])
     with pytest.raises(ValueError, match="rank < trainer_ranks"):
         backend.VLLMTrainerEngine.trainer_init(
             backend.TrainerInitInfo(rank=2, trainer_ranks=T, world_size=T + TP),
