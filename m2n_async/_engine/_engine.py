@@ -1092,6 +1092,9 @@ class WorkerEngine(_Engine):
         every other rank; the cancel takes effect after.
         """
         if self._job_closed and self._state is EngineState.POISONED:
+            if self._closing:  # as for any engine once close() began (its docstring)
+                raise LocalProtocolError(f"receive: rank {self.rank} (generation "
+                                         f"{self._generation}) is closing")
             # The job ended: told again as it was told first (and updates() ends again).
             raise PeerLostError(f"generation {self._generation}: {self._job_end}; no more "
                                 f"rounds", ranks=(0,))

@@ -74,11 +74,11 @@ Weights = Any
 _INLINE_PARAMS = 512
 
 
-#: Mappings whose values are stored tensors (a dict or MappingProxyType, its ``__getitem__``
-#: not overridden): a lookup computes nothing, so every shard is checked before the round
-#: (``_Sources.precheck``). Any other Mapping may compute on lookup (a ``to_local()``, a
-#: cast) and is checked bucket by bucket, at staging.
-_STORED_GETITEM: tuple[object, ...] = (dict.__getitem__, MappingProxyType.__getitem__)
+#: Mappings whose values are stored tensors (a dict, its ``__getitem__`` not overridden; a
+#: MappingProxyType is read into one first): a lookup computes nothing, so every shard is
+#: checked before the round (``_Sources.precheck``). Any other Mapping may compute on lookup
+#: (a ``to_local()``, a cast) and is checked bucket by bucket, at staging.
+_STORED_GETITEM: tuple[object, ...] = (dict.__getitem__,)
 
 
 class _Sources:
@@ -122,10 +122,14 @@ class _Sources:
             # the wire dtype while packing, with no cast copy per bucket.
             weights = module_shards(weights, names=names)
             self.unplanned = weights.unplanned
+        if type(weights) is MappingProxyType:
+            # Read once, as a dict: a proxy forwards lookups to whatever it wraps, which may
+            # compute on lookup, and the values checked before the round must be the values
+            # sent (one C-level copy over a dict).
+            weights = dict(weights)
         if isinstance(weights, ModuleShards):
             self._dtype_of = weights.dtype_of
-        elif isinstance(weights, dict | MappingProxyType) and (
-                type(weights).__getitem__ in _STORED_GETITEM):
+        elif isinstance(weights, dict) and type(weights).__getitem__ in _STORED_GETITEM:
             get = weights.get
             self._dtype_of = lambda n: getattr(get(n), "dtype", None)
             self._stored = True

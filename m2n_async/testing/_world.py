@@ -197,7 +197,7 @@ def _error_pickle(exc: BaseException, tb: str) -> bytes:
         seen.add(id(e))
         chain.append((cause, e))
     links = [(True, exc), *chain]  # the first link's flag is unused: it is the error itself
-    return pickle.dumps((_Rechained([(c, _pickled(x), repr(x)) for c, x in links]), tb))
+    return pickle.dumps((_Rechained([(c, _pickled(x), _repr(x)) for c, x in links]), tb))
 
 
 _CHAIN_DEPTH = 8  # exceptions of a chain kept, beyond the one raised
@@ -209,7 +209,15 @@ def _pickled(exc: BaseException) -> bytes:
         pickle.loads(blob)
         return blob
     except Exception:
-        return pickle.dumps(RuntimeError(repr(exc)))
+        return pickle.dumps(RuntimeError(_repr(exc)))
+
+
+def _repr(exc: BaseException) -> str:
+    """``repr(exc)``, or its class's name when that raises: the report must not fail."""
+    try:
+        return repr(exc)
+    except Exception:
+        return f"<{type(exc).__qualname__} (its repr raised)>"
 
 
 class _Rechained:

@@ -115,7 +115,11 @@ async def test_a_worker_whose_job_ended_is_poisoned(how: str) -> None:
             await _follow(worker, again)
             assert again == ["ended"] if how == "clean" else isinstance(
                 again[0], PeerLostError), again
-        await worker.close()
+        async with anyio.create_task_group() as tg:  # close() begun: as for any engine
+            tg.start_soon(worker.close)
+            await anyio.lowlevel.checkpoint()
+            with pytest.raises(LocalProtocolError, match="is closing"):
+                await worker.receive()
         assert worker.state.value == "closed"
     finally:
         await _close(*trainers, *workers)

@@ -6,7 +6,7 @@ resize) after a round that passed, is still refused with the error naming it."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
 
 import anyio
@@ -123,6 +123,37 @@ def test_a_mapping_proxy_is_checked_before_the_round() -> None:
     src = _Sources(MappingProxyType(shards), eng.plan, 0, "cpu", eng.expect, eng.names)
     with pytest.raises(PlanError, match="no local shard for parameter 'mat' \\(rank 0\\)"):
         anyio.run(src.precheck)
+
+
+def test_a_mapping_proxy_is_read_once_so_what_is_checked_is_what_is_sent() -> None:
+    # A proxy forwards lookups to what it wraps, which may compute on each one: read once,
+    # the buckets hand over the very tensors the check before the round saw.
+    eng = _Engine()
+    good = source_shards(eng.plan, 0)
+    lookups: list[str] = []
+
+    class Lazy(Mapping[str, torch.Tensor]):
+        def __getitem__(self, k: str) -> torch.Tensor:
+            lookups.append(k)
+            # a second lookup of 'mat' computes a tensor of another shape
+            return good[k].reshape(6, 2) if k == "mat" and lookups.count(k) > 1 else good[k]
+
+        def __iter__(self) -> Iterator[str]:
+            return iter(good)
+
+        def __len__(self) -> int:
+            return len(good)
+
+    src = _Sources(MappingProxyType(Lazy()), eng.plan, 0, "cpu", eng.expect, eng.names)
+
+    async def main() -> None:
+        await src.precheck()
+        for b in BUCKETS:
+            m = await src(b)
+            assert all(m[n].shape == good[n].shape for n in eng.names[b.start:b.stop])
+
+    anyio.run(main)
+    assert lookups.count("mat") == 1, lookups.count("mat")
 
 
 def test_a_non_tensor_is_named() -> None:

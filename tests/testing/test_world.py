@@ -146,3 +146,21 @@ def test_close_frees_the_worlds_threads_and_fds() -> None:
 def test_an_external_store_needs_its_token() -> None:
     with pytest.raises(ValueError, match="needs that store's token"):
         LocalWorld(1, 1, store_address="127.0.0.1:1")
+
+
+class _ReprRaises(Exception):
+    def __repr__(self) -> str:  # reads state this error does not have
+        return f"_ReprRaises({self.detail})"  # type: ignore[attr-defined]
+
+
+def test_a_cause_whose_repr_raises_does_not_lose_the_error() -> None:
+    import pickle
+
+    from m2n_async.testing._world import _error_pickle
+
+    try:
+        raise ValueError("the real error") from _ReprRaises("cause")
+    except ValueError as exc:
+        err, tb = pickle.loads(_error_pickle(exc, "tb"))
+    assert isinstance(err, ValueError) and str(err) == "the real error"
+    assert type(err.__cause__) is _ReprRaises and tb == "tb"
