@@ -102,6 +102,22 @@ class LoadTarget:
         return cls(tuple(view.shape), view.dtype, placements, load, view.device)
 
 
+def _into_parameter(name: str, param: torch.Tensor, placements: Placements) -> LoadTarget:
+    """``LoadTarget.into`` for a module's own non-contiguous parameter: the copy goes into the
+    parameter as it is at load time (storage it got since, ``param.data = ...``, is written),
+    and storage of another dtype or shape fails the round naming it, as for a target written
+    in place; never into a view of the storage it had at connect."""
+    shape, dtype = tuple(param.shape), param.dtype
+
+    def load(_name: str, received: torch.Tensor) -> None:
+        if param.dtype != dtype or tuple(param.shape) != shape:
+            raise PlanError(f"parameter {name!r}: the target changed after connect: "
+                            f"{param.dtype} {tuple(param.shape)}, planned {dtype} {shape}")
+        param.detach().copy_(received)  # detach(): never an autograd op, whatever the mode
+
+    return LoadTarget(shape, dtype, placements, load, param.device)
+
+
 Target = tuple["torch.Tensor", Placements] | LoadTarget
 
 
@@ -307,7 +323,7 @@ def targets_from_module(module: torch.nn.Module, tp_plan: Mapping[str, TPStyle] 
         # A non-contiguous parameter (channels_last, a transposed view) cannot take a message
         # in place, and a .contiguous() copy would leave the model untouched: copy into it.
         targets[name] = ((local, placements) if local.is_contiguous()
-                         else LoadTarget.into(local, placements))
+                         else _into_parameter(name, local, placements))
     for name, target in loaders.items():
         if not isinstance(target, LoadTarget):
             raise PlanError(f"loaders[{name!r}] must be a LoadTarget, got "

@@ -113,3 +113,30 @@ async def test_a_module_target_given_new_storage_is_followed() -> None:
         assert info.group_contains(TransferError, match="tensor dtype float64 != planned")
     finally:
         await _close(*trainers, *workers)
+
+
+@pytest.mark.asyncio
+async def test_a_non_contiguous_module_target_given_new_storage_is_followed() -> None:
+    # A transposed parameter is filled through a callback: it copies into the parameter as
+    # it is then, not into a view of its storage at connect; another dtype is refused.
+    from m2n_async import targets_from_module
+
+    module = torch.nn.Module()
+    module.w_row = torch.nn.Parameter(torch.zeros(6, 12).t())  # (12, 6), not contiguous
+    trainers, workers = await _connect_all(
+        MemoryStore(), PLAN, targets={1: targets_from_module(module)})
+    try:
+        for version in (1, 2):
+            await _round(trainers, workers,
+                         lambda e, v=version: e.sync_weights(source_shards(PLAN, 0, v)))
+            assert _same(module.w_row.detach().contiguous(),
+                         source_shards(PLAN, 0, version)["w_row"])
+            with torch.no_grad():
+                module.w_row.data = torch.zeros(6, 12).t()  # new storage, the planned kind
+        module.to(torch.float64)
+        with pytest.raises(BaseExceptionGroup) as info:  # both sides raise it
+            await _round(trainers, workers,
+                         lambda e: e.sync_weights(source_shards(PLAN, 0, 3)))
+        assert info.group_contains(TransferError, match="the target changed after connect")
+    finally:
+        await _close(*trainers, *workers)
