@@ -396,9 +396,12 @@ def _bucket_setting(costs: object) -> str | None:
     if not isinstance(costs, CostInputs) or not costs.lanes:
         return None
     sizes = {c.lane: c.bucket_bytes for c in costs.lanes}
+    default = all(DEFAULT_BUCKET_BYTES.get(lane) == n for lane, n in sizes.items())
     if len(set(sizes.values())) == 1:
-        return str(next(iter(sizes.values())))
-    if all(DEFAULT_BUCKET_BYTES.get(lane) == n for lane, n in sizes.items()):
+        # The default of every lane here: left None or set to it, the sizes cannot tell.
+        n = next(iter(sizes.values()))
+        return f"{n} (the transports' default)" if default else str(n)
+    if default:
         shown = ", ".join(f"{lane} {n}" for lane, n in sizes.items())
         return f"None (each transport's default: {shown})"
     return None

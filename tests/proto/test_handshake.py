@@ -712,6 +712,16 @@ def test_a_rank_with_another_bucket_bytes_is_told_that_setting() -> None:
         f"transport's default: {shown}) there; cost terms of m2n (1 s/call, 0 s/param, "
         "1e+09 B/s) here, (8e-05 s/call"), err.failures[3]
     assert "bucket_bytes on " not in err.failures[3].split("):")[0], err.failures[3]
+    # lanes whose defaults are one size (a CPU job: gloo alone): that size is not claimed
+    # as a setting the ranks made, since they may have left it None
+    gloo = {"gloo": DEFAULT_LANES["gloo"]}
+    mine = cost_inputs(gloo, {"gloo": DEFAULT_BUCKET_BYTES["gloo"]}, 16 << 20)
+    set_ = cost_inputs(gloo, {"gloo": 1 << 20}, 16 << 20)
+    err = World(2, 1, costs={0: mine, 1: mine, 2: set_}).fail_at(Phase.DESTINATION, {})
+    assert err.failures[2] == (
+        f"EngineConfig.bucket_bytes: {1 << 20} on rank 2, {DEFAULT_BUCKET_BYTES['gloo']} (the "
+        f"transports' default) on ranks [0, 1] (bucket boundaries derive from it: it must "
+        f"match on every rank)"), err.failures[2]
 
 
 @pytest.mark.parametrize("lane", [("m2n", 8e-5, 1e-6, 0.0, 1 << 28),           # bytes/s 0
