@@ -397,9 +397,10 @@ class BlockingWorker(_Blocking[WorkerEngine]):
 
     def updates(self) -> Iterator[SyncResult]:
         """``for result in worker.updates():`` — one ``SyncResult`` per round, until trainer
-        rank 0 closes the job or this engine is closed (the iteration then ends; rank 0
-        closing on an error raises its ``PeerLostError``). Errors and interruption as
-        ``receive``; the iterator must be used from one thread.
+        rank 0 closes the job or opens a newer generation (the iteration then ends and the
+        engine is POISONED: a later ``updates()`` ends at once; close it and connect again),
+        or this engine is closed; rank 0 closing on an error raises its ``PeerLostError``.
+        Errors and interruption as ``receive``; the iterator must be used from one thread.
         """
         agen: AsyncIterator[SyncResult] = self._engine.updates()
         try:

@@ -31,11 +31,13 @@ _STALL_SHOWN_S = 0.01
 
 
 class EngineState(enum.Enum):
-    """Lifecycle (DESIGN §6): PREFLIGHT → READY ⇄ UPDATING → POISONED / CLOSED.
+    """Lifecycle (DESIGN §6): PREFLIGHT → READY ⇄ UPDATING; READY or UPDATING → POISONED;
+    any state → CLOSED.
 
     POISONED: no more rounds on this engine, until ``close`` and a new ``connect``: a round
-    failed (or was cut short), or, on a worker, the job ended (trainer rank 0 closed it or
-    opened a newer generation), though nothing failed then.
+    failed (or was cut short, also while this rank waited for its start), or the job ended
+    (trainer rank 0 closed it or opened a newer generation) while a worker, or a trainer
+    rank other than 0, waited for a round, though nothing failed then.
     """
 
     PREFLIGHT = "preflight"

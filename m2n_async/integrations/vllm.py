@@ -4,8 +4,10 @@ Theory of operation. vLLM (0.33) has a pluggable weight-transfer subsystem: its 
 builds one engine per worker process with ``WeightTransferEngineFactory.create_engine(config,
 vllm_config, device, model)`` and drives it synchronously from ``collective_rpc``; trainers
 build theirs with ``WeightTransferTrainerFactory.trainer_init(init_info, client=, source=)``.
-``register()`` (entry point group ``vllm.general_plugins``, run by vLLM in every process
-before the engine is built) adds ``m2n_async`` to both registries, idempotently. Neither class
+``register()`` (entry point group ``vllm.general_plugins``, run by vLLM in every process of
+its own before the engine is built; a trainer process runs no vLLM plugins, so it calls it,
+or builds its ``TrainerInitInfo`` once ``vllm.distributed.weight_transfer`` is imported,
+which registers) adds ``m2n_async`` to both registries, idempotently. Neither class
 subclasses vLLM's ABCs (the factories check nothing), so this module imports no vLLM at
 import time; what it needs from vLLM it imports inside the functions that use it.
 
@@ -56,8 +58,10 @@ Trainer side (``VLLMTrainerEngine``): ``trainer_init`` on every trainer rank map
 the job's store (unless given one), sends the workers' init RPC while every rank connects,
 and ``send_weights()`` is one round: rank 0 calls ``start_weight_update``, sends
 ``update_weights`` on a thread while every rank's ``sync_weights(source.iter_local())`` runs,
-then ``finish_weight_update``. If the update RPC fails while the round runs, the round is
-cancelled (aborted everywhere) instead of waiting for its deadline.
+then ``finish_weight_update``. A worker whose ``load_weights`` raises fails the round on
+every rank with that error, naming the worker; if the update RPC fails and the round is
+still running 5 s later, the round is cancelled (aborted everywhere) instead of waiting for
+its deadline.
 """
 
 from __future__ import annotations
@@ -991,8 +995,11 @@ class VLLMTrainerEngine:
                      ) -> VLLMTrainerEngine:
         """Connect this trainer rank; rank 0 also serves the store (unless given one) and
         sends the workers' init RPC while the handshake runs. Raises ``ValueError`` for a
-        missing source or token, ``PlanError`` for metadata the core cannot express, the
-        handshake's errors, or the RPC's error (which cancels this rank's connect)."""
+        missing source or token, ranks out of order, or (rank 0) a client lacking vLLM's
+        sync-client methods (``init_weight_transfer_engine``, ``start_weight_update``,
+        ``update_weights``, ``finish_weight_update``), ``PlanError`` for metadata the core
+        cannot express, the handshake's errors, or the RPC's error (which cancels this
+        rank's connect)."""
         info = init_info
         if source is None:
             raise ValueError("m2n_async trainer_init needs a WeightSource (e.g. vLLM's "
@@ -1311,8 +1318,10 @@ def _wait_with_rpc(pending: Any, rpc: Future[None] | None, what: str, *,
 def register() -> None:
     """``vllm.general_plugins`` entry point: register ``m2n_async`` with both vLLM factories.
 
-    vLLM runs general plugins in every process (API server, engine core, each worker), and
-    may run them more than once in one; a name already registered is left alone.
+    vLLM runs general plugins in every process of its own (API server, engine core, each
+    worker), and may run them more than once in one; a name already registered is left
+    alone. A trainer process runs none: call this there before ``trainer_init`` (a
+    ``TrainerInitInfo`` built once ``vllm.distributed.weight_transfer`` is imported does).
     """
     from vllm.distributed.weight_transfer import (
         WeightTransferEngineFactory,

@@ -34,9 +34,11 @@ same way and reported as ``"killed"``, with their stacks. A rank that froze itse
 
 Pickling: jobs cross through each process's own ``multiprocessing`` queue; events and
 results as plain pickles (by value: a tensor is copied, not shared). Exceptions cross as
-themselves when they pickle and unpickle (every ``M2NError`` does), otherwise as a
-``RuntimeError`` carrying their ``repr``; a return value that does not pickle is the rank's
-error.
+themselves, each of a chain (``__cause__``/``__context__``, up to 8) pickled apart: one that
+does not pickle, or does not unpickle here or in the test process, becomes a
+``RuntimeError`` carrying its ``repr`` (``<Class (its repr raised)>`` when that raises),
+alone, the rest of the chain intact (every ``M2NError`` crosses as itself); a return value
+that does not pickle is the rank's error.
 """
 
 from __future__ import annotations
