@@ -764,10 +764,12 @@ class GpuTransportBase(Transport):
                     with torch.no_grad():  # a callback copies into parameters (LoadTarget.into)
                         fn(name, tensor)
                 except Exception as exc:
-                    raise TransferError(
+                    err = TransferError(
                         f"{self.name}: load callback for parameter {name!r} raised at "
                         f"{self.ctx.where(round=self.round)}: {exc!r}",
-                        rank=self.ctx.rank, round=self.round) from exc
+                        rank=self.ctx.rank, round=self.round)
+                    err.own_step = True  # type: ignore[attr-defined]  # this rank's, no peer's
+                    raise err from exc
             if cuda:
                 torch.cuda.current_stream(device).synchronize()
 

@@ -49,7 +49,10 @@ place the loop learns that bytes moved: a ``NativeCall``, a CUDA-event watcher, 
 
 Errors: transports raise ``TransferError`` naming the transport, rank, round, bucket and peer
 when they can; native exceptions (Gloo ``RuntimeError``, ``NcclReshardError``...) are
-translated here, never leaked. Timeouts stay the builtin ``TimeoutError``.
+translated here, never leaked. Timeouts stay the builtin ``TimeoutError``. Two attributes
+tell the round driver whom to blame: ``err.peer`` (an int) when a peer closed its
+connection (a symptom of that peer), ``err.own_step = True`` when this rank's own step failed
+with its bytes in hand (a load callback raised), so no peer's cause is waited for.
 """
 
 from __future__ import annotations

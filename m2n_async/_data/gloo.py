@@ -1371,9 +1371,11 @@ class GlooTransport(Transport):
             try:
                 fn(p.spec.name, tensor)
             except Exception as exc:
-                raise TransferError(f"load callback for parameter {p.spec.name!r} raised at "
+                err = TransferError(f"load callback for parameter {p.spec.name!r} raised at "
                                     f"{self.ctx.where(round=self.round)}: {exc!r}",
-                                    rank=self.ctx.rank, round=self.round) from exc
+                                    rank=self.ctx.rank, round=self.round)
+                err.own_step = True  # type: ignore[attr-defined]  # this rank's, no peer's
+                raise err from exc
 
     def release(self, staging: Staging) -> None:
         if isinstance(staging, GlooStaging):

@@ -433,10 +433,11 @@ class RoundDriver:
             transport.abort(f"{core.where}: {local}")
             return (Status.ABORTED, None, None,
                     (peer,) if isinstance(peer, int) else transport.waiting_on(), local)
-        if isinstance(local, TransferError):
+        if isinstance(local, TransferError) and not getattr(local, "own_step", False):
             # A data-plane failure names no peer, yet a peer's death or abort is its usual
             # reason: the store says so within moments (a tombstone, a record), and then this
-            # is a symptom, not this rank's failure.
+            # is a symptom, not this rank's failure. A load callback's error (``own_step``,
+            # set by the lanes) is this rank's: its bytes had arrived, so no wait for one.
             with anyio.CancelScope(shield=True):
                 cause = await self._find_cause(core, within=min(_ATTRIBUTE_S,
                                                                  self.abort_grace))

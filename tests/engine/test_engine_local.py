@@ -22,6 +22,7 @@ from m2n_async import (
     TransferError,
     WorkerEngine,
 )
+from m2n_async._engine._round import RoundDriver
 from m2n_async._proto.plan import TransferPlan
 from m2n_async.testing import MemoryStore
 
@@ -345,9 +346,20 @@ async def test_load_callback_error_fails_the_round() -> None:
     targets[1]["w_col"] = LoadTarget(p.dst.local_shape(p.spec.shape, 1), torch.bfloat16,
                                      p.dst.placements, broken)
     trainers, workers = await _connect_all(MemoryStore(), plan, targets=targets)
+    waits: list[float] = []  # how long each rank looked for a peer's cause of its failure
+    find_cause = RoundDriver._find_cause
+
+    async def recorded(self: RoundDriver, core: Any, *, within: float) -> Any:
+        waits.append(within)
+        return await find_cause(self, core, within=within)
+
     try:
-        errors, _ = await _everyone(trainers, workers, lambda e: e.sync_weights(
-            source_shards(plan, 0, 1)))
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(RoundDriver, "_find_cause", recorded)
+            errors, _ = await _everyone(trainers, workers, lambda e: e.sync_weights(
+                source_shards(plan, 0, 1)))
+        # The callback's error is the worker's own: it records it at once, no peer's looked for
+        assert not any(waits), waits
         assert sorted(errors) == [0, 1] and str(errors[0]) == str(errors[1])
         assert isinstance(errors[0], TransferError)
         assert errors[0].rank == 1 and "quantizer exploded" in str(errors[0])
