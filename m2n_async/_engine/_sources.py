@@ -74,13 +74,6 @@ Weights = Any
 _INLINE_PARAMS = 512
 
 
-#: Mappings whose values are stored tensors (a dict, its ``__getitem__`` not overridden; a
-#: MappingProxyType is read into one first): a lookup computes nothing, so every shard is
-#: checked before the round (``_Sources.precheck``). Any other Mapping may compute on lookup
-#: (a ``to_local()``, a cast) and is checked bucket by bucket, at staging.
-_STORED_GETITEM: tuple[object, ...] = (dict.__getitem__,)
-
-
 class _Sources:
     """Resolves one bucket's local shards from whatever ``sync_weights`` was given.
 
@@ -129,9 +122,10 @@ class _Sources:
             weights = dict(weights)
         if isinstance(weights, ModuleShards):
             self._dtype_of = weights.dtype_of
-        elif isinstance(weights, dict) and type(weights).__getitem__ in _STORED_GETITEM:
-            get = weights.get
-            self._dtype_of = lambda n: getattr(get(n), "dtype", None)
+        elif isinstance(weights, dict) and type(weights).__getitem__ is dict.__getitem__:
+            # Stored tensors (a dict whose lookups compute nothing; a MappingProxyType was
+            # read into one above): ``precheck`` checks every shard. Any other Mapping may
+            # compute on lookup (a ``to_local()``, a cast) and is checked at staging.
             self._stored = True
         if isinstance(weights, Mapping):
             self._map = weights

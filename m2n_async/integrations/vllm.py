@@ -625,14 +625,13 @@ class VLLMWorkerBackend:
         mesh_dims = (workers // tp, tp) if allow_direct else (workers, 1)
         direct = resolve_destinations(self.model, info.params, tp=tp, allow_direct=allow_direct)
         device = torch.device(self.device) if self.device is not None else torch.device("cpu")
-        self._feed = feed = _LoadFeed(where=f"worker rank {self.rank}")
+        self._loaded = tuple(p.name for p in info.params if direct[p.name] is None)
+        self._feed = feed = _LoadFeed(len(self._loaded), where=f"worker rank {self.rank}")
         targets: dict[str, Any] = {}
         for p in info.params:
             d = direct[p.name]
             targets[p.name] = d if d is not None else LoadTarget(
                 p.shape, p.dtype, None, feed.put, device)
-        self._loaded = tuple(p.name for p in info.params if direct[p.name] is None)
-        feed.expected = len(self._loaded)
         log.info("m2n_async destinations: %d of %d parameters written in place, %d through "
                  "load_weights", len(info.params) - len(self._loaded), len(info.params),
                  len(self._loaded))
