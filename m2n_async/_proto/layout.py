@@ -16,6 +16,7 @@ takes the shape as an argument, so one ``Layout`` serves every parameter that sh
 
 from __future__ import annotations
 
+import operator
 from typing import Final
 
 import msgspec
@@ -38,6 +39,22 @@ Box = tuple[tuple[int, int], ...]
 """Per tensor dim ``(start, stop)`` in global coordinates, half open."""
 
 
+def _index_int(value: object) -> int | None:
+    """``value`` as an exact int when it is one in disguise (numpy or torch ints, anything
+    with ``__index__``), else None; bool is an int subclass but no size, rank or dim."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def _dims_error(dims: object) -> PlanError:
+    return PlanError(f"Mesh dims must be two positive ints (use (n, 1) for a 1-D mesh), got "
+                     f"{dims!r}")
+
+
 class Mesh(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
     """A contiguous rank interval ``[start_rank, start_rank + dims[0] * dims[1])``, row-major.
 
@@ -52,17 +69,33 @@ class Mesh(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
         # Runs for every mesh decoded off the wire too (10^5 per plan): keep it branch-cheap.
         dims: tuple[int, ...] = self.dims
         if type(dims) is not tuple:  # a list from user code
-            dims = tuple(dims)
+            try:
+                dims = tuple(dims)
+            except TypeError:  # Mesh(8): not a pair at all
+                raise _dims_error(self.dims) from None
             msgspec.structs.force_setattr(self, "dims", dims)
         if len(dims) != 2:
-            raise PlanError(f"Mesh dims must be two positive ints (use (n, 1) for a 1-D "
-                            f"mesh), got {self.dims!r}")
+            raise _dims_error(self.dims)
         d0, d1 = dims
         # type() not isinstance(): bool is an int subclass and True is no size.
-        if type(d0) is not int or type(d1) is not int or d0 < 1 or d1 < 1:
-            raise PlanError(f"Mesh dims must be two positive ints (use (n, 1) for a 1-D "
-                            f"mesh), got {self.dims!r}")
-        if type(self.start_rank) is not int or self.start_rank < 0:
+        if type(d0) is not int or type(d1) is not int:
+            # numpy/torch ints (``world // tp`` computed with numpy): stored as plain ints,
+            # so equality, hashing and the digest match a mesh written with literals.
+            i0, i1 = _index_int(d0), _index_int(d1)
+            if i0 is None or i1 is None:
+                raise _dims_error(self.dims)
+            d0, d1 = i0, i1
+            msgspec.structs.force_setattr(self, "dims", (d0, d1))
+        if d0 < 1 or d1 < 1:
+            raise _dims_error(self.dims)
+        start = self.start_rank
+        if type(start) is not int:
+            start_int = _index_int(start)
+            if start_int is None:
+                raise PlanError(f"Mesh start_rank must be an int >= 0, got {start!r}")
+            msgspec.structs.force_setattr(self, "start_rank", start_int)
+            start = start_int
+        if start < 0:
             raise PlanError(f"Mesh start_rank must be an int >= 0, got {self.start_rank!r}")
 
     @property
@@ -89,7 +122,12 @@ class Mesh(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
 
     def rank_at(self, i: int, j: int) -> int:
         """Rank at mesh coordinate ``(i, j)``."""
-        return self.start_rank + i * self.dims[1] + j
+        d0, d1 = self.dims
+        # Unchecked, (0, d1) would name rank (1, 0): another rank of the mesh, or one outside.
+        if not (0 <= i < d0 and 0 <= j < d1):
+            raise PlanError(f"mesh coordinate ({i}, {j}) is outside mesh {self.dims} "
+                            f"(coordinates [0, {d0}) x [0, {d1}))")
+        return self.start_rank + i * d1 + j
 
 
 class Layout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
@@ -104,12 +142,26 @@ class Layout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
     placements: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
+        # Caught here, not later as an AttributeError deep in the geometry.
+        if not isinstance(self.mesh, Mesh):
+            raise PlanError(f"Layout mesh must be a Mesh, got {type(self.mesh).__name__} "
+                            f"{self.mesh!r} (e.g. Layout(Mesh((n, 1)), (0, REPLICATE)))")
         p: tuple[int, ...] | None = self.placements
         if p is None:
             return
         if type(p) is not tuple:  # a list from user code
-            p = tuple(p)
-            msgspec.structs.force_setattr(self, "placements", p)
+            try:
+                p = tuple(p)
+            except TypeError:  # Layout(mesh, 0): one dim, not one placement per axis
+                p = ()
+            else:
+                msgspec.structs.force_setattr(self, "placements", p)
+        if len(p) == 2 and (type(p[0]) is not int or type(p[1]) is not int):
+            # numpy/torch ints, stored as plain ints (one spelling, one digest)
+            q0, q1 = _index_int(p[0]), _index_int(p[1])
+            if q0 is not None and q1 is not None:
+                p = (q0, q1)
+                msgspec.structs.force_setattr(self, "placements", p)
         if (len(p) != 2 or type(p[0]) is not int or type(p[1]) is not int
                 or p[0] < REPLICATE or p[1] < REPLICATE):
             raise PlanError(f"placements must be a 2-tuple of REPLICATE (-1) or a tensor dim "
@@ -174,6 +226,9 @@ class Layout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
 
     def shard_box(self, shape: tuple[int, ...], shard: int) -> Box:
         """The global box of shard ``shard`` of a tensor of ``shape``."""
+        # Unchecked, shard 2 of 2 would be a box past the end of the tensor.
+        if not 0 <= shard < self.num_shards:
+            raise PlanError(f"shard {shard} out of range for {self.num_shards} shards")
         d = self.shard_dim
         if d is None:
             return tuple((0, n) for n in shape)

@@ -116,3 +116,59 @@ def test_layout_decodes_and_validates() -> None:
         msgspec.msgpack.decode(raw, type=Layout)
     ok = msgspec.msgpack.encode(Layout(Mesh((2, 2)), (REPLICATE, 1)))
     assert msgspec.msgpack.decode(ok, type=Layout) == Layout(Mesh((2, 2)), (REPLICATE, 1))
+
+
+class _IndexInt:
+    """An int in disguise, as numpy's and torch's are: it has ``__index__`` only."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+
+def test_index_ints_are_stored_as_plain_ints() -> None:
+    m = Mesh((_IndexInt(2), _IndexInt(4)), _IndexInt(8))  # type: ignore[arg-type]
+    assert m == Mesh((2, 4), 8) and hash(m) == hash(Mesh((2, 4), 8))
+    assert all(type(n) is int for n in (*m.dims, m.start_rank))
+    lay = Layout(m, (_IndexInt(1), REPLICATE))  # type: ignore[arg-type]
+    assert lay == Layout(Mesh((2, 4), 8), (1, REPLICATE))
+    assert msgspec.msgpack.encode(lay) == msgspec.msgpack.encode(Layout(Mesh((2, 4), 8),
+                                                                        (1, REPLICATE)))
+    # bool stays refused: True is no size and no dim
+    with pytest.raises(PlanError, match="two positive ints"):
+        Mesh((2, True))
+    with pytest.raises(PlanError, match="2-tuple"):
+        Layout(Mesh((2, 2)), (True, REPLICATE))
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: Mesh(8), r"two positive ints .*got 8"),  # type: ignore[arg-type]
+        (lambda: Mesh(None), r"two positive ints .*got None"),  # type: ignore[arg-type]
+        (lambda: Layout(Mesh((2, 2)), 0), r"2-tuple .*got 0"),  # type: ignore[arg-type]
+        (lambda: Layout((2, 2)), r"Layout mesh must be a Mesh, got tuple"),  # type: ignore[arg-type]
+        (lambda: Layout(None, (0, REPLICATE)), r"must be a Mesh, got NoneType"),  # type: ignore[arg-type]
+    ],
+)
+def test_non_sequences_and_non_meshes_are_plan_errors(make: object, match: str) -> None:
+    with pytest.raises(PlanError, match=match):
+        make()  # type: ignore[operator]
+
+
+def test_coordinates_and_shards_outside_the_mesh_are_refused() -> None:
+    m = Mesh((2, 4), 8)
+    assert m.rank_at(1, 3) == 15
+    # (0, 4) would otherwise be rank (1, 0)'s number, (2, 0) a rank past the mesh
+    for i, j in ((0, 4), (2, 0), (-1, 0), (0, -1)):
+        with pytest.raises(PlanError, match=rf"mesh coordinate \({i}, {j}\) is outside mesh"):
+            m.rank_at(i, j)
+    lay = Layout(m, (0, REPLICATE))
+    assert lay.shard_box((4, 2), 1) == ((2, 4), (0, 2))
+    for shard in (2, -1):  # a box past either end of the tensor otherwise
+        with pytest.raises(PlanError, match=rf"shard {shard} out of range for 2 shards"):
+            lay.shard_box((4, 2), shard)
+    with pytest.raises(PlanError, match="shard 1 out of range for 1 shards"):
+        Layout(m).shard_box((4, 2), 1)
