@@ -361,7 +361,11 @@ class TransferPlan:
 
     def __init__(self, params: Iterable[ParamTransfer], *, trainer_ranks: int,
                  world_size: int) -> None:
-        self.params: tuple[ParamTransfer, ...] = tuple(params)
+        try:
+            self.params: tuple[ParamTransfer, ...] = tuple(params)
+        except TypeError:  # one ParamTransfer, None, a number: a TypeError from tuple()
+            raise PlanError(f"params must be an iterable of ParamTransfer, got "
+                            f"{type(params).__name__}") from None
         self.trainer_ranks = trainer_ranks
         self.world_size = world_size
         if type(world_size) is not int or type(trainer_ranks) is not int or not (

@@ -352,3 +352,17 @@ def test_local_buffer_dtype_aliases_and_unknown_dtypes() -> None:
     validate_local_buffer(t, FakeTensor("torch.half", (4, 8)), 0, "source")
     with pytest.raises(PlanError, match="tensor dtype quint8 != planned dtype float16"):
         validate_local_buffer(t, FakeTensor(torch.quint8, (4, 8)), 0, "source")
+
+
+@pytest.mark.parametrize("params", [None, 3])
+def test_plan_params_must_be_an_iterable_of_transfers(params: object) -> None:
+    with pytest.raises(PlanError, match=r"params must be an iterable of ParamTransfer, got "
+                                        r"(NoneType|int)"):
+        TransferPlan(params, trainer_ranks=T, world_size=T + N)  # type: ignore[arg-type]
+
+
+def test_a_single_transfer_outside_a_list_is_a_plan_error() -> None:
+    with pytest.raises(PlanError, match=r"params must be an iterable of ParamTransfer, got "
+                                        r"ParamTransfer"):
+        TransferPlan(ParamTransfer(spec(), DST), trainer_ranks=T,  # type: ignore[arg-type]
+                     world_size=T + N)
