@@ -38,6 +38,7 @@ import re
 import sys
 import tomllib
 from collections.abc import Mapping, Sequence
+from fractions import Fraction
 from pathlib import Path
 
 import msgspec
@@ -184,6 +185,10 @@ class PlanSummary(msgspec.Struct, frozen=True):
     predictions: dict[str, LanePrediction] = {}
 
 
+#: Sizes travel as int64 (``ParamSpec`` refuses 2**63 elements likewise); past 2**1024 the
+#: cost model's float arithmetic overflows.
+_MAX_SIZE = 2**63
+
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
           "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20,
@@ -200,9 +205,13 @@ def parse_size(value: int | str, what: str = "size") -> int:
         if m is None or unit not in _UNITS:
             raise PlanError(f"{what}: cannot read {value!r} as a size (e.g. 512MiB, 1GB, "
                             f"65536)")
-        n = int(float(m.group(1)) * _UNITS[unit])
+        # Exact: a float loses digits past 2**53 ("9007199254740993" read one byte short)
+        # and overflows to inf on a long digit string.
+        n = int(Fraction(m.group(1)) * _UNITS[unit])
     if n < 1:
         raise PlanError(f"{what}: must be at least 1 byte, got {value!r}")
+    if n >= _MAX_SIZE:
+        raise PlanError(f"{what}: {value!r} is 2**63 bytes or more (sizes travel as int64)")
     return n
 
 
@@ -351,7 +360,8 @@ def load_plan_file(path: str | Path) -> tuple[TransferPlan, int | None]:
             obj = json.loads(raw)
         else:
             obj = tomllib.loads(raw.decode())
-    except (ValueError, UnicodeDecodeError) as e:
+    # RecursionError: arrays or tables nested thousands deep (both parsers recurse)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         kind = "JSON" if p.suffix.lower() == ".json" else "TOML"
         raise PlanError(f"{p}: not valid {kind}: {e}{_null_hint(kind, raw)}") from None
     try:
@@ -373,6 +383,14 @@ def summarize(plan: TransferPlan, *, source: str = "", bucket_bytes: int | None 
     ``coalesce_below``: the m2n lane's threshold (``EngineConfig.coalesce_below``; 0: an
     engine with ``coalesce=False``). ``cost_terms``: per-lane terms the prediction uses
     (``EngineConfig.costs``; None: ``DEFAULT_LANES``)."""
+    # Checked here: further down a str is int()'s ValueError and a float is truncated.
+    if bucket_bytes is not None and (type(bucket_bytes) is not int
+                                     or not 1 <= bucket_bytes < _MAX_SIZE):
+        raise PlanError(f"bucket_bytes must be None or an int in [1, 2**63), got "
+                        f"{bucket_bytes!r} (parse_size reads sizes such as \"512MiB\")")
+    if type(coalesce_below) is not int or not 0 <= coalesce_below < _MAX_SIZE:
+        raise PlanError(f"coalesce_below must be an int in [0, 2**63) (0: coalescing off), got "
+                        f"{coalesce_below!r}")
     dtypes: dict[str, int] = {}
     best_in, best_out = Extreme(0, ""), Extreme(0, "")
     for i, p in enumerate(plan.params):

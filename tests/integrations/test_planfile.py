@@ -514,3 +514,50 @@ def test_the_tuning_guides_plan_commands_name_the_projects_environment() -> None
              for line in block.split("```", 1)[0].splitlines() if "m2n-async" in line]
     assert shown and all(line.startswith(".venv/bin/m2n-async plan ") for line in shown), shown
     assert "DEVELOPERS.md#build" in tuning.split("## 1.", 1)[0]
+
+
+def test_sizes_are_read_exactly_and_bounded_by_int64() -> None:
+    # through a float, 2**53 + 1 came back one byte short
+    assert parse_size(str(2**53 + 1)) == 2**53 + 1
+    assert parse_size("0.5KiB") == 512
+    assert parse_size(str(2**63 - 1)) == 2**63 - 1
+    # a long digit string was a float overflow (OverflowError), not a PlanError
+    for big in ("1" * 400, str(2**63), "8388608TiB", 2**63):
+        with pytest.raises(PlanError, match=r"bucket_bytes: .* is 2\*\*63 bytes or more"):
+            parse_size(big, "bucket_bytes")
+
+
+def test_an_oversized_bucket_in_a_file_or_option_is_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path, SPEC.replace('bucket_bytes = "256KiB"',
+                                         f'bucket_bytes = "{"9" * 400}"', 1))
+    rc, out, err = _run(capsys, str(path))
+    assert rc == 1 and out == "" and err.count("\n") == 1
+    assert "invalid plan: bucket_bytes: " in err and "2**63 bytes or more" in err
+    rc, out, err = _run(capsys, str(_write(tmp_path, SPEC)), "--bucket-bytes", "9" * 400)
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert "--bucket-bytes: " in err and "2**63 bytes or more" in err
+
+
+@pytest.mark.parametrize(("name", "text"), [
+    ("deep.json", "[" * 100_000 + "]" * 100_000),
+    ("deep.toml", "a = " + "[" * 100_000 + "]" * 100_000),
+    ("deep.toml", "a = " + "{b = " * 5_000 + "1" + "}" * 5_000),
+])
+def test_a_file_nested_too_deep_is_invalid_not_a_traceback(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, text: str) -> None:
+    rc, out, err = _run(capsys, str(_write(tmp_path, text, name)))
+    assert rc == 1 and out == "" and err.count("\n") == 1
+    assert err.startswith("m2n-async plan: invalid plan: ") and "recursion" in err
+
+
+def test_summarize_refuses_sizes_of_the_wrong_type(tmp_path: Path) -> None:
+    plan, _ = load_plan_file(_write(tmp_path, SPEC))
+    # a str was int()'s ValueError, a float or a bool silently truncated
+    for bad in ("1MiB", 1.5, True, 0, 2**63):
+        with pytest.raises(PlanError, match=r"bucket_bytes must be None or an int in \[1, "
+                                            r"2\*\*63\), got "):
+            summarize(plan, bucket_bytes=bad)  # type: ignore[arg-type]
+    for bad in ("1", 1.5, True, None, -1, 2**63):
+        with pytest.raises(PlanError, match=r"coalesce_below must be an int in \[0, 2\*\*63\)"):
+            summarize(plan, coalesce_below=bad)  # type: ignore[arg-type]
