@@ -21,7 +21,11 @@ Timeouts and cancellation are the async API's, carried over:
   before re-raising, so the engine has applied its documented cancellation semantics (e.g.
   a round cancelled mid-way has posted its abort record and the engine is POISONED) by the
   time the caller sees the exception. A second interrupt while waiting stops that wait.
-- ``progress`` callbacks run on the engine's loop thread, not the caller's.
+- ``progress`` callbacks run on the engine's loop thread, not the caller's. One that raises
+  ``KeyboardInterrupt`` or ``SystemExit`` fails the round as any error of its callback does
+  (every rank raises at once, naming this rank; this engine is POISONED), and the call
+  raises that exception in the caller's thread; the loop thread keeps running, so
+  ``close()`` still releases the engine.
 
 ``close()`` closes the engine (shielded and bounded, as ``close`` is) and then stops the loop
 thread; it is idempotent and is also what leaving a ``with`` block does. One call at a time
@@ -38,6 +42,7 @@ import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Self, TypeVar
 
+import anyio
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from m2n_async._engine._config import EngineConfig, EngineState, SyncResult
@@ -68,10 +73,13 @@ class Pending(Generic[T]):
     semantics applied (those of the async method).
     """
 
-    def __init__(self, future: concurrent.futures.Future[T], finished: threading.Event
-                 ) -> None:
+    def __init__(self, future: concurrent.futures.Future[T], finished: threading.Event,
+                 interrupt: list[BaseException] | None = None) -> None:
         self._future = future
         self._finished = finished
+        #: what the call raised that is no ``Exception`` (``KeyboardInterrupt``,
+        #: ``SystemExit``): kept off the loop (``_Loop.submit``), raised by ``result()``
+        self._interrupt: list[BaseException] = [] if interrupt is None else interrupt
 
     @property
     def future(self) -> concurrent.futures.Future[T]:
@@ -92,7 +100,7 @@ class Pending(Generic[T]):
         propagates.
         """
         try:
-            return self._future.result(timeout)
+            got = self._future.result(timeout)
         except concurrent.futures.CancelledError:
             # Cancelled from inside the loop (the portal stopping): the engine's state says
             # what happened; report it as an interruption, not as a silent None.
@@ -103,6 +111,9 @@ class Pending(Generic[T]):
         except BaseException:
             self.cancel()
             raise
+        if self._interrupt:
+            raise self._interrupt[0]
+        return got
 
     def cancel(self) -> None:
         """Cancel the call (as cancelling the coroutine) and wait until it has finished."""
@@ -128,14 +139,25 @@ class _Loop:
             raise LocalProtocolError("this blocking engine is closed (its event loop thread "
                                      "has stopped); connect again")
         finished = threading.Event()
+        interrupt: list[BaseException] = []
 
         async def run() -> T:
             try:
                 return await fn(*args, **kwargs)
+            except Exception:
+                raise
+            except BaseException as exc:
+                if isinstance(exc, anyio.get_cancelled_exc_class()):
+                    raise
+                # KeyboardInterrupt, SystemExit (a callback's, which the engine raises once
+                # its round failed): raised in a task, asyncio would stop this loop with
+                # it, and the engine could never be closed. The caller's thread gets it.
+                interrupt.append(exc)
+                return None  # type: ignore[return-value]  # result() raises it instead
             finally:
                 finished.set()  # the task is over, whichever way it ended
 
-        return Pending(self.portal.start_task_soon(run), finished)
+        return Pending(self.portal.start_task_soon(run), finished, interrupt)
 
     def call(self, fn: Callable[..., Awaitable[T]], /, *args: Any, **kwargs: Any) -> T:
         """Run ``fn(*args, **kwargs)`` on the loop; block until it finished."""
@@ -162,7 +184,7 @@ class _PendingConnect(Pending[B]):
 
     def __init__(self, loop: _Loop, wrap: Callable[[_Loop, Any], B],
                  inner: Pending[Any]) -> None:
-        super().__init__(inner.future, inner._finished)
+        super().__init__(inner.future, inner._finished, inner._interrupt)
         self._loop = loop
         self._wrap = wrap
 
@@ -181,7 +203,7 @@ class _PendingConnect(Pending[B]):
 
     def cancel(self) -> None:
         super().cancel()
-        if not self._future.done() or self._future.cancelled() or \
+        if not self._future.done() or self._future.cancelled() or self._interrupt or \
                 self._future.exception() is not None:
             self._loop.close()
         else:  # it connected before the cancel landed: close what it opened

@@ -23,6 +23,7 @@ to the original failure. Recovery is a new ``connect`` (a new generation) on the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -62,7 +63,13 @@ from m2n_async._engine._round import NOTE_CHARS, JobEnded, RoundDriver, RoundOut
 from m2n_async._engine._sources import (  # _INLINE_PARAMS: re-exported for callers
     _INLINE_PARAMS as _INLINE_PARAMS,
 )
-from m2n_async._engine._sources import Weights, _Expect, _source_expectations, _Sources
+from m2n_async._engine._sources import (
+    Interrupts,
+    Weights,
+    _Expect,
+    _source_expectations,
+    _Sources,
+)
 from m2n_async._engine._targets import TargetCheck
 from m2n_async._proto.cost import COSTS_ENV, DEFAULT_LANES, cost_inputs, parse_costs
 from m2n_async._proto.errors import (
@@ -145,6 +152,8 @@ class _Engine:
         self._busy: str | None = None  # the sync_weights/receive call in progress, if any
         # An argument refused before connect (a worker's malformed target), for hello to report
         self._argument_error: Exception | None = None
+        # What this engine's callbacks raise that is no Exception, for the call to raise
+        self._interrupts = Interrupts()
 
     # -- public read-only facts ------------------------------------------------------------
 
@@ -505,6 +514,7 @@ class _Engine:
                 failure = await self._rounds.post(core, core.closed(self.rank))
             raise core.error(failure)
         self._state = EngineState.UPDATING
+        self._interrupts.take()  # none of an earlier call's is this round's
         try:
             outcome = await self._rounds.run(start, self._transport, work, self._committed,
                                              self._poison_with)
@@ -516,6 +526,11 @@ class _Engine:
             raise exc from None
         except BaseException as exc:
             self._undecided(exc)
+            interrupt = self._interrupts.take()
+            if interrupt is not None:
+                # A callback's KeyboardInterrupt/SystemExit failed the round on every rank
+                # (as this rank's own error, the engine POISONED): the caller gets it back.
+                raise interrupt  # noqa: B904 - chained to the round's error as its context
             raise
         return self._commit(start, outcome, waited, t0)
 
@@ -795,6 +810,10 @@ class TrainerEngine(_Engine):
         reconnects.
         ``timeout`` (rank 0): the round deadline for every rank (default
         ``config.round_timeout``). ``progress(bytes_done, bytes_total)`` after each bucket.
+        A ``KeyboardInterrupt`` or ``SystemExit`` raised by ``progress`` or by a lazy source
+        fails the round as its error would (``TransferError`` on every rank, naming this
+        rank, ``cause="error"``; the engine POISONED), and this call then raises that
+        exception (its context the round's ``TransferError``).
 
         Returns the ``SyncResult`` once every rank reported success. Raises the same
         ``TransferError`` on every rank when the round failed, after which the engine is
@@ -848,6 +867,8 @@ class TrainerEngine(_Engine):
                                      f"seconds > 0, got {timeout!r}")
         assert self._plan is not None and self._transport is not None
         plan, transport, rank = self._plan, self._transport, self.rank
+        if progress is not None:  # it runs in a task of the loop: see CallbackInterrupted
+            progress = self._interrupts.wrap(progress, "the progress callback")
         # The device the transport resolved ("cuda" -> "cuda:N"): shards are checked against
         # the very device the transport copies on, index included.
         resolved = getattr(transport, "device", None)
@@ -858,7 +879,8 @@ class TrainerEngine(_Engine):
         # misplaced or non-contiguous shard is refused with nothing sent, the engine still
         # READY.
         t0 = time.perf_counter()
-        sources = _Sources(weights, plan, rank, device, self._expect, self._names)
+        sources = _Sources(weights, plan, rank, device, self._expect, self._names,
+                           self._interrupts)
         if sources.unplanned and not self._warned_unplanned:
             self._warned_unplanned = True  # once per engine: the module is the same each round
             shown = ", ".join(repr(n) for n in sources.unplanned[:5])
@@ -984,7 +1006,7 @@ class WorkerEngine(_Engine):
         # Each target read once, here: its record says where the shard goes, its placements
         # and what the plan checks; the lanes get this very mapping every bucket.
         try:
-            self._sinks = _sink_map(targets)
+            self._sinks = _sink_map(targets, self._interrupts)
         except Exception as exc:
             # Not raised here: the peers are already in the handshake, and would wait out its
             # first phase for this rank. Its hello reports it instead, to every rank.
@@ -1070,9 +1092,11 @@ class WorkerEngine(_Engine):
 
         ``timeout`` bounds the wait for the round to *start* (``TimeoutError``; the engine
         stays READY); the round itself is bounded by trainer rank 0's round deadline.
-        ``progress(bytes_done, bytes_total)`` after each bucket. Returns the ``SyncResult``
-        once every rank reported success; the version advances only then. Raises the same
-        ``TransferError`` as every other rank when the round failed — also when it failed
+        ``progress(bytes_done, bytes_total)`` after each bucket (a ``KeyboardInterrupt`` or
+        ``SystemExit`` raised by it or by a load callback: as in ``sync_weights``). Returns
+        the ``SyncResult`` once every rank reported success; the version advances only
+        then. Raises the same ``TransferError`` as every other rank when the round failed —
+        also when it failed
         while this rank waited for it to start (a peer died, a trainer gave up on rank 0):
         engine POISONED, targets may hold a partial update; ``exc.rank`` is the rank that
         caused it. Raises ``PeerLostError`` (ranks ``(0,)``) when there will be no more
@@ -1127,6 +1151,8 @@ class WorkerEngine(_Engine):
             raise err from None
         assert self._plan is not None and self._transport is not None
         plan, transport, rank = self._plan, self._transport, self.rank
+        if progress is not None:  # it runs in a task of the loop: see CallbackInterrupted
+            progress = self._interrupts.wrap(progress, "the progress callback")
 
         if self._target_check is None:
             # The device the transport resolved ("cuda" -> "cuda:N"), as for the sources.
@@ -1177,7 +1203,7 @@ class WorkerEngine(_Engine):
                 raise
 
 
-def _sink_map(targets: Mapping[str, Any]) -> SinkMap:
+def _sink_map(targets: Mapping[str, Any], interrupts: Interrupts | None = None) -> SinkMap:
     """``WorkerEngine.connect``'s ``targets`` as records, one per name (``_sink_of``);
     ``LocalProtocolError`` when it is no mapping, or naming the parameter whose target is
     malformed."""
@@ -1185,7 +1211,16 @@ def _sink_map(targets: Mapping[str, Any]) -> SinkMap:
         raise LocalProtocolError(f"targets must be a mapping of parameter name -> (tensor, "
                                  f"placements) or LoadTarget, got {type(targets).__name__}; "
                                  f"e.g. targets_from_module(model, tp_plan)")
-    return SinkMap((name, _sink_of(name, target)) for name, target in targets.items())
+    out = SinkMap()
+    for name, target in targets.items():
+        sink = _sink_of(name, target)
+        if not sink.in_place and interrupts is not None:
+            # The lanes catch a callback's Exception, not its KeyboardInterrupt: see
+            # CallbackInterrupted.
+            sink = dataclasses.replace(sink, target=interrupts.wrap(
+                sink.load, f"the load callback for parameter {name!r}"))
+        out[name] = sink
+    return out
 
 
 def _sink_of(name: str, target: Any) -> Sink:

@@ -58,13 +58,68 @@ if TYPE_CHECKING:
 
     from m2n_async._proto.plan import Bucket
 
-__all__ = ["Weights", "_INLINE_PARAMS", "_Expect", "_Expectations", "_Sources",
-           "_source_expectations", "device_predicates", "laid_out"]
+__all__ = ["CallbackInterrupted", "Interrupts", "Weights", "_INLINE_PARAMS", "_Expect",
+           "_Expectations", "_Sources", "_source_expectations", "device_predicates",
+           "laid_out"]
 
 #: What ``sync_weights`` accepts: name -> local shard (any Mapping, e.g. ``module_shards``),
 #: a ``torch.nn.Module``, a callable ``f(names) -> Mapping`` called once per bucket, or an
 #: iterable of ``(name, tensor)`` pairs consumed lazily.
 Weights = Any
+
+
+class CallbackInterrupted(Exception):
+    """A caller's callback (a ``progress``, a ``LoadTarget.load``, a lazy source) raised a
+    ``BaseException`` that is no ``Exception`` — ``KeyboardInterrupt``, ``SystemExit`` —
+    carried as an ``Exception`` through the round.
+
+    Raised as it is inside a task, asyncio hands such an exception to the event loop itself,
+    which stops: no abort record is posted (the peers wait out the round deadline), the
+    transport is never aborted, and under the blocking facade the engine's loop thread dies
+    with the engine unreleased. Carried as this, it fails the round like any error of this
+    rank's own step (every rank raises at once, naming this rank), and the call then raises
+    the interrupt itself (``Interrupts``)."""
+
+    def __init__(self, where: str, interrupt: BaseException) -> None:
+        super().__init__(f"{where} raised {interrupt!r}")
+        self.interrupt = interrupt
+
+    def __repr__(self) -> str:  # as the lanes quote a load callback's error
+        return f"{type(self).__name__}({str(self)!r})"
+
+
+class Interrupts:
+    """One engine's record of the first interrupt its callbacks raised in a round, for the
+    call to raise once the round failed. Kept here, not looked for in the round error's
+    cause chain: the lanes and the pipeline re-raise errors from threads and task groups,
+    and the chain does not survive that."""
+
+    def __init__(self) -> None:
+        self.caught: BaseException | None = None
+
+    def wrap(self, fn: Callable[..., Any], where: str) -> Callable[..., Any]:
+        """``fn`` (a caller's callback) with a ``BaseException`` that is no ``Exception``
+        recorded and raised as ``CallbackInterrupted`` (``where`` names the callback)."""
+
+        def call(*args: Any) -> Any:
+            try:
+                return fn(*args)
+            except Exception:
+                raise
+            except BaseException as exc:
+                raise self.interrupted(where, exc) from exc
+
+        return call
+
+    def interrupted(self, where: str, exc: BaseException) -> CallbackInterrupted:
+        if self.caught is None:
+            self.caught = exc
+        return CallbackInterrupted(where, exc)
+
+    def take(self) -> BaseException | None:
+        """The interrupt recorded since the last ``take``, if any; forgets it."""
+        caught, self.caught = self.caught, None
+        return caught
 
 
 #: A plain dict of sources is resolved on the event loop (a thread hop costs more than the
@@ -85,9 +140,12 @@ class _Sources:
     """
 
     def __init__(self, weights: Weights, plan: TransferPlan, rank: int, device: str,
-                 expect: list[_Expect], names: Sequence[str]) -> None:
+                 expect: list[_Expect], names: Sequence[str],
+                 interrupts: Interrupts | None = None) -> None:
         import torch
 
+        #: where a lazy source's KeyboardInterrupt/SystemExit is recorded (the engine's)
+        self._interrupts = Interrupts() if interrupts is None else interrupts
         self._plan = plan
         self._names = names  # every param's name, in plan order
         self._rank = rank
@@ -255,7 +313,14 @@ class _Sources:
 
     def _resolve(self, start: int, names: Sequence[str]) -> Mapping[str, torch.Tensor]:
         """Params ``start, start + 1, ...`` named ``names``: fetched and checked."""
-        got = self._fetch(names)
+        try:
+            got = self._fetch(names)
+        except Exception:
+            raise
+        except BaseException as exc:
+            # A lookup, next() or the callable ran the caller's code on this thread: its
+            # KeyboardInterrupt would reach the loop as it is (``CallbackInterrupted``).
+            raise self._interrupts.interrupted("the weights source", exc) from exc
         self._check(start, names, got)
         return got
 
