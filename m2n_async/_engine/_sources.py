@@ -193,14 +193,20 @@ class _Sources:
         elif callable(weights):
             self._call = weights
             self.inline = False
-        elif isinstance(weights, Iterable):
+        elif isinstance(weights, Iterable) and not isinstance(
+                weights, str | bytes | bytearray | torch.Tensor):
+            # Not a str or a bare tensor: both iterate (characters, rows), so either would
+            # pass as an iterable of pairs and fail the round mid-way, POISONED, instead of
+            # being refused here with nothing sent.
             self._iter = iter(weights)
             self.inline = False
         else:
             raise LocalProtocolError(
                 f"sync_weights: weights must be a Mapping name -> tensor, a torch.nn.Module, "
                 f"a callable(names) -> Mapping, or an iterable of (name, tensor); got "
-                f"{type(weights).__name__}")
+                f"{type(weights).__name__}"
+                + (" (a bare tensor: pass {name: tensor})" if isinstance(weights, torch.Tensor)
+                   else ""))
 
     async def precheck(self) -> None:
         """Refuse, before the round, what can be found wrong without computing a shard:

@@ -4,7 +4,8 @@ engine is left in.
 A ``KeyboardInterrupt`` or ``SystemExit`` raised by a caller's callback (a ``progress``, a
 load callback, a lazy source) fails the round at once on every rank, naming the rank whose
 callback raised, and reaches that rank's caller as raised; under the blocking facade the
-engine's loop thread survives it, so ``close()`` still releases the engine.
+engine's loop thread survives it, so ``close()`` still releases the engine. ``weights`` that
+only look iterable (a str, a bare tensor) are refused before the round.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from m2n_async import (
     EngineState,
     LoadTarget,
+    LocalProtocolError,
     TrainerEngine,
     TransferError,
     WorkerEngine,
@@ -119,6 +121,22 @@ async def test_keyboard_interrupt_in_a_weights_callable_fails_the_round_at_once(
         assert isinstance(got_t, KeyboardInterrupt)
         _failed_for(got_w, 0, "the weights source raised KeyboardInterrupt()")
         assert t.state is w.state is EngineState.POISONED
+    finally:
+        await _close(t, w)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("weights", ["w_row", b"w_row", torch.zeros(12, 6)],
+                         ids=["str", "bytes", "tensor"])
+async def test_weights_that_only_look_iterable_are_refused_before_the_round(
+        weights: Any) -> None:
+    (t,), (w,) = await _connect_all(MemoryStore(), PLAN)
+    try:
+        with pytest.raises(LocalProtocolError, match="weights must be a Mapping"):
+            await t.sync_weights(weights)
+        assert t.state is EngineState.READY  # nothing sent: the engine goes on
+        got_t, got_w = await _both(t, w, lambda e: e.sync_weights(source_shards(PLAN, 0, 1)))
+        assert got_t.version == got_w.version == 1
     finally:
         await _close(t, w)
 
