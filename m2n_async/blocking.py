@@ -80,6 +80,7 @@ class Pending(Generic[T]):
         #: what the call raised that is no ``Exception`` (``KeyboardInterrupt``,
         #: ``SystemExit``): kept off the loop (``_Loop.submit``), raised by ``result()``
         self._interrupt: list[BaseException] = [] if interrupt is None else interrupt
+        self._cancelled = False  # cancel() was called
 
     @property
     def future(self) -> concurrent.futures.Future[T]:
@@ -102,6 +103,9 @@ class Pending(Generic[T]):
         try:
             got = self._future.result(timeout)
         except concurrent.futures.CancelledError:
+            if self._cancelled:
+                raise LocalProtocolError("the call was cancelled by its Pending.cancel(); "
+                                         "the engine's state says what that did") from None
             # Cancelled from inside the loop (the portal stopping): the engine's state says
             # what happened; report it as an interruption, not as a silent None.
             raise LocalProtocolError("the call was cancelled on the engine's event loop "
@@ -116,7 +120,10 @@ class Pending(Generic[T]):
         return got
 
     def cancel(self) -> None:
-        """Cancel the call (as cancelling the coroutine) and wait until it has finished."""
+        """Cancel the call (as cancelling the coroutine) and wait until it has finished.
+        A ``result()`` after it raises ``LocalProtocolError`` saying so, unless the call had
+        already finished (its result or its exception, then)."""
+        self._cancelled = True
         if not self._future.done():
             self._future.cancel()  # cancels the task's scope on the loop
         self._finished.wait()  # its cancellation semantics applied before we return

@@ -11,6 +11,7 @@ only look iterable (a str, a bare tensor) are refused before the round.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -173,3 +174,19 @@ def test_blocking_keyboard_interrupt_in_a_progress_callback_keeps_the_loop(
     for t in loops:
         t.join(10)
         assert not t.is_alive()
+
+
+def test_blocking_result_after_cancel_says_it_was_cancelled(address: str) -> None:
+    trainer, worker, _ = _pair(address, "misuse-blocking-cancel")
+    try:
+        pending = worker.start_receive()
+        time.sleep(0.1)  # waiting for round 1 to start
+        pending.cancel()
+        assert worker.state is EngineState.READY
+        with pytest.raises(LocalProtocolError, match=r"cancelled by its Pending\.cancel"):
+            pending.result(1)
+    finally:
+        trainer.close()
+        worker.close()
+
+
