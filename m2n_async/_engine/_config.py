@@ -104,10 +104,12 @@ class EngineConfig:
             *head, last = (AUTO, *LANES)
             raise PlanError(f"EngineConfig.transport must be {', '.join(map(repr, head))} or "
                             f"{last!r}, got {self.transport!r}")
+        # Below 2**63: the handshake packs it as an int64 (a larger one would fail to encode
+        # at connect, on this rank alone).
         if self.bucket_bytes is not None and (type(self.bucket_bytes) is not int
-                                              or self.bucket_bytes < 1):
-            raise PlanError(f"EngineConfig.bucket_bytes must be None or an int >= 1, got "
-                            f"{self.bucket_bytes!r}")
+                                              or not 1 <= self.bucket_bytes < 2**63):
+            raise PlanError(f"EngineConfig.bucket_bytes must be None or an int in "
+                            f"[1, 2**63), got {self.bucket_bytes!r}")
         if type(self.max_inflight) is not int or self.max_inflight < 1:
             raise PlanError(f"EngineConfig.max_inflight must be an int >= 1, got "
                             f"{self.max_inflight!r}")

@@ -29,7 +29,8 @@ def test_explicit_bucket_bytes_win_everywhere() -> None:
     assert {_resolve(cfg, t) for t in ("gloo", "nccl", "m2n")} == {1 << 20}
 
 
-@pytest.mark.parametrize("bad", [0, -1, 1.5, "64MiB", True])
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "64MiB", True, 2**63, 2**64])
 def test_bad_bucket_bytes_are_refused(bad: object) -> None:
-    with pytest.raises(PlanError, match="bucket_bytes must be None or an int >= 1"):
+    # From 2**63 on, the handshake could not pack it: refused here, not at connect.
+    with pytest.raises(PlanError, match=r"bucket_bytes must be None or an int in \[1, 2\*\*63\)"):
         EngineConfig(bucket_bytes=bad)  # type: ignore[arg-type]
