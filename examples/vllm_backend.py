@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"FAILED: step {step}: TP rank {m.r}'s {name} differs",
                               file=sys.stderr)
                         return 1
-            print(f"step {step}: round {result.version}, {result.bytes} bytes, "
+            print(f"step {step}: version {result.version}, {result.bytes} bytes, "
                   f"{result.seconds * 1e3:.1f} ms", file=sys.stderr)
     finally:
         engine.shutdown()  # also shuts the workers' engines down (through the client)
