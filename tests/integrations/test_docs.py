@@ -190,3 +190,28 @@ def test_relative_links_and_anchors_resolve() -> None:
             elif anchor and target.suffix == ".md" and anchor not in _anchors(target):
                 bad.append(f"{page.name}: {link} (no such heading)")
     assert not bad, f"broken links: {bad}"
+
+
+def _cli_help(command: str) -> str:
+    import contextlib
+    import io
+
+    from m2n_async.cli import main
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        main([command, "--help"])
+    return out.getvalue()
+
+
+def test_cli_options_in_the_docs_exist() -> None:
+    """Every ``--option`` of an ``m2n-async plan|store|demo ...`` command line a page shows
+    (in prose or a fenced block) is an option of that command."""
+    helps = {c: _cli_help(c) for c in ("plan", "store", "demo")}
+    bad: list[str] = []
+    for page in USER_PAGES:
+        for command, rest in re.findall(r"m2n-async (plan|store|demo)\b([^`\n]*)",
+                                        page.read_text()):
+            for option in re.findall(r"(?<![\w-])--[a-z][\w-]*", rest.split("#")[0]):
+                if not re.search(rf"(?<![\w-]){option}(?![\w-])", helps[command]):
+                    bad.append(f"{page.name}: m2n-async {command} {option}")
+    assert not bad, f"options the docs show that the CLI does not have: {bad}"
