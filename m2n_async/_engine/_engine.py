@@ -729,7 +729,7 @@ class TrainerEngine(_Engine):
         holder (host, pid, since when, generation), and nothing of that job was touched.
 
         ``params`` that is no sequence of ``ParamSpec`` (a ``torch.nn.Module`` passed as it
-        is, say: ``specs_from_module(model, tp_plan)`` makes the specs) is not raised before
+        is, say: ``specs_from_module(model)`` makes the specs) is not raised before
         connecting: the peers are already in the handshake and would wait out
         ``config.phase_timeout`` for this rank. It joins and fails the ``hello`` phase
         instead, so every rank raises the same ``PreflightError`` naming this rank and the
@@ -972,7 +972,7 @@ def _param_specs(params: Sequence[ParamSpec]) -> tuple[ParamSpec, ...]:
     """``TrainerEngine.connect``'s ``params`` as a tuple; ``LocalProtocolError`` when it is
     no sequence of ``ParamSpec`` (a module passed as it is, say), naming the first entry that
     is not one."""
-    hint = "e.g. specs_from_module(model, tp_plan) or [ParamSpec(name, dtype, shape, layout)]"
+    hint = "e.g. specs_from_module(model) or [ParamSpec(name, dtype, shape, layout)]"
     if isinstance(params, str | bytes | Mapping) or not isinstance(params, Iterable):
         raise LocalProtocolError(f"params must be a sequence of ParamSpec, got "
                                  f"{type(params).__name__}; {hint}")

@@ -258,7 +258,7 @@ async def test_trainer_params_that_are_no_specs_fail_hello_on_every_rank(
         params: Any, says: str) -> None:
     # The trainer's twin of a malformed target: the workers do not wait out phase_timeout.
     got, when = await _connect_with({"w_row": (torch.zeros(12, 3), (R, 1))}, params=params)
-    text = (f"{says}; e.g. specs_from_module(model, tp_plan) or [ParamSpec(name, dtype, "
+    text = (f"{says}; e.g. specs_from_module(model) or [ParamSpec(name, dtype, "
             f"shape, layout)]")
     assert _same_preflight_error(got, when, "hello", culprit=0) == (
         f"local step failed: LocalProtocolError: {text}")
