@@ -53,6 +53,7 @@ def assert_same_failure(results: Sequence[RankResult], exc_type: type[BaseExcept
     chosen = (sorted(ranks) if ranks is not None
               else [r.rank for r in results if r.status not in ("dead", "frozen")])
     problems: list[str] = []
+    odd: RankResult | None = None  # the first rank that raised something else: its traceback
     if not chosen:
         problems.append("no rank to check (every rank died or froze)")
     for k in chosen:
@@ -64,6 +65,7 @@ def assert_same_failure(results: Sequence[RankResult], exc_type: type[BaseExcept
         elif not isinstance(r.error, exc_type):
             problems.append(f"rank {k} raised {type(r.error).__name__}, not "
                             f"{exc_type.__name__}")
+            odd = odd or r
     errors: dict[int, BaseException] = {}
     for k in chosen:
         e = by_rank[k].error if k in by_rank else None
@@ -102,8 +104,12 @@ def assert_same_failure(results: Sequence[RankResult], exc_type: type[BaseExcept
                 problems.append(f"rank {k}: {name} is {got!r}, expected {want!r}")
                 break
     if problems:
+        # An unexpected class is most often the integration's own bug (a KeyError in a
+        # rank function): where it was raised, not only its text, points at the cause.
+        where = (f"\nrank {odd.rank}'s traceback:\n{odd.traceback}"
+                 if odd is not None and odd.traceback else "")
         raise AssertionError("not the same failure on every rank:\n- " + "\n- ".join(problems)
-                             + "\n" + _table(results))
+                             + "\n" + _table(results) + where)
     return next(iter(errors.values()))
 
 

@@ -210,8 +210,9 @@ def _pickled(exc: BaseException) -> bytes:
         blob = pickle.dumps(exc)
         pickle.loads(blob)
         return blob
-    except Exception:
-        return pickle.dumps(RuntimeError(_repr(exc)))
+    except Exception as why:  # said, so that a test expecting the class sees why it is not
+        return pickle.dumps(RuntimeError(f"{_repr(exc)} (did not pickle in the rank: "
+                                         f"{why!r})"))
 
 
 def _repr(exc: BaseException) -> str:
@@ -460,6 +461,10 @@ class RankPool:
         for i in range(len(jobs)):
             if self._busy[i]:  # an earlier job never collected (its test gave up): it runs
                 self.restart(i)
+            elif self._procs[i].is_alive() and _is_stopped(self.pid(i)):
+                # Frozen from outside (LocalWorld.freeze) after it answered: alive, yet it
+                # would never take the job, and the run would wait out its whole timeout.
+                self.restart(i)
         self.ensure_alive()
         # A replaced process imports torch and the package first (seconds on a loaded
         # machine): wait for it, so that a job's short phase timeouts do not count it.
@@ -568,11 +573,21 @@ class RankPool:
     def _give_up(self, missing: Sequence[int]) -> dict[int, str]:
         """Stacks of the ``missing`` processes that still run, then kill them all (so the
         pool stays usable); each is ``("killed", (exitcode, stacks))``."""
+        # A stopped (frozen) process runs while its stacks are taken: what it does then is
+        # no result of its own (it would have stayed frozen), so it comes back "killed".
+        stopped = {i for i in missing if self.alive(i) and _is_stopped(self.pid(i))}
+        notes = {i: len(self._notes.get(i, ())) for i in stopped}
         stacks = {i: self.stacks(i) for i in missing if self.alive(i)}
+        for i in stopped:
+            self.kill(i)
         self._pump()  # results that came while the stacks were taken count, not "killed"
+        for i in stopped:
+            self._outcomes.pop(i, None)
+            del self._notes.setdefault(i, [])[notes[i]:]  # a commit it made meanwhile, say
         missing = [i for i in missing if i not in self._outcomes]
         for i in missing:
-            self.kill(i)
+            if i not in stopped:  # those are killed and reaped already
+                self.kill(i)
             self._outcomes[i] = ("killed", (self._procs[i].exitcode,
                                             stacks.get(i, "(its process had ended)")))
             self._busy[i] = 0
@@ -650,7 +665,9 @@ class RankPool:
                             fail_grace=fail_grace)
 
     def wait_event(self, name: str, timeout: float) -> tuple[int, Any]:
-        """The first ``name`` event of the current job: ``(index, payload)``."""
+        """The first ``name`` event of the current job: ``(index, payload)``. An
+        ``AssertionError`` (every process's outcome so far) after ``timeout`` seconds, or at
+        once when every process of the job ended without sending it."""
         deadline = time.monotonic() + timeout
         while True:
             for k, (ev, index, payload) in enumerate(self._pending):
@@ -658,11 +675,35 @@ class RankPool:
                     del self._pending[k]
                     return index, payload
             left = deadline - time.monotonic()
-            if left <= 0:
+            # Every process of the job ended (or froze itself): no such event can come, so
+            # fail now rather than wait out ``timeout``.
+            ended = self._n > 0 and all(i in self._outcomes or self._frozen(i)
+                                        for i in range(self._n))
+            if left <= 0 or ended:
                 # The results read meanwhile stay for collect: a failed wait loses nothing.
-                raise AssertionError(f"no {name!r} event within {timeout} s; results so far: "
-                                     f"{sorted(self._outcomes.items())}")
+                why = ("every process of the job ended without sending it" if ended
+                       else f"within {timeout} s")
+                raise AssertionError(f"no {name!r} event: {why}; results so far:\n"
+                                     f"{self._describe_outcomes()}")
             self._pump(min(left, 0.2))
+
+    def _describe_outcomes(self) -> str:
+        """One line per process of the current job (how it ended, or that it still runs),
+        then the first error's traceback: what a failed wait shows."""
+        lines, tb = [], ""
+        for i in range(self._n):
+            kind, value = self._outcomes.get(i, ("still running", None))
+            if kind == "err":
+                exc, text = value
+                lines.append(f"  rank {i}: raised {exc!r}")
+                tb = tb or text
+            elif kind == "ok":
+                lines.append(f"  rank {i}: returned {repr(value)[:200]}")  # a tensor, say
+            elif kind in ("dead", "frozen"):
+                lines.append(f"  rank {i}: {kind} (exit code {value})")
+            else:
+                lines.append(f"  rank {i}: {kind}")
+        return "\n".join(lines) + (f"\nthe first error's traceback:\n{tb}" if tb else "")
 
     def close(self) -> None:
         """End every process: an idle one is told to stop, one still in a job is killed
@@ -1032,7 +1073,9 @@ class LocalWorld:
                                               abandon_on_cancel=True)
 
     def wait_event(self, name: str, timeout: float = 30.0) -> tuple[int, Any]:
-        """The first ``ctx.event(name, payload)`` of the current run: ``(rank, payload)``."""
+        """The first ``ctx.event(name, payload)`` of the current run: ``(rank, payload)``.
+        An ``AssertionError`` (every rank's outcome so far, the first error's traceback)
+        after ``timeout`` seconds, or at once when every rank ended without sending it."""
         return self.pool.wait_event(name, timeout)
 
     def restart(self, rank: int) -> None:
@@ -1044,8 +1087,16 @@ class LocalWorld:
         self.pool.kill(rank)
 
     def freeze(self, rank: int) -> None:
-        """SIGSTOP ``rank``'s process: its sockets stay open, it never answers."""
-        os.kill(self.pool.pid(rank), signal.SIGSTOP)
+        """SIGSTOP ``rank``'s process: its sockets stay open, it never answers. Returns
+        once it is stopped."""
+        pid = self.pool.pid(rank)
+        os.kill(pid, signal.SIGSTOP)
+        # The stop takes effect when the process next runs: on a busy machine, later than
+        # the next run's check for a stopped process (which then sends it a job).
+        deadline = time.monotonic() + 5.0
+        while (not _is_stopped(pid) and self.pool.alive(rank)
+               and time.monotonic() < deadline):
+            time.sleep(0.005)
 
     def stacks(self, rank: int) -> str:
         """Every thread's stack of ``rank``'s process now (faulthandler), then where each

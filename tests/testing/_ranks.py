@@ -209,3 +209,30 @@ async def raises_while_stacks_are_taken(ctx: RankContext, *, stacks: str) -> int
     while not os.path.exists(stacks) or os.path.getsize(stacks) == 0:  # noqa: ASYNC240, ASYNC110
         await anyio.sleep(0.002)
     raise ValueError("second")
+
+
+async def notices_a_freeze(ctx: RankContext, *, rank: int) -> int:
+    """Rank ``rank`` sends ``ready`` and ticks; the moment it runs again after a pause (it was
+    frozen, then resumed) it raises. Every other rank raises after a second."""
+    if ctx.rank == rank:
+        ctx.event("ready")
+        last = time.monotonic()
+        while True:
+            await anyio.sleep(0.01)
+            if time.monotonic() - last > 0.5:
+                raise ValueError(f"rank {rank} ran again after a freeze")
+            last = time.monotonic()
+    await anyio.sleep(1.0)
+    raise ValueError(f"rank {ctx.rank} fails first")
+
+
+class KeywordOnly(Exception):
+    """An exception whose ``__init__`` takes a keyword ``args`` lacks: it does not unpickle."""
+
+    def __init__(self, message: str, *, what: str) -> None:
+        super().__init__(message)
+        self.what = what
+
+
+async def raises_one_that_does_not_unpickle(ctx: RankContext) -> int:
+    raise KeywordOnly(f"rank {ctx.rank} failed", what="x")

@@ -152,6 +152,18 @@ def test_the_assertion_sees_ranks_that_disagree() -> None:
     assert_same_failure(res, TransferError, culprit=3, ranks=[0, 1])
 
 
+def test_the_assertion_shows_where_an_unexpected_error_was_raised() -> None:
+    # The integration's own bug on one rank: the report carries that rank's traceback.
+    tb = 'Traceback (most recent call last):\n  File "integ.py", line 9, in my_rank\n'
+    res = WorldResult([
+        RankResult(0, "trainer", "error", error=TransferError("round 1 failed", rank=1,
+                                                              cause="error", round=1)),
+        RankResult(1, "worker", "error", error=KeyError("lm_head"), traceback=tb)])
+    with pytest.raises(AssertionError, match="rank 1 raised KeyError") as info:
+        assert_same_failure(res, TransferError)
+    assert "rank 1's traceback:" in str(info.value) and "in my_rank" in str(info.value)
+
+
 def test_a_fault_for_a_rank_outside_the_world_is_refused(m2n_world: World) -> None:
     with pytest.raises(ValueError, match="rank 7 is outside this world of 3 ranks"):
         _run(m2n_world(1, 2), Fault("round.bucket", "raise", rank=7, round=1))

@@ -16,7 +16,9 @@ from ._ranks import (
     awaits_forever_on,
     counts_into,
     hangs_on,
+    notices_a_freeze,
     raises_from_a_class_only_it_has,
+    raises_one_that_does_not_unpickle,
     raises_while_stacks_are_taken,
     returns_rank,
     tells,
@@ -164,3 +166,49 @@ def test_a_cause_whose_repr_raises_does_not_lose_the_error() -> None:
         err, tb = pickle.loads(_error_pickle(exc, "tb"))
     assert isinstance(err, ValueError) and str(err) == "the real error"
     assert type(err.__cause__) is _ReprRaises and tb == "tb"
+
+
+def test_an_error_that_does_not_unpickle_says_why(m2n_world: World) -> None:
+    # A test expecting the class gets a RuntimeError; its text says why (not only the repr).
+    res = m2n_world(1, 1).run(raises_one_that_does_not_unpickle)
+    for r in res:
+        assert isinstance(r.error, RuntimeError)
+        assert f"rank {r.rank} failed" in str(r.error)
+        assert "did not pickle in the rank" in str(r.error) and "what" in str(r.error)
+
+
+def test_a_rank_frozen_from_outside_after_its_run_does_not_hold_up_the_next(
+        m2n_world: World) -> None:
+    # Frozen once its run ended: still alive, so no "dead" replacement; the next run
+    # replaces it instead of waiting out its timeout on a process that never takes the job.
+    world = m2n_world(1, 1)
+    assert world.run(returns_rank).values == [0, 1]
+    world.freeze(1)
+    assert world.run(returns_rank, timeout=20).values == [0, 1]
+
+
+def test_a_rank_frozen_from_outside_comes_back_killed_at_fail_grace(m2n_world: World) -> None:
+    # Its stacks are taken before it is killed, which lets it run a moment: what it does
+    # then (here: raise) is no result of its own, and it stays "killed", as documented.
+    world = m2n_world(1, 1)
+    run = world.start(notices_a_freeze, kwargs={"rank": 1})
+    world.wait_event("ready", timeout=30)
+    world.freeze(1)
+    res = world.collect(run, timeout=30, fail_grace=0.5)
+    assert res[0].status == "error"
+    assert res[1].status == "killed", (res[1].status, res[1].error)
+    assert "notices_a_freeze" in res[1].stacks
+    assert world.run(returns_rank, timeout=20).values == [0, 1]
+
+
+def test_a_wait_for_an_event_fails_as_soon_as_every_rank_ended(m2n_world: World) -> None:
+    world = m2n_world(1, 1)
+    run = world.start(returns_rank, per_rank=lambda r: {"fail_on": 1})
+    t0 = time.monotonic()
+    with pytest.raises(AssertionError, match="every process of the job ended") as info:
+        world.wait_event("never", timeout=30)
+    assert time.monotonic() - t0 < 15  # not the whole timeout
+    text = str(info.value)
+    assert "rank 0: returned 0" in text and "rank 1: raised ValueError('rank 1 fails')" in text
+    assert 'in returns_rank' in text  # the first error's traceback
+    assert world.collect(run, timeout=20)[1].status == "error"
