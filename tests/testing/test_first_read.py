@@ -1,4 +1,4 @@
-"""What a newcomer reads first: the CLI's help, the demo's round line, ``SyncResult``."""
+"""What a user reads first: the CLI's help, the demo's round line, ``SyncResult``."""
 
 from __future__ import annotations
 
