@@ -22,6 +22,7 @@ segment), so a new generation does not purge them; they vanish with their sessio
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import time
@@ -67,8 +68,10 @@ class JobClaimedError(StoreError):
         super().__init__(message)
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.args[0],), {"job": self.job, "rank": self.rank,
-                                              "holder": self.holder})
+        # The keywords through the constructor (it has no default for them; calling the class
+        # with the message alone failed to unpickle), every attribute and note as state.
+        return (functools.partial(type(self), job=self.job, rank=self.rank, holder=self.holder),
+                (self.args[0],), dict(vars(self)))
 
 
 _decoder = msgspec.msgpack.Decoder(JobClaim)

@@ -47,6 +47,7 @@ store.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
 from typing import Final, Literal
@@ -86,8 +87,11 @@ class StaleGenerationError(StoreError):
         super().__init__(message)
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.args[0],), {"job": self.job, "generation": self.generation,
-                                              "current": self.current})
+        # The keywords through the constructor (it has no default for them; calling the class
+        # with the message alone failed to unpickle), every attribute and note as state.
+        return (functools.partial(type(self), job=self.job, generation=self.generation,
+                                  current=self.current),
+                (self.args[0],), dict(vars(self)))
 
 
 class StoreLimitError(StoreError):
@@ -103,7 +107,10 @@ class StoreLimitError(StoreError):
         super().__init__(message)
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.args[0],), {"limit": self.limit})
+        # The keywords through the constructor (it has no default for them; calling the class
+        # with the message alone failed to unpickle), every attribute and note as state.
+        return (functools.partial(type(self), limit=self.limit),
+                (self.args[0],), dict(vars(self)))
 
 
 # What one map entry of a gather reply costs on the wire beyond its key's and value's bytes:

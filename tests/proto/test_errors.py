@@ -6,6 +6,8 @@ from __future__ import annotations
 import pickle
 
 from m2n_async import PeerLostError, PhaseTimeoutError, PreflightError, TransferError
+from m2n_async._store._claims import JobClaim, JobClaimedError
+from m2n_async._store._core import StaleGenerationError, StoreLimitError
 
 
 def test_errors_keep_text_attributes_and_notes_across_a_pickle() -> None:
@@ -15,6 +17,11 @@ def test_errors_keep_text_attributes_and_notes_across_a_pickle() -> None:
         TransferError("round 1 failed", rank=2, round=1, cause="lost", generation=3),
         PhaseTimeoutError("preflight phase 'source' timed out", phase="source", ranks=(2,),
                           generation=3),
+        # The store's errors with keyword-only attributes: rebuilt through the constructor.
+        JobClaimedError("rank 0 of job 'j' is held", job="j", rank=0, holder=JobClaim(
+            job="j", rank=0, ticket=4, host="h", pid=12, since=1.5, generation=2)),
+        StaleGenerationError("generation 1 is stale", job="j", generation=1, current=2),
+        StoreLimitError("past max_bytes", limit="max_bytes"),
     ]
     for e in errors:
         e.add_note("seen by rank 0")
