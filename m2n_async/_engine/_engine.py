@@ -1203,7 +1203,7 @@ class WorkerEngine(_Engine):
                 raise
 
 
-def _sink_map(targets: Mapping[str, Any], interrupts: Interrupts | None = None) -> SinkMap:
+def _sink_map(targets: Mapping[str, Any], interrupts: Interrupts) -> SinkMap:
     """``WorkerEngine.connect``'s ``targets`` as records, one per name (``_sink_of``);
     ``LocalProtocolError`` when it is no mapping, or naming the parameter whose target is
     malformed."""
@@ -1214,7 +1214,7 @@ def _sink_map(targets: Mapping[str, Any], interrupts: Interrupts | None = None) 
     out = SinkMap()
     for name, target in targets.items():
         sink = _sink_of(name, target)
-        if not sink.in_place and interrupts is not None:
+        if not sink.in_place:
             # The lanes catch a callback's Exception, not its KeyboardInterrupt: see
             # CallbackInterrupted.
             sink = dataclasses.replace(sink, target=interrupts.wrap(

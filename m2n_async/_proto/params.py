@@ -16,14 +16,13 @@ decoded off the wire, so a malformed peer record fails at decode time.
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Final
 
 import msgspec
 
 from m2n_async._proto.errors import PlanError
-from m2n_async._proto.layout import Layout
+from m2n_async._proto.layout import Layout, _index_int
 
 __all__ = [
     "DTYPE_ITEMSIZE",
@@ -109,12 +108,8 @@ def _shape_tuple(name: str, shape: object) -> tuple[int, ...]:
                         f"{shape!r}") from None
     out = []
     for n in items:
-        # bool is an int subclass (and operator.index accepts it); True is no size.
-        try:
-            v = -1 if isinstance(n, bool) else operator.index(n)  # type: ignore[arg-type]
-        except TypeError:
-            v = -1
-        if v < 1:
+        v = _index_int(n)  # numpy/torch ints accepted; bool (True is no size) is not
+        if v is None or v < 1:
             raise PlanError(f"parameter {name!r}: shape must hold positive ints, got "
                             f"{shape!r}")
         out.append(v)
