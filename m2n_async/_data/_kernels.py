@@ -17,6 +17,14 @@ A float cast (fp32 / bf16 / fp16 / fp64 to another of them) must give the bytes 
 ``Tensor.to``: the first use of each dtype pair in a process runs the kernel and torch on
 ties, subnormals, infinities, NaNs and -0 and turns the pair off if a single bit differs.
 
+Access width. Contiguous pieces (stack members, separate parameters, targets) are copied
+as one run of elements each ("flat"); only strided pieces split every offset into row and
+column, an integer division per element. Addresses read from a table have no alignment the
+compiler can see, so every access would be one element wide; ``pointer_table`` records the
+alignment common to all its addresses (``PointerTable.align``) and the kernel is told it,
+which lets 16-byte aligned pieces move in 16-byte accesses (``bench/gpu_copy_kernel.py``
+times each form side by side).
+
 The pointer tables live on the device (one int64 per piece); callers that copy the same
 pieces every round (a stack's member views, a worker's fixed targets) build them once with
 ``pointer_table`` and pass them in. A table and the pieces must stay referenced until the
@@ -25,16 +33,19 @@ copy ran on the stream (the transports keep them with the staging).
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections.abc import Sequence
-from typing import Any
+from functools import reduce
+from typing import Any, NamedTuple
 
-__all__ = ["MIN_PIECES", "available", "copy_many", "pointer_table", "uniform_pieces",
-           "warm_up"]
+__all__ = ["MIN_PIECES", "PointerTable", "address_align", "available", "copy_many",
+           "pointer_table", "uniform_pieces", "warm_up"]
 
 #: Fewer pieces than this: ``_foreach_copy_`` costs about the same, skip the launch.
 MIN_PIECES = 8
 _BLOCK = 1024
+_WARPS = 4
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}        # "kernel": the jitted kernel, or None if unavailable
@@ -51,17 +62,27 @@ def _kernel() -> Any:
 
             # Triton reads the parameters' annotations (tl.constexpr): no others here.
             @triton.jit  # type: ignore[untyped-decorator]
-            def copy(src_ptrs, dst_ptrs, rows, cols, sstride, dstride,  # type: ignore[no-untyped-def]
-                     BLOCK: tl.constexpr, SRC: tl.constexpr, DST: tl.constexpr):
+            def copy(src_ptrs, dst_ptrs, n, rows, cols, sstride, dstride,  # type: ignore[no-untyped-def]
+                     BLOCK: tl.constexpr, SRC: tl.constexpr, DST: tl.constexpr,
+                     FLAT: tl.constexpr, ALIGN: tl.constexpr):
                 p = tl.program_id(0)
                 offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-                mask = offs < rows * cols
-                r = offs // cols
-                c = offs % cols
+                mask = offs < n
                 src = tl.load(src_ptrs + p).to(tl.pointer_type(SRC))
                 dst = tl.load(dst_ptrs + p).to(tl.pointer_type(DST))
-                x = tl.load(src + r * sstride + c, mask=mask)
-                tl.store(dst + r * dstride + c, x.to(DST), mask=mask)
+                if ALIGN > 1:
+                    # addresses read from a table have no known alignment: without the
+                    # caller's word on it every access is one element wide
+                    src = tl.multiple_of(src, ALIGN)
+                    dst = tl.multiple_of(dst, ALIGN)
+                if FLAT:  # contiguous pieces: no per-element division into row and column
+                    x = tl.load(src + offs, mask=mask)
+                    tl.store(dst + offs, x.to(DST), mask=mask)
+                else:
+                    r = offs // cols
+                    c = offs % cols
+                    x = tl.load(src + r * sstride + c, mask=mask)
+                    tl.store(dst + r * dstride + c, x.to(DST), mask=mask)
 
             _state["kernel"] = (copy, triton, tl)
         except Exception:  # Triton absent or broken: the caller's fallback is exact anyway
@@ -105,12 +126,27 @@ def uniform_pieces(tensors: Sequence[Any]) -> bool:
     return all((t.dtype, t.device, t.shape, t.stride()) == key for t in tensors)
 
 
-def pointer_table(tensors: Sequence[Any], device: Any) -> Any:
+class PointerTable(NamedTuple):
+    """The pieces' base addresses on the device, and the largest power of two (up to 16
+    bytes) that divides every one of them: the widest access the kernel may assume."""
+
+    table: Any
+    align: int
+
+
+def address_align(ptrs: Sequence[int]) -> int:
+    """The largest power of two up to 16 that divides every address in ``ptrs``."""
+    x = reduce(operator.or_, ptrs, 16)  # 16 caps the answer
+    return x & -x
+
+
+def pointer_table(tensors: Sequence[Any], device: Any) -> PointerTable:
     """The pieces' base addresses as a device int64 tensor (for ``copy_many``)."""
     import torch
 
-    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64).to(
-        device, non_blocking=True)
+    ptrs = [t.data_ptr() for t in tensors]
+    return PointerTable(torch.tensor(ptrs, dtype=torch.int64).to(device, non_blocking=True),
+                        address_align(ptrs))
 
 
 def _exact(src_dtype: Any, dst_dtype: Any, device: Any) -> bool:
@@ -170,10 +206,14 @@ def _warm(device: Any, wire_dtypes: Sequence[Any]) -> None:
     import torch
 
     for wire in dict.fromkeys(wire_dtypes):
-        x = torch.zeros(MIN_PIECES, 1, 4, dtype=wire, device=device)
+        # both forms, 16-byte aligned pieces (what stacks, targets and staging are): the
+        # flat one for contiguous pieces, the row/column one for column blocks
+        x = torch.zeros(MIN_PIECES, 2, 16, dtype=wire, device=device)
+        y = x.clone()
         side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         with torch.cuda.stream(side):
-            _launch(list(x.unbind(0)), list(x.clone().unbind(0)), device)
+            _launch(list(x.unbind(0)), list(y.unbind(0)), device)
+            _launch([p[:, :8] for p in x.unbind(0)], [p[:, :8] for p in y.unbind(0)], device)
         side.synchronize()
         if wire in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
             for src in (torch.float32, torch.bfloat16):
@@ -181,8 +221,9 @@ def _warm(device: Any, wire_dtypes: Sequence[Any]) -> None:
                     _exact(src, wire, device)
 
 
-def copy_many(dsts: Sequence[Any], srcs: Sequence[Any], *, src_table: Any = None,
-              dst_table: Any = None, uniform: bool = False) -> bool:
+def copy_many(dsts: Sequence[Any], srcs: Sequence[Any], *,
+              src_table: PointerTable | None = None, dst_table: PointerTable | None = None,
+              uniform: bool = False) -> bool:
     """``dsts[i].copy_(srcs[i])`` for every i in one launch on the current stream, cast to
     the destinations' dtype; False (nothing done) when the pieces do not qualify — then
     the caller copies them some other way. ``*_table``: ``pointer_table`` of that side, if
@@ -203,7 +244,13 @@ def copy_many(dsts: Sequence[Any], srcs: Sequence[Any], *, src_table: Any = None
 
 
 def _launch(dsts: Sequence[Any], srcs: Sequence[Any], device: Any, *, check: bool = True,
-            src_table: Any = None, dst_table: Any = None) -> bool:
+            src_table: PointerTable | None = None, dst_table: PointerTable | None = None,
+            flat: bool | None = None, align: int | None = None, block: int = _BLOCK,
+            warps: int = _WARPS) -> bool:
+    """Launch the kernel over the pieces (True), or False when they do not qualify.
+    ``flat``, ``align``, ``block`` and ``warps`` override what is derived from the pieces:
+    for ``bench/gpu_copy_kernel.py``'s side-by-side variants only (a wrong ``align``
+    reads misaligned memory)."""
     got = _kernel()
     if got is None:
         return False
@@ -220,7 +267,8 @@ def _launch(dsts: Sequence[Any], srcs: Sequence[Any], device: Any, *, check: boo
                     or _geometry(s) != gs or _geometry(d) != gd):
                 return False
     rows, cols = gs[0], gs[1]
-    blocks = triton.cdiv(rows * cols, _BLOCK)
+    n = rows * cols
+    blocks = triton.cdiv(n, block)
     if blocks > 65535:  # the grid's second dim; pieces this large gain nothing here anyway
         return False
     # the kernel's offsets (r * stride + c) are int32: a piece spanning 2**31 elements or
@@ -229,6 +277,22 @@ def _launch(dsts: Sequence[Any], srcs: Sequence[Any], device: Any, *, check: boo
         return False
     st = src_table if src_table is not None else pointer_table(srcs, device)
     dt = dst_table if dst_table is not None else pointer_table(dsts, device)
+    if flat is None:  # rows back to back on both sides: one run of n elements per piece
+        flat = rows == 1 or (gs[2] == cols and gd[2] == cols)
+    if align is None:
+        align = min(st.align, dt.align)
+    if _state.get("narrow"):
+        align = 1
     grid = (len(dsts), blocks)
-    kernel[grid](st, dt, rows, cols, gs[2], gd[2], BLOCK=_BLOCK, SRC=src_ty, DST=dst_ty)
+    try:
+        kernel[grid](st.table, dt.table, n, rows, cols, gs[2], gd[2], BLOCK=block,
+                     SRC=src_ty, DST=dst_ty, FLAT=flat, ALIGN=align, num_warps=warps)
+    except Exception:
+        if align == 1:
+            raise
+        # A Triton that cannot compile the alignment hint fails here, at compile time,
+        # before anything is enqueued: the narrow form is the same copy.
+        _state["narrow"] = True
+        kernel[grid](st.table, dt.table, n, rows, cols, gs[2], gd[2], BLOCK=block,
+                     SRC=src_ty, DST=dst_ty, FLAT=flat, ALIGN=1, num_warps=warps)
     return True

@@ -147,7 +147,8 @@ def test_the_triton_copy_declines_pieces_whose_offsets_pass_int32(
                                float32="f32", bfloat16="bf16", float16="f16", float64="f64")
     triton = types.SimpleNamespace(cdiv=lambda a, b: -(-a // b))
     monkeypatch.setitem(_kernels._state, "kernel", (Kernel(), triton, tl))
-    monkeypatch.setattr(_kernels, "pointer_table", lambda ts, dev: None)
+    monkeypatch.setattr(_kernels, "pointer_table",
+                        lambda ts, dev: _kernels.PointerTable(None, 16))
 
     def piece(row_stride: int) -> Any:
         strides = (row_stride, 1)
@@ -160,3 +161,15 @@ def test_the_triton_copy_declines_pieces_whose_offsets_pass_int32(
     assert launched == []
     assert _kernels._launch(dsts, [piece(1 << 19) for _ in range(8)], "cuda") is True
     assert len(launched) == 1
+
+
+def test_address_align_is_the_widest_common_power_of_two() -> None:
+    # What the Triton copy may assume of every piece's address (``PointerTable.align``):
+    # a wrong answer would let it read misaligned memory.
+    from m2n_async._data._kernels import address_align
+
+    assert address_align([0x1000, 0x2010]) == 16
+    assert address_align([0x1000, 0x2008]) == 8
+    assert address_align([0x1002]) == 2
+    assert address_align([0x1001, 0x1000]) == 1
+    assert address_align([]) == 16

@@ -68,3 +68,48 @@ def test_scatter_into_separate_targets_and_refusals():
     assert not k.copy_many(three, [t.clone() for t in three])
     assert not k.copy_many(targets[:4], list(stack.unbind(0))[:4])  # too few to pay
     assert not k.uniform_pieces(mixed) and not k.uniform_pieces(three)
+
+
+@pytest.mark.parametrize("offset", [0, 1, 3, 8])  # elements: 0 and 8 are 16-byte aligned
+@pytest.mark.parametrize("numel", [4096, 4095, 17])  # whole vectors, a ragged end, tiny
+def test_flat_pieces_at_any_alignment(offset, numel):
+    # Contiguous pieces take the flat form; its wide accesses are allowed only when every
+    # address is 16-byte aligned. Pieces cut out of one buffer at odd element offsets must
+    # still copy exactly (narrow accesses), in both directions of a cast.
+    k = _kernels()
+    base = _random((16 * (numel + 16) + offset,), torch.float32, 3)
+    step = numel + (16 if offset else 0)  # offset 0: back to back, so aligned iff numel is
+    srcs = [base[offset + i * step: offset + i * step + numel] for i in range(16)]
+    out = torch.empty(16 * step + 16, dtype=torch.bfloat16, device="cuda")
+    dsts = [out[offset + i * step: offset + i * step + numel] for i in range(16)]
+    table_s, table_d = k.pointer_table(srcs, "cuda"), k.pointer_table(dsts, "cuda")
+    assert table_s.align == k.address_align([s.data_ptr() for s in srcs])
+    if offset % 4:
+        assert table_s.align < 16 and table_d.align < 16
+    assert k.copy_many(dsts, srcs, src_table=table_s, dst_table=table_d, uniform=True) or (
+        not k._exact(torch.float32, torch.bfloat16, "cuda"))
+    torch.cuda.synchronize()
+    for d, s in zip(dsts, srcs, strict=True):
+        assert torch.equal(d.view(torch.int16), s.to(torch.bfloat16).view(torch.int16))
+    back = [torch.empty(numel, dtype=torch.float32, device="cuda") for _ in range(16)]
+    assert k.copy_many(back, dsts, uniform=True) or not k._exact(
+        torch.bfloat16, torch.float32, "cuda")
+    torch.cuda.synchronize()
+    for b, d in zip(back, dsts, strict=True):
+        assert torch.equal(b, d.to(torch.float32))
+
+
+def test_flat_and_general_forms_agree():
+    # The same contiguous pieces through the row/column form and the flat form.
+    k = _kernels()
+    srcs = [_random((64, 48), torch.bfloat16, 40 + i) for i in range(16)]
+    outs = []
+    for flat in (False, True):
+        dsts = [torch.empty(64, 48, dtype=torch.bfloat16, device="cuda") for _ in range(16)]
+        assert k._launch(dsts, srcs, torch.device("cuda"), check=True, flat=flat)
+        outs.append(dsts)
+    torch.cuda.synchronize()
+    for a, b, s in zip(*outs, srcs, strict=True):
+        assert torch.equal(a.view(torch.int16), s.view(torch.int16))
+        assert torch.equal(b.view(torch.int16), s.view(torch.int16))
+
