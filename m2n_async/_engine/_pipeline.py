@@ -144,6 +144,7 @@ async def run_pipeline(transport: Transport, buckets: Sequence[Bucket], *, max_i
                     completion = transport.transfer(staging)
                     await to_wait_tx.send((staging, completion))
     except BaseExceptionGroup as group:
-        raise unwrap_group(group) from None
+        leaf = unwrap_group(group)
+        raise leaf from leaf.__cause__  # keeps the leaf's own cause; hides the group
     stats.wall = clock() - started
     return stats

@@ -548,7 +548,8 @@ class RoundDriver:
                 if not swapped:  # the gather is moot: a record decides
                     scope.cancel()
         except BaseExceptionGroup as group:
-            raise unwrap_group(group) from None
+            leaf = unwrap_group(group)
+            raise leaf from leaf.__cause__  # keeps the leaf's own cause; hides the group
         finally:
             dog.target = None
         return swapped, got
