@@ -162,7 +162,16 @@ _PHASE_DOC: Final[Mapping[Phase, str]] = {
     Phase.DATA_PLANE: "transport, plan digest, libnccl version, max_cta and the NCCL variables "
                       "that must match are equal on every rank",
     Phase.RUNTIME_READY: "every rank prepared its local resources for the agreed plan",
-    Phase.CONNECTED: "all phases passed: the engine may create the communicator",
+    # The engine's failures there (``_Engine._connect_data_plane``): keep the two in step.
+    Phase.CONNECTED: "all phases passed: the engine connects the agreed data plane (on `nccl` "
+                     "and `m2n` every rank first checks the SHA-256 and generation of rank 0's "
+                     "NCCL unique id), then every rank confirms it in a barrier. A rank whose "
+                     "connect fails raises `PreflightError('connected', {rank: why})` naming "
+                     "itself and leaves `why` as it goes, so the peers waiting for it raise "
+                     "that same error at once (a rank killed while connecting leaves none: "
+                     "`{rank: 'was lost while the … data plane connected …'}`); a step or the "
+                     "barrier not done within `EngineConfig.phase_timeout` raises "
+                     "`TimeoutError` (the barrier's names the ranks that did not confirm)",
     Phase.FAILED: "every rank raised the same PreflightError, TimeoutError or PeerLostError; "
                   "nothing of the data plane was created by the handshake",
 }

@@ -190,6 +190,17 @@ def test_committed_phase_diagram_is_current() -> None:
         "docs/phases.md`")
 
 
+def test_the_connected_row_says_what_a_failure_there_raises() -> None:
+    # The engine's connect failures (tests/engine/test_engine_guards.py raises them): one
+    # PreflightError of phase 'connected' naming the rank, or a TimeoutError.
+    row = next(line for line in phases_doc().splitlines()
+               if line.startswith(f"| `{Phase.CONNECTED.value}` |"))
+    assert f"`PreflightError('{Phase.CONNECTED.value}', {{rank: why}})`" in row, row
+    assert "the peers waiting for it raise that same error at once" in row, row
+    assert "was lost while the … data plane connected" in row, row
+    assert "`TimeoutError`" in row, row
+
+
 def test_diagram_has_an_edge_for_every_transition() -> None:
     text = mermaid()
     for phase, row in TRANSITIONS.items():
