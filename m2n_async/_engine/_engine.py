@@ -78,6 +78,7 @@ from m2n_async._proto.errors import (
     M2NError,
     PeerLostError,
     PhaseTimeoutError,
+    PlanError,
     PreflightError,
     TransferError,
 )
@@ -150,7 +151,8 @@ class _Engine:
         # close() cancels it, for the wait would otherwise outlive the engine.
         self._start_wait: anyio.CancelScope | None = None
         self._busy: str | None = None  # the sync_weights/receive call in progress, if any
-        # An argument refused before connect (a worker's malformed target), for hello to report
+        # An argument refused before the handshake (a worker's malformed target, cost terms
+        # that do not parse), for hello to report
         self._argument_error: Exception | None = None
         # What this engine's callbacks raise that is no Exception, for the call to raise
         self._interrupts = Interrupts()
@@ -251,9 +253,24 @@ class _Engine:
         if c.costs is not None:
             lanes.update(c.costs)
         elif os.environ.get(COSTS_ENV, "").strip():
-            lanes = parse_costs(os.environ[COSTS_ENV])
+            try:
+                lanes = parse_costs(os.environ[COSTS_ENV])
+            except PlanError as exc:  # its text does not say where the terms came from
+                raise PlanError(f"{COSTS_ENV}: {exc}") from exc
         return cost_inputs(lanes, {t: self._bucket_bytes(t) for t in lanes},
                            c.coalesce_below if c.coalesce else 0)
+
+    def _preflight_costs(self) -> CostInputs | None:
+        """``_costs()`` for the handshake. Terms it refuses (an ``M2N_ASYNC_COSTS`` of this
+        process that does not parse) are a refused argument like a malformed target: raised
+        here, before the group is joined, they would reach the peers as a bare loss (or a
+        deadline); kept as ``_argument_error``, ``hello`` reports them to every rank."""
+        try:
+            return self._costs()
+        except Exception as exc:
+            if self._argument_error is None:  # the first refusal is the one reported
+                self._argument_error = exc
+            return None
 
     def _capabilities(self) -> list[str]:
         out = []
@@ -758,13 +775,14 @@ class TrainerEngine(_Engine):
         self._names = [p.spec.name for p in plan.params]
 
     def _preflight_inputs(self) -> PreflightInputs:
+        costs = self._preflight_costs()  # first: it may set the argument_error passed below
         return PreflightInputs(
             role="trainer", rank=self.rank, world_size=self.world_size,
             trainer_ranks=self.trainer_ranks, generation=self._generation,
             params=self._params, mesh_dims=None, dst_placements=None,
             transport=self.config.transport, capabilities=self._capabilities,
             data_plane_identity=self._identity, prepare_runtime=self._prepare_runtime,
-            costs=self._costs(), argument_error=self._argument_error)
+            costs=costs, argument_error=self._argument_error)
 
     async def sync_weights(self, weights: Weights, *, version: int | None = None,
                            timeout: float | None = None,  # noqa: ASYNC109 - DESIGN §3 API
@@ -1064,6 +1082,7 @@ class WorkerEngine(_Engine):
         return engine
 
     def _preflight_inputs(self) -> PreflightInputs:
+        costs = self._preflight_costs()  # first: it may set the argument_error passed below
         return PreflightInputs(
             role="worker", rank=self.rank, world_size=self.world_size,
             trainer_ranks=self.trainer_ranks, generation=self._generation, params=None,
@@ -1071,7 +1090,7 @@ class WorkerEngine(_Engine):
             dst_placements={name: s.placements for name, s in self._sinks.items()},
             transport=self.config.transport, capabilities=self._capabilities,
             data_plane_identity=self._identity, prepare_runtime=self._prepare_runtime,
-            costs=self._costs(), argument_error=self._argument_error)
+            costs=costs, argument_error=self._argument_error)
 
     def _in_place(self, plan: TransferPlan) -> frozenset[int] | None:
         # Targets given as tensors take their messages in place; load callbacks need staging.

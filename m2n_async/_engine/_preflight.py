@@ -10,9 +10,10 @@ chained to its own exception). Steps (1) and (2) run under one deadline per phas
 and take longer to validate).
 
 An argument the engine refused before the handshake (``PreflightInputs.argument_error``: a
-worker's malformed target) is the ``hello`` phase's local failure: the rank still joins and
-reports it there, so every rank raises it at once instead of waiting out ``hello``'s deadline
-for a rank that never arrives.
+worker's malformed target, a trainer's params that are no specs, cost terms of the process
+that do not parse) is the ``hello`` phase's local failure: the rank still joins and reports it
+there, so every rank raises it at once instead of waiting out ``hello``'s deadline for a rank
+that never arrives (or seeing it lost, with no reason).
 
 When ``source`` or ``destination`` finds plans that differ, the phase takes one more gather
 before it raises: the records the chunk digests point at (``Handshake.records``), from which
@@ -104,8 +105,9 @@ class PreflightInputs:
     prepare_runtime: Callable[[PreflightPlan], Awaitable[None]]
     #: what ``auto`` predicts each lane's round from (``_proto.cost``); None: preference
     costs: CostInputs | None = None
-    #: an argument the engine refused before the handshake (a worker's malformed target):
-    #: ``hello``'s local step raises it, so it reaches every rank as that phase's failure
+    #: an argument the engine refused before the handshake (a worker's malformed target,
+    #: cost terms that do not parse): ``hello``'s local step raises it, so it reaches every
+    #: rank as that phase's failure
     argument_error: Exception | None = None
 
     @property

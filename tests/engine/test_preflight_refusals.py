@@ -1,6 +1,6 @@
-"""A rank that refuses its own inputs — a trainer's params, a worker's target — fails the
-handshake on every rank at once, with one ``PreflightError`` naming that rank and why,
-wherever it found the refusal and whichever rank arrived last.
+"""A rank that refuses its own inputs — a trainer's params, a worker's target, the cost terms
+it reads — fails the handshake on every rank at once, with one ``PreflightError`` naming
+that rank and why, wherever it found the refusal and whichever rank arrived last.
 
 Engines end to end, every rank a task of one event loop over a ``MemoryStore`` (real Gloo).
 The phase deadline is far beyond the bound each test asserts: a rank that waits it out for
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import anyio
@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from m2n_async import EngineConfig, PreflightError, TrainerEngine, WorkerEngine
+from m2n_async._proto.cost import COSTS_ENV, DEFAULT_LANES
 from m2n_async._proto.layout import Layout, Mesh
 from m2n_async.testing import MemoryStore
 
@@ -139,3 +140,17 @@ async def test_a_worker_refusing_its_target_before_rank_0_arrives_fails_rank_0_a
     why = _one_diagnosis(world, "hello", culprit=3)
     assert why.startswith("local step failed: LocalProtocolError: target for parameter 'w' "
                           "must be (tensor, placements) or a LoadTarget, got Tensor"), why
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("culprit", [1, 3], ids=["trainer-1", "worker-3"])
+async def test_a_rank_whose_cost_terms_do_not_parse_fails_every_rank_alike(
+        monkeypatch: pytest.MonkeyPatch, culprit: int) -> None:
+    # The variable is read by the rank whose config gives no cost terms: the culprit alone
+    # here (the others' explicit terms are the defaults, what they would read without it).
+    monkeypatch.setenv(COSTS_ENV, "{not json")
+    explicit = replace(CFG, costs=dict(DEFAULT_LANES))
+    world = await _connect_all(configs={r: explicit for r in range(T + N) if r != culprit})
+    why = _one_diagnosis(world, "hello", culprit=culprit)
+    assert why.startswith(f"local step failed: PlanError: {COSTS_ENV}: cost terms must be "
+                          f"JSON like"), why
