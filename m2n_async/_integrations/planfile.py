@@ -27,6 +27,13 @@ Schema (every key is checked; unknown keys are errors)::
 
 A placement entry is ``"replicate"`` (``"r"``, ``"Replicate()"``, ``-1``) or ``"shard(d)"``
 (``"s(d)"``, ``"Shard(d)"``, ``d``); a one-entry list is for a 1-D mesh.
+
+Limits (module constants, read at each call; docs/concepts.md): a file of at most
+``MAX_FILE_BYTES``, at most ``MAX_MESH_RANKS`` ranks in any mesh, at most ``MAX_PARAMS``
+parameters and ``MAX_NAME_BYTES`` bytes of parameter names once ``repeat`` is expanded. The
+file is read at most one byte past its limit; the others are checked by arithmetic on the
+file's numbers before anything is expanded or built. A file past one is refused at once with a
+``PlanError`` naming the file, the key and the limit, instead of costing minutes and GBs first.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import argparse
 import json
 import os
 import re
+import stat
 import sys
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -67,9 +75,14 @@ from m2n_async._proto.plan import (
 from m2n_async._proto.stacking import COALESCE_BELOW_BYTES
 
 __all__ = [
+    "MAX_FILE_BYTES",
+    "MAX_MESH_RANKS",
+    "MAX_NAME_BYTES",
+    "MAX_PARAMS",
     "LanePrediction",
     "PlanFile",
     "add_plan_command",
+    "check_limits",
     "run_plan_command",
     "PlanSummary",
     "StackCall",
@@ -189,6 +202,22 @@ class PlanSummary(msgspec.Struct, frozen=True):
 #: cost model's float arithmetic overflows.
 _MAX_SIZE = 2**63
 
+# What a plan file may make loading do. Generous for real models (bench/plan_bench.py's
+# DeepSeek-V3-scale plan: 10**5 params over 64 + 64 ranks; examples/plan.toml: 291 params in
+# 2 KiB); without them a careless or hostile file costs minutes and GBs before any error.
+#: Bytes a plan file may have; it is read with a bounded read, so /dev/zero or a pipe that
+#: never ends is refused after ``MAX_FILE_BYTES + 1`` bytes.
+MAX_FILE_BYTES = 256 << 20
+#: Ranks a mesh (trainer_mesh, worker_mesh, a param's source_mesh or dest_mesh) may have;
+#: the summary's per-rank work and the geometry of a sharded param grow with it.
+MAX_MESH_RANKS = 1 << 20
+#: Parameters the file may declare, every ``repeat`` expanded (about 400 bytes each in memory).
+MAX_PARAMS = 10**7
+#: UTF-8 bytes of all parameter names, every ``repeat`` expanded: a long name times a large
+#: repeat is as costly as many params.
+MAX_NAME_BYTES = 2 << 30
+_LIMITS_HOME = "m2n_async._integrations.planfile"  # where the constants live, for messages
+
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
           "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20,
@@ -280,12 +309,71 @@ def _mesh(dims: Sequence[int], start: int, where: str) -> Mesh:
         raise PlanError(f"{where}: {e}") from None
 
 
-def plan_from_file(spec: PlanFile) -> tuple[TransferPlan, int | None]:
+def _digits_below(n: int) -> int:
+    """Decimal digits of ``str(i)`` for every ``i`` in ``range(n)``, summed, in O(digits of n)."""
+    total, width, low = 0, 1, 0
+    while low < n:
+        high = 10**width
+        total += (min(n, high) - low) * width
+        width, low = width + 1, high
+    return total
+
+
+def _over(prefix: str, where: str, what: str, limit: str, name: str) -> PlanError:
+    return PlanError(f"{prefix}{where}: {what}, over the limit of {limit} ({name} in "
+                     f"{_LIMITS_HOME}; set it higher there to load such a file)")
+
+
+def check_limits(spec: PlanFile, source: str | None = None) -> None:
+    """Raise ``PlanError`` if ``spec`` is past ``MAX_MESH_RANKS``, ``MAX_PARAMS`` or
+    ``MAX_NAME_BYTES``, by arithmetic on its fields alone: nothing is expanded or built.
+
+    The message names ``source`` (the file), the key (``params[3].repeat``) and the limit.
+    """
+    prefix = f"{source}: " if source else ""
+    # Read now, not bound at import: a program that needs more sets the constants first.
+    max_ranks, max_params, max_names = MAX_MESH_RANKS, MAX_PARAMS, MAX_NAME_BYTES
+    meshes = [("trainer_mesh", spec.trainer_mesh), ("worker_mesh", spec.worker_mesh)]
+    for k, entry in enumerate(spec.params):
+        meshes += [(f"params[{k}].{key}", dims)
+                   for key, dims in (("source_mesh", entry.source_mesh),
+                                     ("dest_mesh", entry.dest_mesh)) if dims is not None]
+    for where, dims in meshes:
+        # Only a mesh _mesh would accept: the product of a long list of huge ints is itself
+        # costly, and _mesh refuses it with its own message.
+        if 1 <= len(dims) <= 2 and all(d >= 1 for d in dims):
+            ranks = dims[0] * (dims[1] if len(dims) == 2 else 1)
+            if ranks > max_ranks:
+                raise _over(prefix, where, f"{list(dims)} has {ranks} ranks",
+                            f"{max_ranks} ranks per mesh", "MAX_MESH_RANKS")
+    params = names = 0
+    for k, entry in enumerate(spec.params):
+        # The name cut short: the one past MAX_NAME_BYTES may be most of the file.
+        shown = entry.name if len(entry.name) <= 80 else entry.name[:60] + "..."
+        where = f"params[{k}].repeat ({shown!r})"
+        n = max(entry.repeat, 0)  # repeat < 1 is refused, with its own message, when built
+        params += n
+        if params > max_params:
+            raise _over(prefix, where, f"repeat = {n} brings the expanded parameters to "
+                        f"{params}", str(max_params), "MAX_PARAMS")
+        # Each copy is the name with every "{i}" (3 bytes) replaced by the digits of i.
+        length = len(entry.name.encode("utf-8", "surrogatepass"))
+        names += n * length + entry.name.count("{i}") * (_digits_below(n) - 3 * n)
+        if names > max_names:
+            raise _over(prefix, where, f"the expanded names come to {names} bytes "
+                        f"({length}-byte name, repeat = {n})", f"{max_names} bytes",
+                        "MAX_NAME_BYTES")
+
+
+def plan_from_file(spec: PlanFile, source: str | None = None) -> tuple[TransferPlan, int | None]:
     """Build (and validate) the ``TransferPlan`` a decoded file describes.
 
     Returns the plan and the file's ``bucket_bytes`` (``None`` if absent). Raises
-    ``PlanError`` naming the parameter (and its ``[[params]]`` position) that is wrong.
+    ``PlanError`` naming the parameter (and its ``[[params]]`` position) that is wrong; a
+    spec past the limits (``check_limits``; ``source``: the file, for its messages) before
+    anything is built.
     """
+    check_limits(spec, source)
     trainer = _mesh(spec.trainer_mesh, 0, "trainer_mesh")
     workers = _mesh(spec.worker_mesh, trainer.size, "worker_mesh")
     transfers: list[ParamTransfer] = []
@@ -354,7 +442,7 @@ def load_plan_file(path: str | Path) -> tuple[TransferPlan, int | None]:
     (the message gives the key path), ``OSError`` for a file that cannot be read.
     """
     p = Path(path)
-    raw = p.read_bytes()
+    raw = _read_bounded(p, MAX_FILE_BYTES)  # the constant read now, as in check_limits
     try:
         if p.suffix.lower() == ".json":
             obj = json.loads(raw)
@@ -368,7 +456,25 @@ def load_plan_file(path: str | Path) -> tuple[TransferPlan, int | None]:
         spec = msgspec.convert(obj, PlanFile)
     except msgspec.ValidationError as e:
         raise PlanError(f"{p}: {e}") from None
-    return plan_from_file(spec)
+    return plan_from_file(spec, str(p))
+
+
+def _read_bounded(p: Path, limit: int) -> bytes:
+    """The file's bytes; ``PlanError`` past ``limit``, having read at most ``limit + 1``."""
+    def too_big(what: str) -> PlanError:
+        return PlanError(f"{p}: the file {what} the limit of {limit} bytes "
+                         f"({human_bytes(limit)}; MAX_FILE_BYTES in {_LIMITS_HOME}; set it "
+                         f"higher there to load such a file)")
+    with p.open("rb") as f:
+        st = os.fstat(f.fileno())
+        if stat.S_ISREG(st.st_mode) and st.st_size > limit:
+            raise too_big(f"has {st.st_size} bytes, over")  # its size says so: nothing read
+        # Bounded whatever the file is: /dev/zero, a pipe or a file still growing end only
+        # here, one byte past the limit.
+        raw = f.read(limit + 1)
+    if len(raw) > limit:
+        raise too_big("goes on past")
+    return raw
 
 
 def summarize(plan: TransferPlan, *, source: str = "", bucket_bytes: int | None = None,

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from m2n_async import PlanError
+from m2n_async._integrations import planfile
 from m2n_async._integrations.planfile import (
     format_summary,
     load_plan_file,
@@ -561,3 +565,152 @@ def test_summarize_refuses_sizes_of_the_wrong_type(tmp_path: Path) -> None:
     for bad in ("1", 1.5, True, None, -1, 2**63):
         with pytest.raises(PlanError, match=r"coalesce_below must be an int in \[0, 2\*\*63\)"):
             summarize(plan, coalesce_below=bad)  # type: ignore[arg-type]
+
+
+# -- limits: a file past one is refused before the work it bounds -----------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+
+TINY = """
+trainer_mesh = [2]
+worker_mesh = [2]
+
+[[params]]
+name = "w{i}"
+repeat = 1
+dtype = "float32"
+shape = [4]
+"""
+
+
+def _refused(path: Path, message: str) -> str:
+    """The PlanError's text for ``path``, checked to name the file and match ``message``,
+    and to come at once (the checks are arithmetic; the work they bound took minutes)."""
+    start = time.monotonic()
+    with pytest.raises(PlanError) as info:
+        load_plan_file(path)
+    assert time.monotonic() - start < 10
+    text = str(info.value)
+    assert text.startswith(f"{path}: "), text
+    assert re.search(message, text), text
+    return text
+
+
+@pytest.mark.parametrize(("old", "new", "message"), [
+    ("trainer_mesh = [2]", "trainer_mesh = [100000, 100000]",
+     r": trainer_mesh: \[100000, 100000\] has 10000000000 ranks, over the limit of 1048576 "
+     r"ranks per mesh \(MAX_MESH_RANKS in m2n_async\._integrations\.planfile; "),
+    ("worker_mesh = [2]", "worker_mesh = [1048577]",
+     r": worker_mesh: \[1048577\] has 1048577 ranks, over the limit of 1048576 ranks per mesh"),
+    ('shape = [4]', 'shape = [4]\ndest_mesh = [9223372036854775807, 2]',
+     r": params\[0\]\.dest_mesh: \[9223372036854775807, 2\] has 18446744073709551614 ranks, "
+     r"over the limit of 1048576 ranks per mesh"),
+])
+def test_a_mesh_past_the_rank_limit_is_refused_before_it_is_built(
+        tmp_path: Path, old: str, new: str, message: str) -> None:
+    _refused(_write(tmp_path, TINY.replace(old, new, 1)), message)
+
+
+def test_a_mesh_at_the_rank_limit_loads(tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    plan, _ = load_plan_file(_write(tmp_path, TINY.replace("trainer_mesh = [2]",
+                                                           "trainer_mesh = [1024, 1024]")))
+    assert plan.trainer_ranks == 1 << 20 == planfile.MAX_MESH_RANKS
+    # the command says it in one line, as for any invalid plan
+    path = _write(tmp_path, TINY.replace("trainer_mesh = [2]", "trainer_mesh = [1025, 1024]"))
+    rc, out, err = _run(capsys, str(path))
+    assert (rc, out) == (1, "") and err.count("\n") == 1
+    assert err.startswith(f"m2n-async plan: invalid plan: {path}: trainer_mesh: ")
+
+
+@pytest.mark.parametrize(("name", "text"), [
+    ("plan.toml", TINY.replace("repeat = 1", "repeat = 1000000000")),
+    ("plan.json", json.dumps({"trainer_mesh": [2], "worker_mesh": [2], "params": [
+        {"name": "w{i}", "repeat": 10**30, "dtype": "float32", "shape": [4]}]})),
+])
+def test_a_repeat_past_the_param_limit_is_refused_before_it_is_expanded(
+        tmp_path: Path, name: str, text: str) -> None:
+    _refused(_write(tmp_path, text, name),
+             r": params\[0\]\.repeat \('w\{i\}'\): repeat = 10+ brings the expanded parameters "
+             r"to 10+, over the limit of 10000000 \(MAX_PARAMS in m2n_async\._integrations")
+
+
+def test_the_param_limit_counts_every_entry(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(planfile, "MAX_PARAMS", 10)
+    two = TINY.replace("repeat = 1", "repeat = 6") + TINY.split("\n\n", 1)[1].replace(
+        "w{i}", "v{i}")
+    plan, _ = load_plan_file(_write(tmp_path, two.replace("repeat = 1", "repeat = 4")))
+    assert len(plan.params) == 10
+    _refused(_write(tmp_path, two.replace("repeat = 1", "repeat = 5")),
+             r": params\[1\]\.repeat \('v\{i\}'\): repeat = 5 brings the expanded parameters to "
+             r"11, over the limit of 10 \(MAX_PARAMS")
+
+
+def test_the_expanded_names_are_bounded_in_bytes(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # "é{i}" (5 bytes: é is 2) x 12: é0..é9 are 3 bytes, é10 and é11 4: 38 bytes
+    text = TINY.replace("repeat = 1", "repeat = 12").replace("w{i}", "\u00e9{i}")
+    monkeypatch.setattr(planfile, "MAX_NAME_BYTES", 38)
+    plan, _ = load_plan_file(_write(tmp_path, text))
+    assert sum(len(p.name.encode()) for p in plan.params) == 38
+    monkeypatch.setattr(planfile, "MAX_NAME_BYTES", 37)
+    _refused(_write(tmp_path, text), r": params\[0\]\.repeat \('\u00e9\{i\}'\): the expanded "
+             r"names come to 38 bytes \(5-byte name, repeat = 12\), over the limit of 37 bytes "
+             r"\(MAX_NAME_BYTES")
+    # at the real limit: a 4 KiB name a million times, refused with the name cut short
+    monkeypatch.undo()
+    long = "x" * 4096 + "{i}"
+    text = TINY.replace("repeat = 1", "repeat = 1000000").replace("w{i}", long)
+    msg = _refused(_write(tmp_path, text), r": params\[0\]\.repeat \('x{60}\.\.\.'\): the "
+                   r"expanded names come to 4101888890 bytes .* over the limit of 2147483648")
+    assert len(msg) < 400
+
+
+def test_digit_counts_match_the_names_they_stand_for() -> None:
+    for n in [*range(0, 1500), 10**6 - 1, 10**6, 10**6 + 1]:
+        assert planfile._digits_below(n) == sum(len(str(i)) for i in range(n)), n
+
+
+def test_a_file_past_the_size_limit_is_refused_after_a_bounded_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = _write(tmp_path, TINY)
+    size = path.stat().st_size
+    monkeypatch.setattr(planfile, "MAX_FILE_BYTES", size)
+    assert len(load_plan_file(path)[0].params) == 1  # exactly at the limit
+    monkeypatch.setattr(planfile, "MAX_FILE_BYTES", size - 1)
+    _refused(path, rf": the file has {size} bytes, over the limit of {size - 1} bytes "
+                   r"\(.* B; MAX_FILE_BYTES in m2n_async\._integrations\.planfile; ")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")
+def test_a_pipe_past_the_size_limit_is_refused_after_a_bounded_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A pipe has no size to look at first: the read itself must stop one byte past the limit.
+    monkeypatch.setattr(planfile, "MAX_FILE_BYTES", 1000)
+    fifo = tmp_path / "plan.toml"
+    os.mkfifo(fifo)
+
+    def feed() -> None:  # more than the limit, then the end (or the reader leaves)
+        try:
+            with open(fifo, "wb") as w:
+                w.write(TINY.encode() + b"#" * 50_000 + b"\n")
+        except BrokenPipeError:
+            pass
+
+    writer = threading.Thread(target=feed, daemon=True)
+    writer.start()
+    _refused(fifo, r": the file goes on past the limit of 1000 bytes \(1000 B; MAX_FILE_BYTES")
+    writer.join(10)
+    assert not writer.is_alive()
+
+
+@pytest.mark.skipif(not Path("/dev/zero").exists(), reason="no /dev/zero here")
+def test_the_command_on_an_endless_file_exits_with_one_line() -> None:
+    proc = subprocess.run([sys.executable, "-m", "m2n_async.cli", "plan", "/dev/zero"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert (proc.returncode, proc.stdout) == (1, ""), (proc.returncode, proc.stderr[-2000:])
+    assert proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+    assert proc.stderr.startswith("m2n-async plan: invalid plan: /dev/zero: the file goes on "
+                                  "past the limit of 268435456 bytes (256.0 MiB; "
+                                  "MAX_FILE_BYTES in m2n_async._integrations.planfile; ")
