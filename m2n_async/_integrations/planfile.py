@@ -207,7 +207,7 @@ _MAX_SIZE = 2**63
 # 2 KiB); without them a careless or hostile file costs minutes and GBs before any error.
 #: Bytes a plan file may have; it is read with a bounded read, so /dev/zero or a pipe that
 #: never ends is refused after ``MAX_FILE_BYTES + 1`` bytes.
-MAX_FILE_BYTES = 256 << 20
+MAX_FILE_BYTES = 64 << 20
 #: Ranks a mesh (trainer_mesh, worker_mesh, a param's source_mesh or dest_mesh) may have;
 #: the summary's per-rank work and the geometry of a sharded param grow with it.
 MAX_MESH_RANKS = 1 << 20

@@ -712,5 +712,5 @@ def test_the_command_on_an_endless_file_exits_with_one_line() -> None:
     assert (proc.returncode, proc.stdout) == (1, ""), (proc.returncode, proc.stderr[-2000:])
     assert proc.stderr.count("\n") == 1, proc.stderr[-2000:]
     assert proc.stderr.startswith("m2n-async plan: invalid plan: /dev/zero: the file goes on "
-                                  "past the limit of 268435456 bytes (256.0 MiB; "
+                                  "past the limit of 67108864 bytes (64.0 MiB; "
                                   "MAX_FILE_BYTES in m2n_async._integrations.planfile; ")
