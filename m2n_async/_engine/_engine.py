@@ -816,7 +816,10 @@ class TrainerEngine(_Engine):
         included, so weights built alike on every trainer are refused on every trainer and
         no round starts. A rank other than 0 refused alone leaves its peers in the round
         rank 0 began: call again with fixed weights to join it, or close the engine so they
-        fail at once. A lazy source (a callable, an iterable, any other Mapping, which may
+        fail at once; if it does neither, the round's deadline fails it on every rank naming
+        this rank with its refusal (``cause="deadline"``). Rank 0 refused alone starts no
+        round: the other trainers waiting for it fail at the deadline naming rank 0 and
+        its refusal. A lazy source (a callable, an iterable, any other Mapping, which may
         compute on lookup), and a module's shapes, are checked when the bucket is staged:
         the round then fails on every rank with a ``TransferError`` naming the parameter, as
         any other bad shard, and the engine is POISONED.
@@ -872,6 +875,34 @@ class TrainerEngine(_Engine):
         with self._exclusive("sync_weights"):
             return await self._sync_weights(weights, version, timeout, progress)
 
+    async def _checked_sources(self, weights: Weights, plan: TransferPlan, device: str,
+                               version: int | None) -> _Sources:
+        """The round's sources, checked before the round (``sync_weights``: what is refused
+        with nothing sent)."""
+        rank = self.rank
+        sources = _Sources(weights, plan, rank, device, self._expect, self._names,
+                           self._interrupts)
+        if sources.unplanned and not self._warned_unplanned:
+            self._warned_unplanned = True  # once per engine: the module is the same each round
+            shown = ", ".join(repr(n) for n in sources.unplanned[:5])
+            more = (f" and {len(sources.unplanned) - 5} more" if len(sources.unplanned) > 5
+                    else "")
+            log.warning("sync_weights on rank %d: the module has %d tensor(s) the plan does "
+                        "not carry, not sent: %s%s (the plan is what connect agreed; connect "
+                        "again with specs_from_module of this module to carry them)",
+                        rank, len(sources.unplanned), shown, more)
+        v = self._version + 1 if version is None else version
+        if rank == 0 and v <= self._version:  # the cheap argument check first
+            raise LocalProtocolError(f"sync_weights: version {v} does not advance the "
+                                     f"committed version {self._version}")
+        await sources.precheck()
+        return sources
+
+    async def _rounds_note_refusal(self, exc: BaseException) -> None:
+        """Leave why this call refused its arguments for the round it would have joined."""
+        if self._rounds is not None and self._state is EngineState.READY:
+            await self._rounds.note_refusal(self._round + 1, f"{type(exc).__name__}: {exc}")
+
     async def _sync_weights(self, weights: Weights, version: int | None,
                             timeout: float | None,  # noqa: ASYNC109 - the API's argument
                             progress: Progress | None) -> SyncResult:
@@ -897,25 +928,19 @@ class TrainerEngine(_Engine):
         # misplaced or non-contiguous shard is refused with nothing sent, the engine still
         # READY.
         t0 = time.perf_counter()
-        sources = _Sources(weights, plan, rank, device, self._expect, self._names,
-                           self._interrupts)
-        if sources.unplanned and not self._warned_unplanned:
-            self._warned_unplanned = True  # once per engine: the module is the same each round
-            shown = ", ".join(repr(n) for n in sources.unplanned[:5])
-            more = (f" and {len(sources.unplanned) - 5} more" if len(sources.unplanned) > 5
-                    else "")
-            log.warning("sync_weights on rank %d: the module has %d tensor(s) the plan does "
-                        "not carry, not sent: %s%s (the plan is what connect agreed; connect "
-                        "again with specs_from_module of this module to carry them)",
-                        rank, len(sources.unplanned), shown, more)
-        v = self._version + 1 if version is None else version
-        if self.rank == 0 and v <= self._version:  # the cheap argument check first
-            raise LocalProtocolError(f"sync_weights: version {v} does not advance the "
-                                     f"committed version {self._version}")
-        await sources.precheck()
+        try:
+            sources = await self._checked_sources(weights, plan, device, version)
+        except (PlanError, LocalProtocolError) as exc:
+            # Refused before joining: the peers stay in the round (this rank may call again
+            # with fixed weights). The note lets their deadline verdict name this refusal
+            # instead of a frozen rank.
+            with anyio.CancelScope(shield=True):
+                await self._rounds_note_refusal(exc)
+            raise
         k = self._round + 1
         rounds = self._rounds
         assert rounds is not None
+        v = self._version + 1 if version is None else version
         if self.rank == 0:
             rt = self.config.round_timeout if timeout is None else float(timeout)
             start = RoundStart(PROTO_VERSION, self._generation, k, v, rt, False)

@@ -281,7 +281,8 @@ class RoundDriver:
                 raise
             assert limit is not None
             with anyio.CancelScope(shield=True):
-                failure = await self.post(core, core.start_missed(limit))
+                refusal = (await self.refusals(core, (0,))).get(0)
+                failure = await self.post(core, core.start_missed(limit, refusal))
             raise core.error(failure) from None
         except PeerLostError as exc:
             lost = self.group.lost_rank(exc)
@@ -596,7 +597,9 @@ class RoundDriver:
                     raw = await self.store.gather(keys.done_prefix, 0)
                     continue
                 return recorded
-            verdict = core.deadline_verdict(reports, round_timeout)
+            missing = [r for r in range(self.world_size) if r not in reports]
+            verdict = core.deadline_verdict(
+                reports, round_timeout, await self.refusals(core, missing) if missing else None)
             culprit = verdict.rank
             if verdict.cause is Cause.DEADLINE and culprit is not None and (
                     culprit not in reports):
@@ -671,6 +674,30 @@ class RoundDriver:
         reported = await self.store.gather(core.keys.done_prefix, 0)
         done = {r for r in (core.keys.rank_of_done(k) for k in reported) if r is not None}
         return core.left_ranks(alive | {self.rank}, done)
+
+    async def note_refusal(self, round_: int, error: str) -> None:
+        """This rank's call to round ``round_`` refused its own arguments before joining it
+        (the weights of a trainer other than 0, say): the text is left for the deadline
+        verdict its peers reach if no later call joins, so they name the refusal rather
+        than a frozen rank. Best effort, bounded; only ever on that refusal's path."""
+        with anyio.move_on_after(self.abort_grace):
+            try:
+                await self.store.set(self.core(round_).keys.refused(self.rank),
+                                     error[:NOTE_CHARS].encode(errors="replace"))
+            except M2NError as exc:
+                log.debug("rank %d could not leave its refusal note: %r", self.rank, exc)
+
+    async def refusals(self, core: Round, ranks: Sequence[int]) -> dict[int, str]:
+        """The refusal notes (``note_refusal``) of ``ranks`` in ``core``'s round: one read
+        of the round's notes, bounded; empty if the store cannot say."""
+        raw: dict[str, bytes] = {}
+        with anyio.move_on_after(self.abort_grace):
+            try:
+                raw = await self.store.gather(core.keys.refused_prefix, 0)
+            except M2NError:
+                pass
+        return {r: raw[k].decode(errors="replace") for r in ranks
+                if (k := core.keys.refused(r)) in raw}
 
     def gone_key(self, rank: int) -> str:
         """Where ``rank`` leaves the text of the error it closed its engine on."""

@@ -23,7 +23,9 @@ raises ``Round.start_taken``'s failure when its round lost.)
 - **Deadline** (``Round.deadline_verdict``): at the round deadline a rank posts its own report,
   waits a short window for its peers' reports (their deadlines fall within milliseconds of its
   own), and then blames, in this order: a rank with no report (frozen, hung before reporting,
-  or too late), the rank most of the others were waiting on, a rank stuck in its own step.
+  or too late; named with the note it left in ``refused/{rank}`` if its own call refused its
+  arguments before joining), the rank most of the others were waiting on, a rank stuck in
+  its own step.
   Before it writes that verdict it writes the culprit's ``done`` key itself (status ``late``)
   by compare-and-set: a frozen rank that resumes cannot then report ``ok`` and complete a set
   of ok reports after its peers already failed the round.
@@ -119,6 +121,15 @@ class RoundKeys:
     def done(self, rank: int) -> str:
         return f"{self.done_prefix}{rank}"
 
+    @property
+    def refused_prefix(self) -> str:
+        return f"{self.prefix}refused/"
+
+    def refused(self, rank: int) -> str:
+        """Where ``rank`` leaves why it refused its own call to this round (its weights, its
+        arguments) before joining it: read only by a deadline verdict that names it."""
+        return f"{self.refused_prefix}{rank}"
+
     def rank_of_done(self, key: str) -> int | None:
         """The rank a ``done/{rank}`` key belongs to; None for any other key."""
         tail = key[len(self.done_prefix):] if key.startswith(self.done_prefix) else ""
@@ -209,8 +220,15 @@ class Round:
                                 f"{found.round} version {found.version}{closing}), written by "
                                 f"another process as trainer rank 0"), True
 
-    def start_missed(self, timeout: float) -> Failure:
-        """A trainer waited the round deadline for rank 0 to start the round."""
+    def start_missed(self, timeout: float, refusal: str | None = None) -> Failure:
+        """A trainer waited the round deadline for rank 0 to start the round. ``refusal``:
+        the note rank 0 left when it refused its own call (``RoundKeys.refused``)."""
+        if refusal is not None:
+            return Failure(Cause.DEADLINE, 0, f"trainer rank 0 did not start {self.where} "
+                                              f"within the round deadline of {timeout:g} s: "
+                                              f"its sync_weights refused its weights "
+                                              f"({refusal}) and no call started the round "
+                                              f"since")
         return Failure(Cause.DEADLINE, 0, f"trainer rank 0 did not start {self.where} within "
                                           f"the round deadline of {timeout:g} s (frozen, hung, "
                                           f"or not calling sync_weights)")
@@ -311,8 +329,11 @@ class Round:
             return Judgement.COMMIT
         return Judgement.WAIT
 
-    def deadline_verdict(self, reports: Mapping[int, RoundDone], timeout: float) -> Failure:
+    def deadline_verdict(self, reports: Mapping[int, RoundDone], timeout: float,
+                         refusals: Mapping[int, str] | None = None) -> Failure:
         """Who failed the round, when the deadline passed with ``reports`` gathered.
+        ``refusals``: rank -> the note a rank left when it refused its own call to the round
+        (``RoundKeys.refused``): a missing rank that left one is named with it, not as frozen.
 
         First-failure choice, in order: a rank that failed by itself (its report says
         ``failed``; it normally wrote the abort record already); one written ``late`` by a
@@ -340,6 +361,13 @@ class Round:
             r = pick(missing)
             waited = sorted(q for q, d in reports.items() if r in d.suspects)
             by = f"; rank(s) {waited} were waiting on it" if waited else ""
+            refusal = (refusals or {}).get(r)
+            if refusal is not None:
+                return Failure(Cause.DEADLINE, r,
+                               f"rank {self.named([r])} did not report its part of "
+                               f"{self.where} by the round deadline of {timeout:g} s: its "
+                               f"sync_weights refused its weights ({refusal}) and no call "
+                               f"of it joined the round since{by}")
             return Failure(Cause.DEADLINE, r,
                            f"rank {self.named([r])} did not report its part of {self.where} by "
                            f"the round deadline of {timeout:g} s (frozen, hung or too "

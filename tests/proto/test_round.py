@@ -4,6 +4,7 @@ deadline verdict and the error every rank raises — from gathered records alone
 from __future__ import annotations
 
 import pickle
+from typing import Any
 
 import pytest
 
@@ -168,3 +169,21 @@ def test_a_taken_start_key_is_the_job_closed_or_a_recorded_protocol_failure() ->
 def test_rejects_impossible_rounds() -> None:
     with pytest.raises(ValueError):
         Round(namespace="j/1", generation=1, round=0, rank=0, world_size=2, trainer_ranks=1)
+
+
+def test_a_missing_rank_that_left_a_refusal_is_named_with_it() -> None:
+    from m2n_async._proto.round import Cause, Round
+
+    core = Round(namespace="j/1", generation=1, round=3, rank=0, world_size=4,
+                 trainer_ranks=2)
+    assert core.keys.refused(1) == "j/1/round/3/refused/1"
+    assert core.keys.refused(1).startswith(core.keys.refused_prefix)
+    assert core.keys.rank_of_done(core.keys.refused(1)) is None  # not a report
+    reports: dict[int, Any] = {}  # no rank reported
+    plain = core.deadline_verdict(reports, 5.0)
+    named = core.deadline_verdict(reports, 5.0, {0: "PlanError: bad w"})
+    assert plain.cause is named.cause is Cause.DEADLINE and plain.rank == named.rank == 0
+    assert "frozen" in plain.reason and "frozen" not in named.reason
+    assert "refused its weights (PlanError: bad w)" in named.reason
+    missed = core.start_missed(5.0, "PlanError: bad w")
+    assert missed.rank == 0 and "refused its weights (PlanError: bad w)" in missed.reason
