@@ -31,14 +31,28 @@ Timeouts and cancellation are the async API's, carried over:
 thread; it is idempotent and is also what leaving a ``with`` block does. One call at a time
 per engine, as for the async engines (a second concurrent ``sync_weights``/``receive`` raises
 ``LocalProtocolError``); read-only properties may be read from any thread.
+
+A blocking engine that is never closed is not left running: when it is garbage-collected (or
+a ``start_connect`` is dropped without ``result()``/``cancel()``) a ``ResourceWarning`` names
+it and the engine is closed on the error ``"<it> was never closed"`` (trainer rank 0's workers
+raise ``PeerLostError`` naming it, as for any close on an error), then its loop thread is
+stopped. The collector only queues that work: one reaper thread of this module does it, so a
+collection never blocks, whichever thread it runs in (the loop thread included). Engines still
+open at interpreter exit are closed the same way by an ``atexit`` hook, which waits for those
+closes at most ``2 * abort_grace`` seconds before letting the process exit.
 """
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import contextlib
 import functools
+import queue
 import threading
+import time
+import warnings
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Self, TypeVar
 
@@ -61,6 +75,114 @@ T = TypeVar("T")
 E = TypeVar("E", bound="_Engine")
 B = TypeVar("B", bound="_Blocking[Any]")
 Progress = Callable[[int, int], None]
+
+
+# -- what is never closed ------------------------------------------------------------------
+#
+# A finalizer may run inside any thread, at any allocation or bytecode, while that thread
+# holds any lock (``threading``'s own among them): it must neither block nor take a lock. So
+# it only puts the work on a ``SimpleQueue`` (whose ``put`` is safe there, by design) and
+# warns; a reaper thread, started before any finalizer can run, starts one closer per item.
+
+#: a close to run (its callable, its error text, the seconds it may take at exit), or an
+#: event to set once the closes queued before it have their closers started
+_Reap = tuple[Callable[[str], None], str, float] | threading.Event
+_reap_queue: queue.SimpleQueue[_Reap] = queue.SimpleQueue()
+_reaper_lock = threading.Lock()
+_reaper: threading.Thread | None = None
+#: closers running, each with the seconds it may take at interpreter exit
+_closers: dict[threading.Thread, float] = {}
+#: facades and connects whose finalizer has not run: what ``_close_at_exit`` closes
+_unclosed: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _watch(owner: object, label: str, reap: Callable[[str], None],
+           grace: float) -> weakref.finalize[Any, Any]:
+    """Have ``reap`` run (off the collecting thread) once ``owner`` is collected unclosed.
+
+    ``reap`` must not refer to ``owner`` (it would never be collected); it gets the error
+    text to close the engine with. ``grace``: what the close may take at interpreter exit.
+    The caller ``detach()``es the finalizer once it has closed what ``reap`` would close."""
+    _start_reaper()
+    # atexit=False: ``_close_at_exit`` closes what is still open itself, and waits for it
+    # (weakref's own exit hook would only queue the closes and let the process end on them).
+    finalizer = weakref.finalize(owner, _collected, label, reap, grace, _reap_queue.put)
+    finalizer.atexit = False
+    _unclosed.add(owner)
+    return finalizer
+
+
+def _start_reaper() -> None:
+    """Start the reaper thread (and register the exit hook) unless it runs already."""
+    global _reaper
+    with _reaper_lock:
+        if _reaper is None or not _reaper.is_alive():  # not alive: in a child after fork
+            if _reaper is None:
+                atexit.register(_close_at_exit)
+            _reaper = threading.Thread(target=_reap_forever, name="m2n-async-reaper",
+                                       daemon=True)
+            _reaper.start()
+
+
+def _collected(label: str, reap: Callable[[str], None], grace: float,
+               put: Callable[[_Reap], None], when: str = "garbage-collected") -> None:
+    """A finalizer: queue the close of what ``label`` left open, and warn.
+
+    ``put`` is bound at creation: late in interpreter shutdown module globals may be gone."""
+    put((reap, f"{label} was never closed ({when})", grace))  # first: a warning may raise
+    warnings.warn(f"{label} was never closed; closing it now ({when}): call close() or use "
+                  f"a with block", ResourceWarning,
+                  stacklevel=1)  # a collector calls this: no caller of the user's to point at
+
+
+def _reap_forever() -> None:
+    while True:
+        item = _reap_queue.get()
+        if isinstance(item, threading.Event):
+            item.set()
+            continue
+        reap, why, grace = item
+        closer = threading.Thread(target=_run_closer, args=(reap, why),
+                                  name="m2n-async-closer", daemon=True)
+        with _reaper_lock:
+            _closers[closer] = grace
+        closer.start()  # here, not in the finalizer: starting a thread takes threading's locks
+
+
+def _run_closer(reap: Callable[[str], None], why: str) -> None:
+    try:
+        reap(why)  # an error propagates to threading.excepthook: a failed close is seen
+    finally:
+        with _reaper_lock:
+            _closers.pop(threading.current_thread(), None)
+
+
+def _close_at_exit() -> None:
+    """``atexit``: close what is still open and wait for every close, a bounded time."""
+    failed: Exception | None = None
+    for owner in list(_unclosed):
+        got = owner._finalizer.detach()
+        if got is not None:  # None: closed by its owner meanwhile
+            label, reap, grace, put = got[2]
+            try:
+                _collected(label, reap, grace, put, when="still open at interpreter exit")
+            except Exception as exc:  # the warning, with warnings as errors: close the rest
+                failed = failed or exc
+    flushed = threading.Event()
+    _reap_queue.put(flushed)
+    with _reaper_lock:
+        reaper = _reaper
+    if reaper is not None and reaper.is_alive():
+        flushed.wait(10.0)  # the reaper only starts threads, so this is quick; bounded anyway
+    with _reaper_lock:
+        closers = dict(_closers)
+    # Bounded: a close that cannot finish (a store that does not answer) must not keep the
+    # process from exiting; the closers and loop threads are daemons and end with it.
+    deadline = time.monotonic() + max(closers.values(), default=0.0)
+    for closer in closers:
+        closer.join(max(0.0, deadline - time.monotonic()))
+    if failed is not None:
+        raise failed  # atexit prints it
 
 
 class Pending(Generic[T]):
@@ -187,37 +309,72 @@ class _Loop:
 
 
 class _PendingConnect(Pending[B]):
-    """A connect in progress: its result is the blocking engine; a failure stops the loop."""
+    """A connect in progress: its result is the blocking engine; a failure stops the loop.
+
+    Collected before ``result()`` or ``cancel()`` took it over: the connect is cancelled (or
+    the engine it made closed) and the loop stopped, off the collecting thread."""
 
     def __init__(self, loop: _Loop, wrap: Callable[[_Loop, Any], B],
-                 inner: Pending[Any]) -> None:
+                 inner: Pending[Any], label: str, grace: float) -> None:
         super().__init__(inner.future, inner._finished, inner._interrupt)
         self._loop = loop
         self._wrap = wrap
+        self._wrapped: B | None = None  # result() again returns the same blocking engine
+        self._finalizer = _watch(self, f"connect of {label}", functools.partial(
+            _abandon_connect, loop, inner.future, inner._finished, inner._interrupt), grace)
 
     def result(self, timeout: float | None = None) -> B:
+        if self._wrapped is not None:
+            return self._wrapped
         try:
             engine = super().result(timeout)
         except TimeoutError:
             if not self.done():
                 raise  # still connecting
+            self._finalizer.detach()
             self._loop.close()
             raise
         except BaseException:
+            self._finalizer.detach()
             self._loop.close()  # connect released what it created; the loop goes with it
             raise
-        return self._wrap(self._loop, engine)
+        try:
+            self._wrapped = self._wrap(self._loop, engine)
+        except BaseException:
+            self._finalizer.detach()
+            _release_connect(self._loop, self._future, self._interrupt)  # nobody else could
+            raise
+        self._finalizer.detach()  # after: the blocking engine watches the loop from now on
+        return self._wrapped
 
     def cancel(self) -> None:
+        if self._wrapped is not None:  # connected and handed out: cancelling closes it
+            self._wrapped.close()
+            return
+        self._finalizer.detach()
         super().cancel()
-        if not self._future.done() or self._future.cancelled() or self._interrupt or \
-                self._future.exception() is not None:
-            self._loop.close()
-        else:  # it connected before the cancel landed: close what it opened
-            engine: Any = self._future.result()  # the async engine, not yet wrapped
-            with contextlib.suppress(Exception):
-                self._loop.call(engine.close)
-            self._loop.close()
+        _release_connect(self._loop, self._future, self._interrupt)
+
+
+def _release_connect(loop: _Loop, future: concurrent.futures.Future[Any],
+                     interrupt: list[BaseException], error: str | None = None) -> None:
+    """Stop the loop of a finished connect, closing first the engine it made, if it did."""
+    if future.done() and not future.cancelled() and not interrupt and \
+            future.exception() is None:  # it connected before the cancel landed
+        engine: Any = future.result()  # the async engine, not yet wrapped
+        with contextlib.suppress(Exception):
+            loop.call(functools.partial(engine.close, error=error))
+    loop.close()
+
+
+def _abandon_connect(loop: _Loop, future: concurrent.futures.Future[Any],
+                     finished: threading.Event, interrupt: list[BaseException],
+                     why: str) -> None:
+    """What ``cancel()`` does, for a connect collected before anyone waited for it."""
+    if not future.done():
+        future.cancel()  # cancels the connect on the loop: it releases what it made
+    finished.wait()
+    _release_connect(loop, future, interrupt, why)
 
 
 class _Blocking(Generic[E]):
@@ -227,6 +384,11 @@ class _Blocking(Generic[E]):
         self._loop = loop
         self._engine: E = engine
         self._closing = threading.Lock()
+        label = (f"{type(self).__name__} for rank {engine.rank} (job {engine.config.job!r}, "
+                 f"generation {engine.generation})")
+        # The reap holds the loop and the engine, never self: self stays collectable.
+        self._finalizer = _watch(self, label, functools.partial(_close_abandoned, loop, engine),
+                                 2 * engine.config.abort_grace)
 
     @property
     def engine(self) -> E:
@@ -282,6 +444,7 @@ class _Blocking(Generic[E]):
         # still closes the engine and stops the loop.
         self._loop.refuse_on_loop("close()")
         with self._closing:
+            self._finalizer.detach()  # closed by its owner: nothing left to do when collected
             if self._loop.closed:
                 return
             try:
@@ -301,19 +464,41 @@ class _Blocking(Generic[E]):
         return f"<{type(self).__name__} {self._engine!r}>"
 
 
+def _close_abandoned(loop: _Loop, engine: _Engine, why: str) -> None:
+    """``close(error=why)`` for a blocking engine collected (or left at exit) unclosed."""
+    if loop.closed:
+        return  # its loop was stopped already: the engine cannot be reached any more
+    try:
+        loop.call(functools.partial(engine.close, error=why))
+    finally:
+        loop.close()
+
+
 def _start_connect(cls: type[B], connect: Callable[..., Awaitable[Any]], name: str, /,
                    **kwargs: Any) -> _PendingConnect[B]:
+    _start_reaper()  # before the loop: failing to start a thread here leaves nothing open
     loop = _Loop(name)
     try:
         inner = loop.submit(functools.partial(connect, **kwargs))
     except BaseException:
         loop.close()
         raise
-    return _PendingConnect(loop, cls, inner)
+    config = kwargs["config"] or EngineConfig()
+    label = f"{cls.__name__} for rank {kwargs['rank']} (job {config.job!r})"
+    return _PendingConnect(loop, cls, inner, label, 2 * config.abort_grace)
 
 
 class BlockingTrainer(_Blocking[TrainerEngine]):
-    """A ``TrainerEngine`` for synchronous callers, on an event loop thread of its own."""
+    """A ``TrainerEngine`` for synchronous callers, on an event loop thread of its own.
+
+    Close it (``close()`` or a ``with`` block). One garbage-collected unclosed, or still open
+    at interpreter exit, warns ``ResourceWarning`` ("BlockingTrainer for rank N (job ...,
+    generation G) was never closed") and is then closed on that error by a thread of this
+    module, never by the collecting one: on rank 0 the workers' ``receive()`` raises
+    ``PeerLostError`` naming it (no clean end of training), and a call still running from a
+    kept ``Pending`` ends as at a ``close()`` during it. At exit the process waits for that
+    close at most ``2 * config.abort_grace`` seconds.
+    """
 
     @classmethod
     def connect(cls, address: str | tuple[str, int] | None = None, *,
@@ -340,7 +525,9 @@ class BlockingTrainer(_Blocking[TrainerEngine]):
                       config: EngineConfig | None = None, store: Store | None = None,
                       timeout: float | None = None) -> Pending[BlockingTrainer]:
         """``connect`` without waiting: ``.result()`` is the READY ``BlockingTrainer``;
-        ``.cancel()`` cancels the connect (as cancelling the coroutine) and stops the loop."""
+        ``.cancel()`` cancels the connect (as cancelling the coroutine) and stops the loop.
+        Collected before either, it warns ``ResourceWarning`` and is cancelled the same way
+        (the engine it made, if it finished, closed), off the collecting thread."""
         return _start_connect(cls, TrainerEngine.connect, f"m2n-async-trainer{rank}",
                               address=address, token=token, rank=rank,
                               trainer_ranks=trainer_ranks, world_size=world_size,
@@ -373,7 +560,13 @@ class BlockingTrainer(_Blocking[TrainerEngine]):
 
 
 class BlockingWorker(_Blocking[WorkerEngine]):
-    """A ``WorkerEngine`` for synchronous callers, on an event loop thread of its own."""
+    """A ``WorkerEngine`` for synchronous callers, on an event loop thread of its own.
+
+    Close it (``close()`` or a ``with`` block). One garbage-collected unclosed, or still open
+    at interpreter exit, is handled as a ``BlockingTrainer`` is: a ``ResourceWarning``
+    ("BlockingWorker for rank N ... was never closed"), then a close on that error (its peers
+    read it if a round needed this rank), off the collecting thread and bounded at exit.
+    """
 
     @classmethod
     def connect(cls, address: str | tuple[str, int] | None = None, *,

@@ -1,0 +1,193 @@
+"""Blocking engines that are never closed: collected, or still open at interpreter exit.
+
+A ``BlockingTrainer``/``BlockingWorker`` dropped without ``close()`` warns (``ResourceWarning``
+naming it) and is closed off the collecting thread: its engine reaches CLOSED, its peers are
+told why, and its event loop thread ends. A connect started and never waited for is
+cancelled the same way. One closed by its owner warns nothing. A process that exits with
+engines still open closes them and exits. Waits here are deadlines on polls, never sleeps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from m2n_async import (
+    BlockingTrainer,
+    BlockingWorker,
+    EngineState,
+    Layout,
+    Mesh,
+    ParamSpec,
+    PeerLostError,
+)
+
+from ._world import TOKEN
+from .test_blocking import CFG, SHAPE, _full, _pair
+
+DEADLINE = 30.0  # generous: the machine is small and shared; a pass takes well under a second
+NEVER_CLOSED = "was never closed"
+
+
+def _until(what: str, done: Callable[[], bool]) -> None:
+    # Polls with a collection each time: nothing here may depend on when a collector runs.
+    end = time.monotonic() + DEADLINE
+    while not done():
+        if time.monotonic() > end:
+            pytest.fail(f"{what}: not within {DEADLINE} s")
+        gc.collect()
+        time.sleep(0.02)
+
+
+def _gone(thread: threading.Thread) -> Callable[[], bool]:
+    def check() -> bool:
+        return all(t is not thread for t in threading.enumerate())
+    return check
+
+
+def _loop_thread(engine: BlockingTrainer | BlockingWorker) -> threading.Thread:
+    return engine.portal.call(threading.current_thread)
+
+
+def _messages(record: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in record
+            if issubclass(w.category, ResourceWarning) and NEVER_CLOSED in str(w.message)]
+
+
+def test_a_collected_pair_warns_closes_its_engines_and_stops_its_loops(
+        store_address: str) -> None:
+    trainer, worker, target = _pair(store_address, "blocking-gc-pair")
+    with ThreadPoolExecutor(1) as ex:  # one round first: the engines really work
+        got = ex.submit(worker.receive)
+        trainer.sync_weights({"w": _full(1)})
+        assert got.result(30).version == 1
+    assert torch.equal(target, _full(1))
+    engines = (trainer.engine, worker.engine)  # the async engines do not keep the facades
+    threads = (_loop_thread(trainer), _loop_thread(worker))
+    assert {t.name for t in threads} == {"m2n-async-trainer0", "m2n-async-worker1"}
+    with pytest.warns(ResourceWarning, match=NEVER_CLOSED) as record:
+        del trainer, worker, got
+        gc.collect()
+    messages = _messages(record.list)
+    assert any(m.startswith("BlockingTrainer for rank 0 ") for m in messages), messages
+    assert any(m.startswith("BlockingWorker for rank 1 ") for m in messages), messages
+    for thread in threads:
+        _until(f"{thread.name} ends", _gone(thread))
+    _until("both engines close", lambda: all(e.state is EngineState.CLOSED for e in engines))
+
+
+def test_a_collected_trainer_tells_its_workers_why(store_address: str) -> None:
+    # Rank 0 dropped mid-job is no end of training: the worker's receive() names the cause
+    # instead of ending as if the trainer had closed cleanly.
+    trainer, worker, _target = _pair(store_address, "blocking-gc-rank0")
+    try:
+        thread = _loop_thread(trainer)
+        with pytest.warns(ResourceWarning, match="BlockingTrainer for rank 0 .*" + NEVER_CLOSED):
+            del trainer
+            gc.collect()
+        with pytest.raises(PeerLostError, match=NEVER_CLOSED):
+            worker.receive(timeout=DEADLINE)
+        _until("the trainer's loop thread ends", _gone(thread))
+    finally:
+        worker.close()
+
+
+def test_a_facade_dropped_on_its_own_loop_thread_is_closed_from_another(
+        store_address: str) -> None:
+    # The last reference can go on the loop thread (a callback held it): the close cannot
+    # wait there for that very thread, so it must happen elsewhere, and not deadlock.
+    trainer, worker, _target = _pair(store_address, "blocking-gc-on-loop")
+    try:
+        portal, engine, thread = trainer.portal, trainer.engine, _loop_thread(trainer)
+        holder = [trainer]
+        del trainer
+        with pytest.warns(ResourceWarning, match=NEVER_CLOSED):
+            portal.call(holder.clear)
+        _until("the trainer's loop thread ends", _gone(thread))
+        assert engine.state is EngineState.CLOSED
+    finally:
+        worker.close()
+
+
+def test_a_connect_never_waited_for_is_cancelled_when_collected(store_address: str) -> None:
+    # No worker joins: the connect waits in its handshake until it is dropped.
+    spec = ParamSpec("w", torch.float32, SHAPE, Layout(Mesh((1, 1)), None))
+    pending = BlockingTrainer.start_connect(
+        store_address, token=TOKEN, rank=0, trainer_ranks=1, world_size=2, params=[spec],
+        config=dataclasses.replace(CFG, job="blocking-gc-connect"))
+    thread = pending._loop.portal.call(threading.current_thread)
+    assert not pending.done()
+    with pytest.warns(ResourceWarning, match="connect of BlockingTrainer for rank 0 .*"):
+        del pending
+        gc.collect()
+    _until("the connecting loop thread ends", _gone(thread))
+
+
+def test_closed_facades_warn_nothing(store_address: str) -> None:
+    trainer, worker, _target = _pair(store_address, "blocking-gc-closed")
+    threads = (_loop_thread(trainer), _loop_thread(worker))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with trainer, worker:
+            pass
+        trainer.close()
+        del trainer, worker
+        gc.collect()
+    assert _messages(record) == []
+    for thread in threads:
+        assert not thread.is_alive()
+
+
+EXIT_SCRIPT = textwrap.dedent("""
+    import atexit, sys, threading
+    sys.path.insert(0, sys.argv[1])
+    from tests.engine._world import store_thread
+    from tests.engine.test_blocking import _pair, _full
+
+    engines = []
+    # Registered before any engine exists, so it runs after what closes them at exit.
+    atexit.register(lambda: print("at exit:", *(e.state.name for e in engines), flush=True))
+
+    store = store_thread()
+    address = store.__enter__()
+    trainer, worker, target = _pair(address, "blocking-exit")
+    engines += [trainer.engine, worker.engine]
+    got = []
+    t = threading.Thread(target=lambda: got.append(worker.receive()))
+    t.start()
+    trainer.sync_weights({"w": _full(1)})
+    t.join()
+    print("round", got[0].version, flush=True)
+    # exits with both engines open, the store's thread still serving them
+""")
+
+
+@pytest.mark.slow  # a process of its own: importing torch there takes seconds
+def test_engines_left_open_at_exit_are_closed_and_the_process_exits(tmp_path: Path) -> None:
+    script = tmp_path / "left_open.py"
+    script.write_text(EXIT_SCRIPT)
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": root}
+    proc = subprocess.run([sys.executable, "-W", "always::ResourceWarning", str(script), root],
+                          capture_output=True, text=True, timeout=120, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "round 1" in proc.stdout
+    assert "at exit: CLOSED CLOSED" in proc.stdout, proc.stdout
+    assert f"BlockingTrainer for rank 0 (job 'blocking-exit', generation 1) {NEVER_CLOSED}" \
+        in proc.stderr, proc.stderr
+    assert f"BlockingWorker for rank 1 (job 'blocking-exit', generation 1) {NEVER_CLOSED}" \
+        in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
