@@ -474,6 +474,13 @@ def _close_abandoned(loop: _Loop, engine: _Engine, why: str) -> None:
         loop.close()
 
 
+def _close_updates(loop: _Loop, agen: Any, why: str) -> None:
+    """Close an ``updates()`` async generator on its loop (``why``: unused, the reaper's)."""
+    if not loop.closed:
+        with contextlib.suppress(Exception):  # the loop stopping meanwhile closes it anyway
+            loop.call(agen.aclose)
+
+
 def _start_connect(cls: type[B], connect: Callable[..., Awaitable[Any]], name: str, /,
                    **kwargs: Any) -> _PendingConnect[B]:
     _start_reaper()  # before the loop: failing to start a thread here leaves nothing open
@@ -631,7 +638,12 @@ class BlockingWorker(_Blocking[WorkerEngine]):
                     yield self._loop.call(agen.__anext__)
                 except StopAsyncIteration:
                     return
-        finally:
-            if not self._loop.closed:
-                with contextlib.suppress(Exception):
-                    self._loop.call(agen.aclose)  # type: ignore[attr-defined]
+        except GeneratorExit:
+            # Dropped half-way, maybe by a collection on any thread (the loop's own, or one
+            # while the loop is busy): only queued, as a finalizer's close, so it never waits.
+            _reap_queue.put((functools.partial(_close_updates, self._loop, agen), "",
+                             self._engine.config.abort_grace))
+            raise
+        except BaseException:
+            _close_updates(self._loop, agen, "")  # the caller's own thread: it may wait
+            raise

@@ -18,7 +18,7 @@ import textwrap
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -33,6 +33,7 @@ from m2n_async import (
     Mesh,
     ParamSpec,
     PeerLostError,
+    SyncResult,
 )
 
 from ._world import TOKEN
@@ -134,6 +135,55 @@ def test_a_connect_never_waited_for_is_cancelled_when_collected(store_address: s
         del pending
         gc.collect()
     _until("the connecting loop thread ends", _gone(thread))
+
+
+def test_an_updates_iterator_dropped_half_way_never_blocks_the_thread_that_drops_it(
+        store_address: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Its async generator lives on the worker's loop. The drop (a collection, on any thread)
+    # queues its close there; it must not wait for that loop, here held busy on purpose.
+    trainer, worker, _target = _pair(store_address, "blocking-gc-updates")
+    closed = threading.Event()
+    inner = worker.engine.updates
+
+    async def updates() -> AsyncIterator[SyncResult]:
+        try:
+            async for result in inner():
+                yield result
+        finally:
+            closed.set()
+
+    monkeypatch.setattr(worker.engine, "updates", updates)
+    free = threading.Event()
+    try:
+        holder = [worker.updates()]
+        with ThreadPoolExecutor(1) as ex:
+            got = ex.submit(next, holder[0])
+            trainer.sync_weights({"w": _full(1)})
+            assert got.result(DEADLINE).version == 1
+        busy = threading.Event()
+
+        async def hold() -> None:  # blocks the loop thread itself: nothing else runs on it
+            busy.set()
+            free.wait(DEADLINE)
+
+        held = worker.portal.start_task_soon(hold)
+        assert busy.wait(DEADLINE)
+        dropper = threading.Thread(target=holder.clear)
+        dropper.start()
+        dropper.join(10.0)  # the drop only queues work: it returns at once
+        assert not dropper.is_alive(), "dropping the iterator waited for the busy loop"
+        assert not closed.is_set()  # the loop is held: the close waits for it, not the drop
+        free.set()
+        held.result(DEADLINE)
+        _until("the iterator's generator closes on the loop", closed.is_set)
+        with ThreadPoolExecutor(1) as ex:  # and the worker goes on
+            got = ex.submit(worker.receive)
+            trainer.sync_weights({"w": _full(2)})
+            assert got.result(DEADLINE).version == 2
+    finally:
+        free.set()
+        trainer.close()
+        worker.close()
 
 
 def test_closed_facades_warn_nothing(store_address: str) -> None:
