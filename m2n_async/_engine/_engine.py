@@ -724,6 +724,8 @@ class TrainerEngine(_Engine):
         self._expect: list[_Expect] = []
         self._names: list[str] = []
         self._warned_unplanned = False
+        #: the round whose refusal note (``RoundDriver.note_refusal``) this engine left
+        self._refused_round: int | None = None
 
     @classmethod
     async def connect(cls, address: str | tuple[str, int] | None = None, *,
@@ -901,6 +903,7 @@ class TrainerEngine(_Engine):
     async def _rounds_note_refusal(self, exc: BaseException) -> None:
         """Leave why this call refused its arguments for the round it would have joined."""
         if self._rounds is not None and self._state is EngineState.READY:
+            self._refused_round = self._round + 1  # a later call joining it takes it back
             await self._rounds.note_refusal(self._round + 1, f"{type(exc).__name__}: {exc}")
 
     async def _sync_weights(self, weights: Weights, version: int | None,
@@ -940,6 +943,12 @@ class TrainerEngine(_Engine):
         k = self._round + 1
         rounds = self._rounds
         assert rounds is not None
+        if self._refused_round == k:
+            # This call joins the round an earlier one refused: the note no longer says why
+            # this rank may be missing there. Emptied, not deleted: a rank waiting for the
+            # start counts the keys under the round's prefix, and that count must not drop.
+            await rounds.note_refusal(k, "")
+            self._refused_round = None
         v = self._version + 1 if version is None else version
         if self.rank == 0:
             rt = self.config.round_timeout if timeout is None else float(timeout)

@@ -679,7 +679,8 @@ class RoundDriver:
         """This rank's call to round ``round_`` refused its own arguments before joining it
         (the weights of a trainer other than 0, say): the text is left for the deadline
         verdict its peers reach if no later call joins, so they name the refusal rather
-        than a frozen rank. Best effort, bounded; only ever on that refusal's path."""
+        than a frozen rank. Best effort, bounded; only ever on that refusal's path, and with
+        ``error`` empty when a later call of this rank joins the round (no note, then)."""
         with anyio.move_on_after(self.abort_grace):
             try:
                 await self.store.set(self.core(round_).keys.refused(self.rank),
@@ -697,7 +698,7 @@ class RoundDriver:
             except M2NError:
                 pass
         return {r: raw[k].decode(errors="replace") for r in ranks
-                if (k := core.keys.refused(r)) in raw}
+                if raw.get(k := core.keys.refused(r))}  # empty: a later call joined
 
     def gone_key(self, rank: int) -> str:
         """Where ``rank`` leaves the text of the error it closed its engine on."""

@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from m2n_async import EngineConfig, PlanError, TrainerEngine, TransferError, WorkerEngine
+from m2n_async._engine import _faults
+from m2n_async._engine._faults import Fault
 from m2n_async.testing import MemoryStore
 
 from ._plans import ParamDef, R, empty_targets, make_plan, source_shards
@@ -91,7 +93,7 @@ async def test_a_refused_trainer_that_does_not_call_again_is_named_with_its_refu
 
 @pytest.mark.asyncio
 async def test_a_refused_trainer_that_calls_again_completes_the_round() -> None:
-    # The note stays behind, harmless: the round commits once the fixed call joins.
+    # The round commits once the fixed call joins (which takes the note back).
     store = MemoryStore()
     engines = await _engines(store)
     results: dict[int, Any] = {}
@@ -116,6 +118,49 @@ async def test_a_refused_trainer_that_calls_again_completes_the_round() -> None:
             await e.close()
     assert sorted(results) == [0, 1, 2, 3]
     assert all(getattr(res, "version", 1) == 1 for res in results.values()), results
+
+
+@pytest.mark.asyncio
+async def test_a_refused_trainer_that_joined_since_is_not_named_with_its_old_refusal() -> None:
+    # Rank 1 refuses, then joins the round late and hangs in its part: its report comes a
+    # second after its peers' verdict, so the verdict finds it missing. It did join: the
+    # refusal is no reason any more, and the verdict must not say "no call of it joined".
+    store = MemoryStore()
+    engines = await _engines(store)
+    got: dict[int, BaseException] = {}
+    # Later than the report window (1 s) after the start, so its report misses the verdict;
+    # earlier than that verdict (the deadline plus the window), so it joins the round.
+    late = ROUND_TIMEOUT / 2 + 1.0
+
+    async def call(r: int) -> None:
+        try:
+            if r == 1:
+                with pytest.raises(PlanError):
+                    await engines[1].sync_weights(_wrong(1))
+                await anyio.sleep(late)
+                await engines[1].sync_weights(source_shards(PLAN, 1, 1))
+            elif r < T:
+                await engines[r].sync_weights(source_shards(PLAN, r, 1))
+            else:
+                await engines[r].receive()
+        except Exception as exc:
+            got[r] = exc
+
+    _faults.arm([Fault("round.start", "hang", rank=1, round=1)])
+    try:
+        with anyio.fail_after(2 * ROUND_TIMEOUT + 30):
+            async with anyio.create_task_group() as tg:
+                for r in range(T + N):
+                    tg.start_soon(call, r)
+    finally:
+        _faults.disarm()
+        for e in engines:
+            await e.close()
+    assert sorted(got) == [0, 1, 2, 3], got
+    assert len({str(e) for e in got.values()}) == 1, got
+    err = got[0]
+    assert isinstance(err, TransferError) and (err.rank, err.cause) == (1, "deadline"), err
+    assert "refused" not in str(err), err
 
 
 @pytest.mark.asyncio
