@@ -30,10 +30,11 @@ A placement entry is ``"replicate"`` (``"r"``, ``"Replicate()"``, ``-1``) or ``"
 
 Limits (module constants, read at each call; docs/concepts.md): a file of at most
 ``MAX_FILE_BYTES``, at most ``MAX_MESH_RANKS`` ranks in any mesh, at most ``MAX_PARAMS``
-parameters and ``MAX_NAME_BYTES`` bytes of parameter names once ``repeat`` is expanded. The
-file is read at most one byte past its limit; the others are checked by arithmetic on the
-file's numbers before anything is expanded or built. A file past one is refused at once with a
-``PlanError`` naming the file, the key and the limit, instead of costing minutes and GBs first.
+parameters, ``MAX_NAME_BYTES`` bytes of parameter names and ``MAX_SHAPE_DIMS`` shape entries
+once ``repeat`` is expanded. The file is read at most one byte past its limit; the others are
+checked by arithmetic on the file's numbers before anything is expanded or built. A file past
+one is refused at once with a ``PlanError`` naming the file, the key and the limit, instead of
+costing minutes and GBs first.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ __all__ = [
     "MAX_MESH_RANKS",
     "MAX_NAME_BYTES",
     "MAX_PARAMS",
+    "MAX_SHAPE_DIMS",
     "LanePrediction",
     "PlanFile",
     "add_plan_command",
@@ -216,6 +218,9 @@ MAX_PARAMS = 10**7
 #: UTF-8 bytes of all parameter names, every ``repeat`` expanded: a long name times a large
 #: repeat is as costly as many params.
 MAX_NAME_BYTES = 2 << 30
+#: Entries of all parameter shapes, every ``repeat`` expanded: each copy holds and checks a
+#: shape of its own, so a long shape times a large repeat is as costly as many params.
+MAX_SHAPE_DIMS = 10**8
 _LIMITS_HOME = "m2n_async._integrations.planfile"  # where the constants live, for messages
 
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -325,14 +330,16 @@ def _over(prefix: str, where: str, what: str, limit: str, name: str) -> PlanErro
 
 
 def check_limits(spec: PlanFile, source: str | None = None) -> None:
-    """Raise ``PlanError`` if ``spec`` is past ``MAX_MESH_RANKS``, ``MAX_PARAMS`` or
-    ``MAX_NAME_BYTES``, by arithmetic on its fields alone: nothing is expanded or built.
+    """Raise ``PlanError`` if ``spec`` is past ``MAX_MESH_RANKS``, ``MAX_PARAMS``,
+    ``MAX_NAME_BYTES`` or ``MAX_SHAPE_DIMS``, by arithmetic on its fields alone: nothing is
+    expanded or built.
 
     The message names ``source`` (the file), the key (``params[3].repeat``) and the limit.
     """
     prefix = f"{source}: " if source else ""
     # Read now, not bound at import: a program that needs more sets the constants first.
     max_ranks, max_params, max_names = MAX_MESH_RANKS, MAX_PARAMS, MAX_NAME_BYTES
+    max_dims = MAX_SHAPE_DIMS
     meshes = [("trainer_mesh", spec.trainer_mesh), ("worker_mesh", spec.worker_mesh)]
     for k, entry in enumerate(spec.params):
         meshes += [(f"params[{k}].{key}", dims)
@@ -346,7 +353,7 @@ def check_limits(spec: PlanFile, source: str | None = None) -> None:
             if ranks > max_ranks:
                 raise _over(prefix, where, f"{list(dims)} has {ranks} ranks",
                             f"{max_ranks} ranks per mesh", "MAX_MESH_RANKS")
-    params = names = 0
+    params = names = entries = 0
     for k, entry in enumerate(spec.params):
         # The name cut short: the one past MAX_NAME_BYTES may be most of the file.
         shown = entry.name if len(entry.name) <= 80 else entry.name[:60] + "..."
@@ -363,6 +370,11 @@ def check_limits(spec: PlanFile, source: str | None = None) -> None:
             raise _over(prefix, where, f"the expanded names come to {names} bytes "
                         f"({length}-byte name, repeat = {n})", f"{max_names} bytes",
                         "MAX_NAME_BYTES")
+        entries += n * len(entry.shape)
+        if entries > max_dims:
+            raise _over(prefix, f"params[{k}].shape ({shown!r})", f"{len(entry.shape)} "
+                        f"entries, repeat = {n}, bring the expanded shape entries to {entries}",
+                        str(max_dims), "MAX_SHAPE_DIMS")
 
 
 def plan_from_file(spec: PlanFile, source: str | None = None) -> tuple[TransferPlan, int | None]:

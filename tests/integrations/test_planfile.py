@@ -667,6 +667,27 @@ def test_the_expanded_names_are_bounded_in_bytes(tmp_path: Path,
     assert len(msg) < 400
 
 
+def test_the_expanded_shape_entries_are_bounded(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each copy holds and checks its own shape: a long shape times a large repeat costs as
+    # many params do, though the count of params and the names stay small.
+    text = TINY.replace("repeat = 1", "repeat = 5").replace("shape = [4]", "shape = [4, 1, 1]")
+    monkeypatch.setattr(planfile, "MAX_SHAPE_DIMS", 15)
+    plan, _ = load_plan_file(_write(tmp_path, text))
+    assert sum(len(p.spec.shape) for p in plan.params) == 15
+    monkeypatch.setattr(planfile, "MAX_SHAPE_DIMS", 14)
+    _refused(_write(tmp_path, text), r": params\[0\]\.shape \('w\{i\}'\): 3 entries, repeat = 5, "
+             r"bring the expanded shape entries to 15, over the limit of 14 \(MAX_SHAPE_DIMS in "
+             r"m2n_async\._integrations\.planfile; ")
+    # at the real limit: a 10**4-entry shape (20 kB of file) a million times
+    monkeypatch.undo()
+    shape = "shape = [" + ", ".join(["1"] * 10**4) + "]"
+    text = TINY.replace("repeat = 1", "repeat = 1000000").replace("shape = [4]", shape)
+    _refused(_write(tmp_path, text), r": params\[0\]\.shape \('w\{i\}'\): 10000 entries, "
+             r"repeat = 1000000, bring the expanded shape entries to 10000000000, over the "
+             r"limit of 100000000 \(MAX_SHAPE_DIMS")
+
+
 def test_digit_counts_match_the_names_they_stand_for() -> None:
     for n in [*range(0, 1500), 10**6 - 1, 10**6, 10**6 + 1]:
         assert planfile._digits_below(n) == sum(len(str(i)) for i in range(n)), n
