@@ -48,6 +48,7 @@ import atexit
 import concurrent.futures
 import contextlib
 import functools
+import os
 import queue
 import threading
 import time
@@ -122,6 +123,24 @@ def _start_reaper() -> None:
             _reaper = threading.Thread(target=_reap_forever, name="m2n-async-reaper",
                                        daemon=True)
             _reaper.start()
+
+
+def _forget_parent() -> None:
+    """In a forked child: the parent's loop threads, reaper and closers are not here."""
+    global _reaper_lock, _reap_queue
+    _reaper_lock = threading.Lock()  # a thread that held it at the fork never releases it here
+    _reap_queue = queue.SimpleQueue()  # the closes queued there are the parent's to run
+    _closers.clear()
+    for owner in list(_unclosed):
+        finalizer = getattr(owner, "_finalizer", None)  # None: forked inside _watch
+        if finalizer is not None:
+            finalizer.detach()  # the parent's engine: closing it here would wait forever
+        owner._loop.closed = True  # its thread is the parent's: calls refuse, closes return
+    _unclosed.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_parent)
 
 
 def _collected(label: str, reap: Callable[[str], None], grace: float,

@@ -201,6 +201,87 @@ def test_closed_facades_warn_nothing(store_address: str) -> None:
         assert not thread.is_alive()
 
 
+def _in_fork(child: Callable[[], bool]) -> None:
+    """Run ``child`` in a forked copy of this process; fail unless it returns True there."""
+    pid = os.fork()
+    if pid == 0:  # the child: never back into pytest, whatever happens
+        code = 1
+        try:
+            code = 0 if child() else 1
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()  # the parent sees only the exit status: say why here
+        finally:
+            os._exit(code)
+    end = time.monotonic() + DEADLINE
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0, "the forked child failed"
+            return
+        if time.monotonic() > end:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail(f"the forked child did not finish within {DEADLINE} s")
+        time.sleep(0.02)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_forked_child_can_connect_while_a_thread_held_the_reaper_lock() -> None:
+    # A lock held by another thread at the fork stays held in the child, where that thread
+    # does not exist: the child must not wait for it to connect (or to exit).
+    from m2n_async import blocking
+
+    held, free = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with blocking._reaper_lock:
+            held.set()
+            free.wait(DEADLINE)
+
+    thread = threading.Thread(target=holder, daemon=True)
+    thread.start()
+    try:
+        assert held.wait(DEADLINE)
+
+        def child() -> bool:
+            blocking._start_reaper()  # as a connect in the child would
+            blocking._close_at_exit()  # as the child's exit would
+            return True
+
+        _in_fork(child)
+    finally:
+        free.set()
+        thread.join(DEADLINE)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_forked_child_leaves_the_parents_engines_alone(store_address: str) -> None:
+    # The child has none of the parent's loop threads: closing the engines it inherited
+    # would wait for a thread that is not there, and they are the parent's to close.
+    from m2n_async import blocking
+
+    trainer, worker, _target = _pair(store_address, "blocking-gc-fork")
+    try:
+        def child() -> bool:
+            with warnings.catch_warnings(record=True) as record:
+                warnings.simplefilter("always")
+                blocking._start_reaper()  # as a connect in the child would
+                blocking._close_at_exit()  # as the child's exit would
+                closers = [t for t in threading.enumerate() if t.name == "m2n-async-closer"]
+            return not closers and not _messages(record)
+
+        _in_fork(child)
+        with ThreadPoolExecutor(1) as ex:  # the parent's engines go on
+            got = ex.submit(worker.receive)
+            trainer.sync_weights({"w": _full(1)})
+            assert got.result(DEADLINE).version == 1
+    finally:
+        trainer.close()
+        worker.close()
+
+
 EXIT_SCRIPT = textwrap.dedent("""
     import atexit, sys, threading
     sys.path.insert(0, sys.argv[1])
