@@ -909,14 +909,6 @@ class TrainerEngine(_Engine):
     async def _sync_weights(self, weights: Weights, version: int | None,
                             timeout: float | None,  # noqa: ASYNC109 - the API's argument
                             progress: Progress | None) -> SyncResult:
-        if version is not None and (type(version) is not int):
-            raise LocalProtocolError(f"sync_weights: version must be an int, got "
-                                     f"{version!r} ({type(version).__name__})")
-        if timeout is not None and not (isinstance(timeout, (int, float))
-                                        and not isinstance(timeout, bool)
-                                        and math.isfinite(timeout) and timeout > 0):
-            raise LocalProtocolError(f"sync_weights: timeout must be a finite number of "
-                                     f"seconds > 0, got {timeout!r}")
         assert self._plan is not None and self._transport is not None
         plan, transport, rank = self._plan, self._transport, self.rank
         if progress is not None:  # it runs in a task of the loop: see CallbackInterrupted
@@ -932,11 +924,19 @@ class TrainerEngine(_Engine):
         # READY.
         t0 = time.perf_counter()
         try:
+            if version is not None and (type(version) is not int):
+                raise LocalProtocolError(f"sync_weights: version must be an int, got "
+                                         f"{version!r} ({type(version).__name__})")
+            if timeout is not None and not (isinstance(timeout, (int, float))
+                                            and not isinstance(timeout, bool)
+                                            and math.isfinite(timeout) and timeout > 0):
+                raise LocalProtocolError(f"sync_weights: timeout must be a finite number of "
+                                         f"seconds > 0, got {timeout!r}")
             sources = await self._checked_sources(weights, plan, device, version)
         except (PlanError, LocalProtocolError) as exc:
-            # Refused before joining: the peers stay in the round (this rank may call again
-            # with fixed weights). The note lets their deadline verdict name this refusal
-            # instead of a frozen rank.
+            # Refused before joining (its arguments or its weights): the peers stay in the
+            # round (this rank may call again, fixed). The note lets their deadline verdict
+            # name this refusal instead of a frozen rank.
             with anyio.CancelScope(shield=True):
                 await self._rounds_note_refusal(exc)
             raise

@@ -226,7 +226,7 @@ class Round:
         if refusal is not None:
             return Failure(Cause.DEADLINE, 0, f"trainer rank 0 did not start {self.where} "
                                               f"within the round deadline of {timeout:g} s: "
-                                              f"its sync_weights refused its weights "
+                                              f"its sync_weights call was refused "
                                               f"({refusal}) and no call started the round "
                                               f"since")
         return Failure(Cause.DEADLINE, 0, f"trainer rank 0 did not start {self.where} within "
@@ -366,7 +366,7 @@ class Round:
                 return Failure(Cause.DEADLINE, r,
                                f"rank {self.named([r])} did not report its part of "
                                f"{self.where} by the round deadline of {timeout:g} s: its "
-                               f"sync_weights refused its weights ({refusal}) and no call "
+                               f"sync_weights call was refused ({refusal}) and no call "
                                f"of it joined the round since{by}")
             return Failure(Cause.DEADLINE, r,
                            f"rank {self.named([r])} did not report its part of {self.where} by "

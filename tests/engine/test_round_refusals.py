@@ -15,7 +15,14 @@ import anyio
 import pytest
 import torch
 
-from m2n_async import EngineConfig, PlanError, TrainerEngine, TransferError, WorkerEngine
+from m2n_async import (
+    EngineConfig,
+    LocalProtocolError,
+    PlanError,
+    TrainerEngine,
+    TransferError,
+    WorkerEngine,
+)
 from m2n_async._engine import _faults
 from m2n_async._engine._faults import Fault
 from m2n_async.testing import MemoryStore
@@ -87,7 +94,7 @@ async def test_a_refused_trainer_that_does_not_call_again_is_named_with_its_refu
     err = peers[0]
     assert isinstance(err, TransferError)
     assert (err.rank, err.cause) == (1, "deadline"), err
-    assert "its sync_weights refused its weights (PlanError: " in str(err), err
+    assert "its sync_weights call was refused (PlanError: " in str(err), err
     assert "frozen" not in str(err), err
 
 
@@ -164,14 +171,21 @@ async def test_a_refused_trainer_that_joined_since_is_not_named_with_its_old_ref
 
 
 @pytest.mark.asyncio
-async def test_rank_0_refused_is_named_with_its_refusal_by_the_trainers_waiting() -> None:
+@pytest.mark.parametrize("refused", ["weights", "timeout"])
+async def test_rank_0_refused_is_named_with_its_refusal_by_the_trainers_waiting(
+        refused: str) -> None:
+    # Its weights (a misshapen shard) or its arguments (a timeout that is no deadline).
     store = MemoryStore()
     engines = await _engines(store)
     got: dict[int, BaseException] = {}
 
     async def call(r: int) -> None:
         try:
-            await engines[r].sync_weights(_wrong(0) if r == 0 else source_shards(PLAN, r, 1))
+            if r == 0 and refused == "timeout":
+                await engines[0].sync_weights(source_shards(PLAN, 0, 1), timeout=-1)
+            else:
+                await engines[r].sync_weights(_wrong(0) if r == 0 else source_shards(PLAN, r,
+                                                                                     1))
         except Exception as exc:
             got[r] = exc
 
@@ -183,7 +197,8 @@ async def test_rank_0_refused_is_named_with_its_refusal_by_the_trainers_waiting(
     finally:
         for e in engines:
             await e.close()
-    assert isinstance(got[0], PlanError), got
+    kind = PlanError if refused == "weights" else LocalProtocolError
+    assert type(got[0]) is kind, got
     err = got[1]
     assert isinstance(err, TransferError) and (err.rank, err.cause) == (0, "deadline"), err
-    assert "its sync_weights refused its weights (PlanError: " in str(err), err
+    assert f"its sync_weights call was refused ({kind.__name__}: " in str(err), err

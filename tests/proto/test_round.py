@@ -184,6 +184,6 @@ def test_a_missing_rank_that_left_a_refusal_is_named_with_it() -> None:
     named = core.deadline_verdict(reports, 5.0, {0: "PlanError: bad w"})
     assert plain.cause is named.cause is Cause.DEADLINE and plain.rank == named.rank == 0
     assert "frozen" in plain.reason and "frozen" not in named.reason
-    assert "refused its weights (PlanError: bad w)" in named.reason
+    assert "call was refused (PlanError: bad w)" in named.reason
     missed = core.start_missed(5.0, "PlanError: bad w")
-    assert missed.rank == 0 and "refused its weights (PlanError: bad w)" in missed.reason
+    assert missed.rank == 0 and "call was refused (PlanError: bad w)" in missed.reason
