@@ -317,6 +317,16 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     """``t`` as uint8 with its last dim scaled by the item size (no copy; needs contiguous)."""
     if t.dim() == 0:
         t = t.reshape(1)
+    elif t.stride(-1) != 1 and t.is_contiguous():
+        # A size-1 dim may carry any stride in a contiguous tensor (a transposed (1, n) is
+        # (n, 1) with strides (1, n)), and view(uint8) refuses a last stride that is not 1:
+        # the canonical strides of a contiguous tensor alias the same bytes (reshape and view
+        # keep the odd stride). Guarded: for a tensor that is not contiguous they would not.
+        strides, step = [], 1
+        for n in reversed(t.shape):
+            strides.append(step)
+            step *= n
+        t = t.as_strided(t.shape, strides[::-1])
     return t.view(torch.uint8)
 
 
