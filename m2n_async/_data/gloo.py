@@ -970,6 +970,12 @@ class GlooTransport(Transport):
                     src = get(i)  # raises the PlanError naming the parameter
                 elif src.dtype is not dtypes[i]:
                     cast_bytes += nbytes
+                    if src.dim() == 0:
+                        # Cast by shard.to(wire) itself, what the workers must get: a 0-d
+                        # cast inside a multi-tensor copy encodes a NaN otherwise on the CPU
+                        # (0xffff for 0x7fc0 in bf16); its temporary is one element
+                        src = src.to(dtypes[i])
+                        temps.append(src)
             elif how == _SPAN:
                 src = get_flat(i)[arg[0]:arg[1]]
             elif how == _STRIDED:
@@ -980,7 +986,9 @@ class GlooTransport(Transport):
                 if how == _CAST_SPAN:
                     src = t.reshape(-1)[arg[0]:arg[1]]
                 else:
-                    region = (t.reshape(1) if t.dim() == 0 else t)[arg]
+                    # a 0-d shard is cast as it is (shard.to(wire), as for _WHOLE above):
+                    # torch's CPU cast of a 1-element tensor encodes a NaN otherwise
+                    region = t if t.dim() == 0 else t[arg]
                     if how == _CAST_STRIDED:
                         src = region
                     else:  # _CAST_TEMP

@@ -804,10 +804,11 @@ class TrainerEngine(_Engine):
         dtype among float64 / float32 / bfloat16 / float16 when the wire dtype is one of them
         (fp32 master weights, bf16 on the wire). Such a shard is cast while it is packed, in
         the copy that packs, on every transport; the workers get exactly
-        ``shard.to(wire_dtype)`` (round to nearest even) and ``SyncResult.cast_bytes`` says
-        how many bytes were cast. Any other conversion (int <-> float, to or from fp8,
-        bool, integer widths) raises ``PlanError`` naming the parameter, the rank and both
-        dtypes.
+        ``shard.to(wire_dtype)`` (round to nearest even; but for the NaN bits of a float64
+        shard on a bfloat16 wire, which torch's CPU cast encodes by position: a NaN stays a
+        NaN) and ``SyncResult.cast_bytes`` says how many bytes were cast. Any other
+        conversion (int <-> float, to or from fp8, bool, integer widths) raises
+        ``PlanError`` naming the parameter, the rank and both dtypes.
 
         Refused before the round, with ``PlanError`` naming the parameter, the rank and what
         is wrong: for a dict (or ``MappingProxyType``) of tensors, a missing parameter, a

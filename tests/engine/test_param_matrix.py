@@ -44,6 +44,8 @@ from ._plans import (
     R,
     empty_targets,
     expected_shards,
+    global_tensor,
+    local_shard,
     make_plan,
     source_shards,
 )
@@ -439,3 +441,93 @@ async def test_unicode_slashes_and_long_names_move_bit_exact() -> None:
     plan = make_plan(defs, SRC_DIMS, DST_DIMS)
     _, tensors = await _one_round(plan)
     _assert_delivered(plan, tensors)
+
+
+# -- the cast while packing ---------------------------------------------------------------
+
+# fp32 bit patterns: NaN payloads (quiet, signalling, negative, the extremes), signed zeros,
+# subnormals (the smallest, the largest, halfway cases in bf16), infinities, the largest
+# finite (rounds to inf in bf16 and fp16), exact ties (round half to even, both ways).
+F32_SPECIALS = [0x7FC00000, 0xFFC00000, 0x7F800001, 0x7FC00001, 0x7FBFFFFF, 0xFF812345,
+                0x7FFFFFFF, 0xFFFFFFFF, 0x80000000, 0x00000000, 0x00000001, 0x807FFFFF,
+                0x00400000, 0x00008000, 0x00018000, 0x007F8000, 0x7F800000, 0xFF800000,
+                0x7F7FFFFF, 0xFF7FFFFF, 0x3F808000, 0x3F818000, 0xBF808000, 0x477FF000,
+                0x477FE000, 0x33800000, 0x33000000]
+# fp64 bit patterns of the same kinds, plus a value that rounds differently through fp32
+F64_SPECIALS = [0x7FF8000000000000, 0xFFF8000000000001, 0x7FF0000000000001,
+                0x7FF7FFFFFFFFFFFF, 0x8000000000000000, 0x0000000000000001,
+                0x000FFFFFFFFFFFFF, 0x7FF0000000000000, 0xFFF0000000000000,
+                0x7FEFFFFFFFFFFFFF, 0x3FF0100000000001, 0x3FF0100000000000,
+                0x36A0000000000000, 0x47EFFFFFE0000000]
+
+
+def _master(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A full master tensor: random values with the special patterns spread through it, so
+    every piece of every layout holds some, at every alignment."""
+    g = torch.Generator().manual_seed(sum(name.encode()) * 7919)
+    n = torch.Size(shape).numel()
+    t = (torch.randn(n, generator=g, dtype=torch.float64) * 100).to(dtype)
+    if dtype == torch.float32:
+        specials = torch.tensor(F32_SPECIALS, dtype=torch.int64).to(torch.int32)
+    else:
+        specials = torch.tensor([b - (1 << 64) if b >= 1 << 63 else b for b in F64_SPECIALS],
+                                dtype=torch.int64)
+    bits = t.view(specials.dtype)
+    step = 3  # every third element, cycling through the specials
+    idx = torch.arange(0, n, step)
+    bits[idx] = specials[torch.arange(len(idx)) % len(specials)]
+    return t.reshape(shape)
+
+
+CAST_DEFS: list[tuple[str, tuple[int, ...], tuple[int, int] | None, tuple[int, int] | None]] = [
+    ("pad", (3,), None, None),                 # a uint8 param: what follows is unaligned
+    ("strided", (16, 24), *SHARDED),           # column blocks of row slabs
+    ("rows", (10, 6), None, (R, 0)),           # contiguous row ranges
+    ("whole", (8, 12), (0, R), (R, 0)),        # whole shards
+    ("odd", (5, 7), *REPLICATED),
+    ("scalar", (), *REPLICATED),
+    ("pad2", (2,), None, None),                # the next scalar lands at an odd offset
+    ("scalar2", (), *REPLICATED),
+    ("scalar3", (), *REPLICATED),
+    ("big", (1024, 1024), None, (R, 0)),       # 1 MiB+ pieces: messages of their own
+]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("master", "wire"), [
+    (torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+    (torch.float64, torch.bfloat16), (torch.float64, torch.float32),
+], ids=["fp32-bf16", "fp32-fp16", "fp64-bf16", "fp64-fp32"])
+async def test_the_cast_while_packing_gives_exactly_shard_to_wire(master: torch.dtype,
+                                                                  wire: torch.dtype) -> None:
+    defs: list[ParamDef] = [(n, s, torch.uint8 if n.startswith("pad") else wire, sp, dp)
+                            for n, s, sp, dp in CAST_DEFS]
+    plan = make_plan(defs, SRC_DIMS, DST_DIMS)
+    fulls = {p.spec.name: (global_tensor(p.spec.name, p.spec.shape, torch.uint8)
+                           if p.spec.name.startswith("pad") else
+                           _master(p.spec.name, p.spec.shape, master)) for p in plan.params}
+    shards = {r: {p.spec.name: local_shard(fulls[p.spec.name], p.spec.layout, r)
+                  for p in plan.params} for r in range(T)}
+    # What the workers must hold: each trainer's shard.to(wire), put back where it lies
+    wire_fulls = {}
+    for p in plan.params:
+        dtype = getattr(torch, p.spec.dtype)
+        full = torch.empty(p.spec.shape, dtype=dtype)
+        for r in range(T):
+            box = p.spec.layout.box(p.spec.shape, r)
+            full[tuple(slice(a, b) for a, b in box)] = shards[r][p.spec.name].to(dtype)
+        wire_fulls[p.spec.name] = full
+    results, tensors = await _one_round(plan, weights=shards)
+    # torch's own fp64 -> bf16 cast on the CPU encodes a NaN by where it lies in the tensor
+    # (0xffff inside a vector of the kernel, 0x7fc0 in a tail), so no copy of a part of the
+    # shard can promise shard.to's NaN bits there; every other value, and NaN-ness, it can
+    nan_bits = (master, wire) != (torch.float64, torch.bfloat16)
+    for r in range(T, T + N):
+        for p in plan.params:
+            _assert_same(tensors[r][p.spec.name],
+                         local_shard(wire_fulls[p.spec.name], p.dst, r), (r, p.spec.name),
+                         nan_bits=nan_bits)
+    assert all(results[r].cast_bytes > 0 for r in range(T)), results
+    # the specials really reached the workers: NaNs, infinities, zeros among them
+    got = torch.cat([tensors[r]["strided"].reshape(-1) for r in range(T, T + N)])
+    assert got.isnan().any() and got.isinf().any() and (got == 0).any()
