@@ -137,6 +137,14 @@ class ParamSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=Fals
         name = self.name
         if not isinstance(name, str) or not name:
             raise PlanError(f"parameter name must be a non-empty str, got {name!r}")
+        if not name.isascii():  # the fast path: ASCII is UTF-8
+            try:
+                name.encode()
+            except UnicodeEncodeError as e:
+                # Names travel as UTF-8 (digests, the handshake): refused here, naming it,
+                # not later in a phase whose encoder cannot say which name it was.
+                raise PlanError(f"parameter {name!r}: the name is not valid UTF-8 text "
+                                f"({e.reason} at position {e.start})") from None
         if type(self.dtype) is not str or self.dtype not in DTYPE_ITEMSIZE:
             try:
                 canon = dtype_name(self.dtype)

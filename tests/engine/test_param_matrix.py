@@ -443,6 +443,14 @@ async def test_unicode_slashes_and_long_names_move_bit_exact() -> None:
     _assert_delivered(plan, tensors)
 
 
+def test_a_name_that_is_no_utf_8_text_is_refused_naming_it() -> None:
+    # Names travel as UTF-8 (digests, the handshake): a lone surrogate cannot, and must be
+    # refused where the name is given, not in a phase that cannot say which one.
+    with pytest.raises(PlanError, match=r"parameter 'w\\ud800': the name is not valid "
+                                        r"UTF-8 text"):
+        ParamSpec("w\ud800", torch.float32, (4,), Layout(Mesh(SRC_DIMS), None))
+
+
 # -- the cast while packing ---------------------------------------------------------------
 
 # fp32 bit patterns: NaN payloads (quiet, signalling, negative, the extremes), signed zeros,
