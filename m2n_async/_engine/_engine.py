@@ -1081,7 +1081,12 @@ class WorkerEngine(_Engine):
         tensor)`` gets the shard instead). Placements are on the worker mesh ``mesh_dims``
         (default ``(world_size - trainer_ranks, 1)``): ``(REPLICATE, d)`` shards dim ``d``
         along the second (TP) axis, ``None`` replicates. Every name of the plan needs a
-        target and vice versa (checked in the handshake). Raises as
+        target and vice versa (checked in the handshake). A tensor target holds the wire
+        bytes as they are, so it must have the parameter's planned (wire) dtype — the worker
+        side never casts; a ``LoadTarget`` whose ``load`` copies into a tensor of another
+        dtype does —, this rank's local shard shape, be contiguous and on the engine's
+        device: one that is not fails the ``runtime_ready`` phase on every rank, one
+        ``PreflightError`` naming this rank, the parameter and what is wrong. Raises as
         ``TrainerEngine.connect``.
 
         Malformed ``targets`` (not a mapping, or a value that is neither ``(tensor,
