@@ -50,7 +50,11 @@ reload it opened (so no layer is left on the meta device), records the cause, an
 ``start_weight_update`` with a ``RuntimeError`` naming it until ``shutdown()`` and a new
 ``init``; the next successful round is a full resync, after which the model is consistent.
 Calls out of order (update before start, a second update in one session, a second init)
-raise ``RuntimeError`` before anything is received or changed.
+raise ``RuntimeError`` before anything is received or changed; so does, as ``ValueError``
+at init, a declared shape that a parameter with a known-safe loader contradicts (that loader
+would fail mid-round, or cut a slab of the wrong tensor). A ``load_weights`` failure names
+the tensor it took last, and every failed round's error says the model may be partly
+updated.
 
 Trainer side (``VLLMTrainerEngine``): ``trainer_init`` on every trainer rank maps the
 ``WeightSource``'s ``ParamMeta`` (``owners``, ``mesh_shape``, ``placements``; vLLM's
@@ -89,6 +93,7 @@ from m2n_async._proto.errors import (
     PhaseTimeoutError,
     PlanError,
     StoreError,
+    TransferError,
 )
 from m2n_async._proto.layout import REPLICATE, Layout, Mesh
 from m2n_async._proto.params import ParamSpec, dtype_name
@@ -206,27 +211,36 @@ def _parse(cls: type, what: str, d: object) -> dict[str, Any]:
     missing = sorted(n for n, f in fields.items()
                      if n not in d and f.default is dataclasses.MISSING
                      and f.default_factory is dataclasses.MISSING)
-    types = _types_of(cls)
-    wrong_keys = {k for k, v in d.items()
-                  if k in types and (not isinstance(v, types[k]) or isinstance(v, bool))}
-    wrong = sorted(f"{k} ({type(d[k]).__name__})" for k in wrong_keys)
     problems = []
     if unknown:
         problems.append(f"unknown keys {unknown}")
     if missing:
         problems.append(f"missing keys {missing}")
-    if wrong:
+    problems += _value_problems(cls, d, "null")
+    if problems:
+        raise ValueError(f"m2n_async {what}: {'; '.join(problems)} (known keys: "
+                         f"{sorted(fields)})")
+    return dict(d)
+
+
+def _value_problems(cls: type, d: Mapping[str, object], none: str,
+                    skip: frozenset[str] = frozenset()) -> list[str]:
+    """Values of ``d`` of the wrong type for dataclass ``cls`` (a bool is no int), and
+    timeouts that are no finite seconds > 0 (``none``: how the caller spells None)."""
+    types = _types_of(cls)
+    wrong_keys = {k for k, v in d.items() if k in types and k not in skip
+                  and (not isinstance(v, types[k]) or isinstance(v, bool))}
+    problems = []
+    if wrong_keys:
+        wrong = sorted(f"{k} ({type(d[k]).__name__})" for k in wrong_keys)
         problems.append(f"values of the wrong type {wrong}")
     # Seconds, as EngineConfig and sync_weights(timeout=) take them: finite and > 0.
     bad = sorted(f"{k}={v!r}" for k, v in d.items()
                  if k.endswith("timeout") and k not in wrong_keys and v is not None
                  and not _is_seconds(v))
     if bad:
-        problems.append(f"timeouts must be finite numbers of seconds > 0 (or null) {bad}")
-    if problems:
-        raise ValueError(f"m2n_async {what}: {'; '.join(problems)} (known keys: "
-                         f"{sorted(fields)})")
-    return dict(d)
+        problems.append(f"timeouts must be finite numbers of seconds > 0 (or {none}) {bad}")
+    return problems
 
 
 def _is_seconds(v: object) -> bool:
@@ -242,11 +256,13 @@ def _parse_params(raw: Sequence[object]) -> tuple[WireParam, ...]:
             raise ValueError(f"m2n_async init_info params[{i}] must be an object with exactly "
                              f"the keys ['dtype', 'name', 'shape'], got {p!r}")
         name, dtype, shape = p["name"], p["dtype"], p["shape"]
-        if (not isinstance(name, str) or not isinstance(dtype, str)
+        if (not isinstance(name, str) or not name or not isinstance(dtype, str)
                 or not isinstance(shape, list | tuple)
-                or not all(isinstance(n, int) and not isinstance(n, bool) for n in shape)):
-            raise ValueError(f"m2n_async init_info params[{i}]: name and dtype must be "
-                             f"strings and shape a list of ints, got {p!r}")
+                or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                           for n in shape)):
+            raise ValueError(f"m2n_async init_info params[{i}]: name must be a non-empty "
+                             f"string, dtype a string and shape a list of ints >= 0, got "
+                             f"{p!r}")
         try:
             dtype = dtype_name(dtype)
         except PlanError as exc:
@@ -274,6 +290,13 @@ def _worker_payload(info: TrainerInitInfo, address: str, specs: Sequence[ParamSp
                 "connect_timeout": info.connect_timeout, "host": info.worker_host}
     payload.update({k: v for k, v in optional.items() if v is not None})
     return payload
+
+
+def _engine_config(info: WorkerInitInfo, device: str | None) -> EngineConfig:
+    """The worker's ``EngineConfig`` (``PlanError`` naming the field it refuses)."""
+    return EngineConfig(transport=info.transport, bucket_bytes=info.bucket_bytes,
+                        phase_timeout=info.phase_timeout, round_timeout=info.round_timeout,
+                        device=device, host=info.host, job=info.job)
 
 
 def _token(env: str, explicit: str | None = None) -> str:
@@ -348,7 +371,9 @@ def resolve_destinations(model: torch.nn.Module, params: Sequence[WireParam], *,
                          allow_direct: bool) -> dict[str, tuple[torch.Tensor, Any] | None]:
     """Per plan name: ``(live tensor, placements)`` to write in place, or ``None`` for the
     ``load_weights`` path — vLLM's ``resolve_parameter_destinations`` rule (module docstring).
-    """
+    ``ValueError`` naming every name that maps onto a parameter with a known-safe loader whose
+    shape contradicts the declared global shape (that loader would fail mid-round, or cut a
+    slab of the wrong tensor)."""
     import torch
 
     live = dict(model.named_parameters()) if allow_direct else {}
@@ -357,19 +382,40 @@ def resolve_destinations(model: torch.nn.Module, params: Sequence[WireParam], *,
                for p in m.parameters()}
     safe = _safe_loaders() if live else {}
     out: dict[str, tuple[torch.Tensor, Any] | None] = {}
+    contradicted: list[str] = []
     for p in params:
         param = live.get(p.name)
         dim = None
-        if (param is not None and id(param) not in blocked
-                and param.dtype == getattr(torch, p.dtype) and param.data.is_contiguous()):
+        declared = None
+        if param is not None and id(param) not in blocked:
             declared = _declared_shard(param, tp, safe)
-            if declared is not None:
-                dim = _validated_shard(p.shape, tuple(param.shape), declared, tp)
+        if declared is not None:
+            assert param is not None
+            local = tuple(param.shape)
+            dim = _validated_shard(p.shape, local, declared, tp)
+            if dim is None and not (declared == REPLICATE and param.numel() == 1
+                                    and math.prod(p.shape) == 1):
+                # This loader copies (or cuts this rank's slab on its declared dim): any
+                # other global shape fails mid-round or, larger on that dim, loads a slab
+                # of the wrong tensor without a word. A scalar copy fills whatever its shape.
+                whole = local if declared == REPLICATE else tuple(
+                    n * tp if d == declared else n for d, n in enumerate(local))
+                how = ("a copy" if declared == REPLICATE else
+                       f"dim {declared} sharded over tensor-parallel size {tp}")
+                contradicted.append(f"{p.name!r} declared {p.shape}, the model's parameter is "
+                                    f"{local} ({how}: global {whole})")
+            if param.dtype != getattr(torch, p.dtype) or not param.data.is_contiguous():
+                dim = None  # a cast or a strided copy: load_weights does it
         if dim is None:
             out[p.name] = None
         else:
             assert param is not None
             out[p.name] = (param.data, None if dim == REPLICATE else (REPLICATE, dim))
+    if contradicted:
+        raise ValueError(f"m2n_async: the trainer's parameters do not match this vLLM "
+                         f"model's: {'; '.join(contradicted)}. Nothing was received or "
+                         f"changed; the trainer's model and the served one must be the same "
+                         f"architecture and config")
     # A module with any loaded parameter loads all of them (layerwise reload finalizes a
     # module as a unit: an in-place write beside a loaded sibling would be overwritten).
     loaded_modules = {n.rpartition(".")[0] for n, d in out.items() if d is None and n in live}
@@ -402,15 +448,19 @@ class _LoadFeed:
         self._stopped = threading.Event()
         self._loaded = threading.Event()
         self._error: BaseException | None = None
+        self._context = ""  # what load_weights was loading when it raised, for the error
         self.expected = expected
         self.where = where  # "worker rank N", for the error
         self.yielded = 0
+        self.taken: str | None = None  # the last name load_weights took this round
         self.put_count = 0
         self.names: list[str] = []  # what ``put`` delivered this round, for the error
 
     def begin(self) -> None:
         """A new round: nothing delivered yet."""
         self.yielded = self.put_count = 0
+        self.taken = None
+        self._context = ""
         self.names.clear()
         self._loaded.clear()
         self._stopped.clear()
@@ -452,13 +502,17 @@ class _LoadFeed:
     def _stopped_error(self, when: str) -> RuntimeError:
         if self._error is None:
             return RuntimeError(f"m2n_async: {self.where}: load_weights stopped {when}")
+        # The parameter the callback is for is whichever put waited; the context says
+        # which tensor load_weights was on.
         return RuntimeError(f"m2n_async: {self.where}: model.load_weights raised "
-                            f"{self._error!r}")
+                            f"{self._error!r}{self._context}")
 
-    def stop(self, error: BaseException | None = None) -> None:
-        """The consumer gave up (``error``: why): a ``put`` waiting or to come raises."""
+    def stop(self, error: BaseException | None = None, context: str = "") -> None:
+        """The consumer gave up (``error``: why; ``context``: what it was loading): a
+        ``put`` waiting or to come raises."""
         if self._error is None:
             self._error = error
+            self._context = context
         self._stopped.set()
 
     def loaded(self) -> None:
@@ -475,6 +529,7 @@ class _LoadFeed:
                 continue
             self.yielded += 1
             name, tensor, done = item
+            self.taken = name
             if done is not None:
                 import torch
 
@@ -574,13 +629,34 @@ class VLLMWorkerBackend:
     def parse_init_info(self, init_dict: dict[str, Any]) -> WorkerInitInfo:
         """``WorkerInitInfo`` from the JSON dict; ``ValueError`` naming unknown or missing
         keys and values of the wrong type (vLLM's convention)."""
+        from m2n_async._store._sockets import parse_address
+
         d = _parse(WorkerInitInfo, "init_info", init_dict)
         d["params"] = _parse_params(d["params"])
         if not 0 < d["trainer_ranks"] < d["world_size"]:
             raise ValueError(f"m2n_async init_info: need 0 < trainer_ranks < world_size, got "
                              f"trainer_ranks={d['trainer_ranks']}, world_size="
                              f"{d['world_size']}")
-        return WorkerInitInfo(**d)
+        info = WorkerInitInfo(**d)
+        # Everything init would refuse later, refused here with the key it comes from: vLLM
+        # calls parse first, and a refusal there has changed nothing.
+        offset = info.rank_offset
+        if offset is not None and not info.trainer_ranks <= offset < info.world_size:
+            raise ValueError(f"m2n_async init_info: rank_offset (the first worker rank of "
+                             f"this deployment) must be in [trainer_ranks, world_size) = "
+                             f"[{info.trainer_ranks}, {info.world_size}), got {offset}")
+        if not info.token_env:
+            raise ValueError("m2n_async init_info: token_env must name an environment "
+                             "variable, got ''")
+        try:
+            parse_address(info.store_address)
+        except ValueError as exc:
+            raise ValueError(f"m2n_async init_info: store_address: {exc}") from None
+        try:
+            _engine_config(info, None)
+        except PlanError as exc:
+            raise ValueError(f"m2n_async init_info: {exc}") from None
+        return info
 
     def parse_update_info(self, update_dict: dict[str, Any]) -> UpdateInfo:
         """``UpdateInfo`` from the JSON dict (``ValueError`` as ``parse_init_info``)."""
@@ -615,6 +691,16 @@ class VLLMWorkerBackend:
         pc = self.parallel_config
         tp, pp = int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size)
         workers = info.world_size - info.trainer_ranks
+        if not info.trainer_ranks <= self.rank < info.world_size:
+            # The engine would refuse the rank too, without saying how vLLM composed it.
+            offset = info.rank_offset if info.rank_offset is not None else info.trainer_ranks
+            raise ValueError(
+                f"m2n_async: worker rank {self.rank} (rank_offset {offset} + "
+                f"data_parallel_index {pc.data_parallel_index} x {pc.world_size} + rank "
+                f"{pc.rank}) is outside the job's worker ranks [{info.trainer_ranks}, "
+                f"{info.world_size}): world_size must count every worker rank of every "
+                f"deployment (trainer_ranks + DP x TP x PP), and rank_offset place this one "
+                f"inside it")
         quantized = getattr(self.model_config, "quantization", None) is not None
         # PP splits the layers (no shard of a checkpoint tensor is a stage's slab) and
         # quantized loaders transform: both take every parameter through load_weights.
@@ -635,12 +721,12 @@ class VLLMWorkerBackend:
         log.info("m2n_async destinations: %d of %d parameters written in place, %d through "
                  "load_weights", len(info.params) - len(self._loaded), len(info.params),
                  len(self._loaded))
-        cfg = EngineConfig(transport=info.transport, bucket_bytes=info.bucket_bytes,
-                           phase_timeout=info.phase_timeout, round_timeout=info.round_timeout,
-                           device=None if device.type == "cpu" else str(device),
-                           host=info.host, job=info.job)
+        cfg = _engine_config(info, None if device.type == "cpu" else str(device))
         from m2n_async._store import JobClaimedError
 
+        # The engine's timeouts start once the store answered; bound that part here.
+        bound = "connect_timeout" if info.connect_timeout is not None else "phase_timeout"
+        _await_store_answer(info.store_address, getattr(info, bound), bound)
         try:
             return BlockingWorker.connect(info.store_address, token=token, rank=self.rank,
                                           trainer_ranks=info.trainer_ranks,
@@ -735,8 +821,12 @@ class VLLMWorkerBackend:
             except Exception as exc:
                 # The unpack thread still has a load callback waiting (the last one waits for
                 # load_weights to return) or to come: it raises this error's text, so the
-                # round fails on every rank naming this worker and the load error.
-                feed.stop(exc)
+                # round fails on every rank naming this worker, the load error and the
+                # tensor load_weights was on.
+                context = self._load_context(feed.taken)
+                exc.add_note(f"m2n_async: worker rank {self.rank}: load_weights raised"
+                             f"{context}")
+                feed.stop(exc, context)
                 try:
                     pending.result()
                 except BaseException as round_error:
@@ -758,6 +848,18 @@ class VLLMWorkerBackend:
         if torch.device(self.device or "cpu").type == "cuda":
             torch.cuda.synchronize(self.device)  # the next forward reads what landed
         return result
+
+    def _load_context(self, name: str | None) -> str:
+        """For a load error: the tensor ``load_weights`` took last (the one it was loading,
+        unless it reads ahead), its declared shape and the model's parameter of that name."""
+        if name is None:
+            return " before it took any tensor"
+        assert self._info is not None
+        declared = next((p.shape for p in self._info.params if p.name == name), None)
+        live = dict(self.model.named_parameters()).get(name)
+        model = (f", the model's parameter of that name is {tuple(live.shape)}"
+                 if live is not None else "")
+        return (f"; the last tensor it had taken was {name!r} (declared {declared}{model})")
 
     def finish_weight_update(self) -> None:
         """Close the session: ``finalize_layerwise_reload(model, model_config)`` if the
@@ -812,6 +914,13 @@ class VLLMWorkerBackend:
 
     def _fail(self, exc: BaseException) -> None:
         """A round failed: the model may mix two versions. Close the reload, poison."""
+        # Said on the error itself: vLLM hands it to the caller (an RPC, an HTTP reply),
+        # which may never see this process's log.
+        exc.add_note(f"m2n_async: worker rank {self.rank}: the model may be partly updated "
+                     f"(some parameters hold this round's weights, others the previous "
+                     f"ones); start_weight_update is refused until "
+                     f"shutdown_weight_transfer_engine(), init_weight_transfer_engine() and "
+                     f"a full update")
         self._poison = exc
         self._session = self._received = False
         try:
@@ -880,13 +989,22 @@ class TrainerInitInfo:
     worker_rank_offset: int | None = None
 
     def __post_init__(self) -> None:
-        # phase_timeout and round_timeout are checked by EngineConfig; these two bound the
-        # RPCs and the store connect here.
-        for name in ("update_timeout", "connect_timeout"):
-            v = getattr(self, name)
-            if not (v is None and name == "connect_timeout") and not _is_seconds(v):
-                raise ValueError(f"m2n_async TrainerInitInfo: {name} must be a finite number "
-                                 f"of seconds > 0, got {v!r}")
+        # Checked where the info is built, naming the field: a port read from the
+        # environment as a string would otherwise fail later as a bare comparison TypeError.
+        # dtype and device also take torch objects (ParamSpec and torch.device accept both).
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        problems = _value_problems(TrainerInitInfo, values, "None",
+                                   skip=frozenset({"dtype", "device"}))
+        port = self.store_port
+        if isinstance(port, int) and not isinstance(port, bool) and not 0 <= port <= 65535:
+            problems.append(f"store_port must be in [0, 65535], got {port}")
+        if self.dtype is not None:
+            try:
+                dtype_name(self.dtype)
+            except PlanError as exc:
+                problems.append(f"dtype: {exc}")
+        if problems:
+            raise ValueError(f"m2n_async TrainerInitInfo: {'; '.join(problems)}")
         # A trainer process is no vLLM process: vLLM never runs its general plugins there,
         # so WeightTransferTrainerFactory would not know this backend. Where vLLM's factory
         # is loaded already (it is whoever calls its trainer_init), register now; otherwise
@@ -983,6 +1101,7 @@ class VLLMTrainerEngine:
         self._store = store
         self._executor = executor
         self._failure: BaseException | None = None  # what failed the last send_weights
+        self._sending = threading.Lock()  # held by the one send_weights running
 
     @property
     def engine(self) -> BlockingTrainer | None:
@@ -1014,8 +1133,17 @@ class VLLMTrainerEngine:
                                  f"vLLM VLLMWeightSyncClient (e.g. RayVLLMWeightSyncClient, "
                                  f"HTTPVLLMWeightSyncClient); {type(client).__name__} has no "
                                  f"{missing}")
+        offset = info.worker_rank_offset
+        if offset is not None and not info.trainer_ranks <= offset < info.world_size:
+            raise ValueError(f"m2n_async: worker_rank_offset (the workers' first rank) must "
+                             f"be in [trainer_ranks, world_size) = [{info.trainer_ranks}, "
+                             f"{info.world_size}), got {offset}")
         token = _token(info.token_env, info.token)
         specs = specs_from_source(source, info.trainer_ranks, info.dtype)
+        if info.store_address is not None:
+            # Before the workers' init RPC: they would wait on the same silent address.
+            bound = "connect_timeout" if info.connect_timeout is not None else "phase_timeout"
+            _await_store_answer(info.store_address, getattr(info, bound), bound)
         store, address = _open_store(info, token)
         executor = ThreadPoolExecutor(1, thread_name_prefix="m2n-async-vllm-rpc") \
             if info.is_sender else None
@@ -1078,7 +1206,26 @@ class VLLMTrainerEngine:
         ``EnginePoisonedError`` before any RPC). A failed RPC whose round also fails (a worker's
         ``load_weights`` raised) raises the round's ``TransferError``, the RPC's error in a
         note; a round still running 5 s after its RPC failed is cancelled and the RPC's
-        error raised."""
+        error raised. A ``weight_version`` that is not a string raises ``ValueError``, and a
+        second call while one runs on this engine ``LocalProtocolError``, both before any
+        RPC."""
+        if weight_version is not None and not isinstance(weight_version, str):
+            # vLLM's finish_weight_update takes a string; refused after the round, the
+            # round's weights would land with no version published.
+            raise ValueError(f"m2n_async send_weights: weight_version must be a str or None, "
+                             f"got {type(weight_version).__name__}")
+        # The state check alone leaves a window (READY until the round starts, after the
+        # start RPC): a second call in it would send a second start_weight_update, and its
+        # cleanup finish would end the first call's update on the workers.
+        if not self._sending.acquire(blocking=False):
+            raise LocalProtocolError(f"m2n_async send_weights: trainer rank {self.rank} is "
+                                     f"already sending (one send_weights at a time)")
+        try:
+            return self._send_weights(weight_version)
+        finally:
+            self._sending.release()
+
+    def _send_weights(self, weight_version: str | None) -> SyncResult:
         trainer = self._trainer
         if trainer is None:
             raise RuntimeError("m2n_async: send_weights after shutdown(); call trainer_init "
@@ -1109,6 +1256,11 @@ class VLLMTrainerEngine:
                 self.client.finish_weight_update(weight_version)
         except BaseException as exc:
             self._failure = exc
+            if isinstance(exc, TransferError):
+                exc.add_note("m2n_async: the workers' models may be partly updated (some "
+                             "parameters hold this round's weights, others the previous "
+                             "ones): shutdown() and trainer_init() on every trainer rank, "
+                             "then send_weights() resyncs them all")
             if self.is_sender:
                 # Workers whose part succeeded (or whose finish failed) still have vLLM's
                 # update session open, and vLLM refuses shutdown_weight_transfer_engine then:
@@ -1212,6 +1364,39 @@ def _share_store(info: TrainerInitInfo, token: str) -> tuple[_ServedStore | None
     box: list[object] = [store.address if store is not None else None]
     dist.broadcast_object_list(box, src=0)
     return store, str(box[0])
+
+
+def _await_store_answer(address: str, limit: float, bound: str) -> None:
+    """Wait at most ``limit`` s for the store at ``address`` to accept a connection and send
+    its first bytes (the store speaks first), else ``TimeoutError`` naming the address and
+    ``bound`` (the setting ``limit`` comes from): the engine's connect waits for both without
+    a deadline. A refused or unresolvable address returns at once; the engine's connect then
+    raises its ``StoreError`` naming it."""
+    import socket
+
+    from m2n_async._store._sockets import parse_address
+
+    host, port = parse_address(address)
+    deadline = time.monotonic() + limit
+    try:
+        sock = socket.create_connection((host, port), timeout=limit)
+    except TimeoutError:
+        raise TimeoutError(f"m2n_async: the store at {address} did not accept a connection "
+                           f"within {limit:g} s ({bound}): check store_address, and that "
+                           f"trainer rank 0's store is up and reachable from here") from None
+    except OSError:
+        return
+    with sock:
+        sock.settimeout(max(deadline - time.monotonic(), 0.01))
+        try:
+            sock.recv(1)
+        except TimeoutError:
+            raise TimeoutError(f"m2n_async: {address} accepted a connection but sent nothing "
+                               f"within {limit:g} s ({bound}); an m2n_async store answers at "
+                               f"once: check store_address (another service on that port, "
+                               f"or a wedged host)") from None
+        except OSError:
+            return
 
 
 def _explain_missing_workers(exc: BaseException, info: TrainerInitInfo) -> None:
