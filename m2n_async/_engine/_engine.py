@@ -208,14 +208,33 @@ class _Engine:
 
     @classmethod
     async def _open_store(cls, address: str | tuple[str, int] | None, token: str | bytes | None,
-                          store: Store | None) -> tuple[Store, bool]:
+                          store: Store | None,
+                          timeout: float | None,  # noqa: ASYNC109 - connect's own argument
+                          config: EngineConfig) -> tuple[Store, bool, float | None]:
+        """The store (and whether the engine owns it), and what is left of ``timeout``.
+
+        The TCP connect and the store's authentication are bounded like a phase: by
+        ``timeout`` when given, else ``config.phase_timeout``. A store address that accepts
+        and then says nothing would otherwise hold the connect for good."""
         if (address is None) == (store is None):
             raise LocalProtocolError("connect() needs exactly one of `address` (a store "
                                      "server to connect to) or `store` (an open Store)")
         if store is not None:
-            return store, False
+            return store, False, timeout
         assert address is not None
-        return await StoreClient.connect(address, token=token), True
+        limit = config.phase_timeout if timeout is None else timeout
+        started = anyio.current_time()
+        try:
+            with anyio.fail_after(limit):
+                client = await StoreClient.connect(address, token=token)
+        except TimeoutError:
+            which = "timeout=" if timeout is not None else "EngineConfig.phase_timeout"
+            raise TimeoutError(f"connect: the store at {address!r} did not complete its "
+                               f"connect and authentication within {limit:g} s ({which})"
+                               ) from None
+        left = None if timeout is None else max(timeout - (anyio.current_time() - started),
+                                                 0.0)
+        return client, True, left
 
     def _bucket_bytes(self, transport: str) -> int:
         """The config's ``bucket_bytes``, or the transport's default when it is None: a pure
@@ -740,8 +759,11 @@ class TrainerEngine(_Engine):
         ``params``: the ordered source specs (identical on every trainer). ``address`` and
         ``token`` reach a ``StoreServer``; or pass an open ``store`` (kept open on close).
         ``timeout`` bounds the whole connect (each handshake phase is bounded by
-        ``config.phase_timeout`` regardless). Raises ``PreflightError`` (the same on every
-        rank), ``PeerLostError``, ``TimeoutError``, ``StoreError`` — among them
+        ``config.phase_timeout`` regardless); the store's TCP connect and authentication
+        are bounded by ``timeout``, else ``config.phase_timeout``, and a store ``address``
+        that accepts and then says nothing fails with a ``TimeoutError`` naming it. Raises
+        ``PreflightError`` (the same on every rank), ``PeerLostError``, ``TimeoutError``,
+        ``StoreError`` — among them
         ``JobClaimedError`` when another live process holds this rank of ``config.job`` on
         the store (another job with the same name, or a process of an earlier run still
         connected) and did not release it within ``config.phase_timeout``; it names the
@@ -766,7 +788,7 @@ class TrainerEngine(_Engine):
                                      f"world_size, got rank={rank}, trainer_ranks="
                                      f"{trainer_ranks}, world_size={world_size}")
         cfg = config or EngineConfig()
-        st, owns = await cls._open_store(address, token, store)
+        st, owns, timeout = await cls._open_store(address, token, store, timeout, cfg)
         engine = cls(params=params, store=st, owns_store=owns, rank=rank,
                      trainer_ranks=trainer_ranks, world_size=world_size, config=cfg)
         await engine._connect(timeout)
@@ -1114,7 +1136,7 @@ class WorkerEngine(_Engine):
         dims = mesh_dims if mesh_dims is not None else (world_size - trainer_ranks, 1)
         if isinstance(dims, Iterable):  # anything else: the destination phase names it
             dims = tuple(dims)  # type: ignore[assignment]
-        st, owns = await cls._open_store(address, token, store)
+        st, owns, timeout = await cls._open_store(address, token, store, timeout, cfg)
         engine = cls(targets=targets, mesh_dims=dims, store=st,
                      owns_store=owns, rank=rank, trainer_ranks=trainer_ranks,
                      world_size=world_size, config=cfg)

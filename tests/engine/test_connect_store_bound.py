@@ -1,0 +1,55 @@
+"""The store part of ``connect`` is bounded: an address that accepts the TCP connection and
+then says nothing (a wrong port, a stalled server) fails with ``TimeoutError`` naming the
+address and the bound, instead of holding the connect for good."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import anyio
+import pytest
+import torch
+
+from m2n_async import EngineConfig, TrainerEngine, WorkerEngine
+from m2n_async._proto.layout import Layout, Mesh
+from m2n_async._proto.params import ParamSpec
+
+
+@pytest.fixture
+def silent_address() -> Iterator[str]:
+    """A listening socket that never accepts explicitly nor sends: the kernel completes the
+    TCP handshake (backlog), so the client connects and then waits for the challenge."""
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(8)
+        yield f"127.0.0.1:{srv.getsockname()[1]}"
+
+
+SPEC = ParamSpec("w", "float32", (4, 4), Layout(Mesh((1, 1)), None))
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("role", ["trainer", "worker"])
+@pytest.mark.parametrize("bound", ["timeout", "phase_timeout"])
+async def test_a_silent_store_address_fails_connect_in_bounded_time(
+        silent_address: str, role: str, bound: str) -> None:
+    cfg = EngineConfig(transport="gloo", phase_timeout=1.0 if bound == "phase_timeout" else 60)
+    timeout = 1.0 if bound == "timeout" else None
+    t0 = time.monotonic()
+    with anyio.fail_after(30):  # the old behaviour: no bound at all
+        with pytest.raises(TimeoutError) as info:
+            if role == "trainer":
+                await TrainerEngine.connect(params=[SPEC], address=silent_address, token="t",
+                                            rank=0, trainer_ranks=1, world_size=2,
+                                            config=cfg, timeout=timeout)
+            else:
+                await WorkerEngine.connect(
+                    targets={"w": (torch.zeros(4, 4), None)}, address=silent_address,
+                    token="t", rank=1, trainer_ranks=1, world_size=2, mesh_dims=(1, 1),
+                    config=cfg, timeout=timeout)
+    assert time.monotonic() - t0 < 20
+    msg = str(info.value)
+    assert silent_address in msg and "within 1 s" in msg, msg
+    assert ("timeout=" if bound == "timeout" else "EngineConfig.phase_timeout") in msg, msg
