@@ -724,7 +724,8 @@ class VLLMWorkerBackend:
         cfg = _engine_config(info, None if device.type == "cpu" else str(device))
         from m2n_async._store import JobClaimedError
 
-        # The engine's timeouts start once the store answered; bound that part here.
+        # The engine's connect bounds this wait too; checked here first for an error that
+        # says which init_info setting bounded it and what to check.
         bound = "connect_timeout" if info.connect_timeout is not None else "phase_timeout"
         _await_store_answer(info.store_address, getattr(info, bound), bound)
         try:
@@ -1369,9 +1370,9 @@ def _share_store(info: TrainerInitInfo, token: str) -> tuple[_ServedStore | None
 def _await_store_answer(address: str, limit: float, bound: str) -> None:
     """Wait at most ``limit`` s for the store at ``address`` to accept a connection and send
     its first bytes (the store speaks first), else ``TimeoutError`` naming the address and
-    ``bound`` (the setting ``limit`` comes from): the engine's connect waits for both without
-    a deadline. A refused or unresolvable address returns at once; the engine's connect then
-    raises its ``StoreError`` naming it."""
+    ``bound`` (the setting ``limit`` comes from), and what to check. A refused or
+    unresolvable address returns at once; the engine's connect then raises its
+    ``StoreError`` naming it."""
     import socket
 
     from m2n_async._store._sockets import parse_address
