@@ -9,6 +9,7 @@ with a short round deadline so the verdict comes quickly.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -59,6 +60,20 @@ async def _engines(store: MemoryStore) -> list[Any]:
     return engines
 
 
+async def _run_and_close(engines: list[Any], call: Callable[[int], Awaitable[None]],
+                         ranks: range) -> None:
+    """``call(r)`` for every rank of ``ranks`` at once, bounded (a hang fails the test), then
+    every engine closed."""
+    try:
+        with anyio.fail_after(ROUND_TIMEOUT + 30):
+            async with anyio.create_task_group() as tg:
+                for r in ranks:
+                    tg.start_soon(call, r)
+    finally:
+        for e in engines:
+            await e.close()
+
+
 def _wrong(rank: int) -> dict[str, torch.Tensor]:
     return {n: torch.zeros(t.shape[0] + 1, *t.shape[1:])
             for n, t in source_shards(PLAN, rank, 1).items()}
@@ -79,14 +94,7 @@ async def test_a_refused_trainer_that_does_not_call_again_is_named_with_its_refu
         except Exception as exc:
             got[r] = exc
 
-    try:
-        with anyio.fail_after(ROUND_TIMEOUT + 30):
-            async with anyio.create_task_group() as tg:
-                for r in range(T + N):
-                    tg.start_soon(call, r)
-    finally:
-        for e in engines:
-            await e.close()
+    await _run_and_close(engines, call, range(T + N))
     assert isinstance(got[1], PlanError), got
     peers = {r: got[r] for r in (0, 2, 3)}
     assert all(isinstance(e, TransferError) for e in peers.values()), peers
@@ -115,14 +123,7 @@ async def test_a_refused_trainer_that_calls_again_completes_the_round() -> None:
         else:
             results[r] = await engines[r].receive()
 
-    try:
-        with anyio.fail_after(ROUND_TIMEOUT + 30):
-            async with anyio.create_task_group() as tg:
-                for r in range(T + N):
-                    tg.start_soon(call, r)
-    finally:
-        for e in engines:
-            await e.close()
+    await _run_and_close(engines, call, range(T + N))
     assert sorted(results) == [0, 1, 2, 3]
     assert all(getattr(res, "version", 1) == 1 for res in results.values()), results
 
@@ -189,14 +190,7 @@ async def test_rank_0_refused_is_named_with_its_refusal_by_the_trainers_waiting(
         except Exception as exc:
             got[r] = exc
 
-    try:
-        with anyio.fail_after(ROUND_TIMEOUT + 30):
-            async with anyio.create_task_group() as tg:
-                for r in range(T):
-                    tg.start_soon(call, r)
-    finally:
-        for e in engines:
-            await e.close()
+    await _run_and_close(engines, call, range(T))
     kind = PlanError if refused == "weights" else LocalProtocolError
     assert type(got[0]) is kind, got
     err = got[1]

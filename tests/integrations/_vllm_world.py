@@ -52,6 +52,19 @@ def stub_vllm() -> Iterator[None]:
         purge()
 
 
+@contextmanager
+def stubbed_backend(token: str) -> Iterator[None]:
+    """``stub_vllm``, with ``token`` in the backend's token variable (every rank reads the
+    store token from there); the variable is restored after."""
+    import pytest
+
+    from m2n_async.integrations import vllm as backend
+
+    with pytest.MonkeyPatch.context() as mp, stub_vllm():
+        mp.setenv(backend.TOKEN_ENV, token)
+        yield
+
+
 def free_port() -> int:
     """A port free on 127.0.0.1 now: trainer rank 0's store port for a job's ranks to share."""
     with socket.socket() as sock:

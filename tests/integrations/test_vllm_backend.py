@@ -11,7 +11,6 @@ started (previous weights kept).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from ._vllm_world import (
     TinyLlama,
     expected_locals,
     free_port,
-    stub_vllm,
+    stubbed_backend,
     vllm_config,
 )
 
@@ -41,14 +40,8 @@ IN_PLACE = {"model.layers.0.self_attn.o_proj.weight", "model.layers.0.mlp.down_p
 
 @pytest.fixture(scope="module", autouse=True)
 def _stub_and_token() -> Iterator[None]:
-    old = os.environ.get(backend.TOKEN_ENV)
-    os.environ[backend.TOKEN_ENV] = TOKEN  # every rank reads the store token from here
-    with stub_vllm():
+    with stubbed_backend(TOKEN):
         yield
-    if old is None:
-        del os.environ[backend.TOKEN_ENV]
-    else:
-        os.environ[backend.TOKEN_ENV] = old
 
 
 @dataclass

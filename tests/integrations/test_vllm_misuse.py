@@ -12,7 +12,6 @@ Same stub, model and GPU worker as ``test_vllm_backend.py`` (``_vllm_world``).
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 import time
@@ -42,7 +41,7 @@ from ._vllm_world import (
     checkpoint_shapes,
     expected_locals,
     free_port,
-    stub_vllm,
+    stubbed_backend,
     vllm_config,
 )
 
@@ -55,14 +54,8 @@ O_PROJ = "model.layers.0.self_attn.o_proj.weight"
 
 @pytest.fixture(scope="module", autouse=True)
 def _stub_and_token() -> Iterator[None]:
-    old = os.environ.get(backend.TOKEN_ENV)
-    os.environ[backend.TOKEN_ENV] = TOKEN  # every rank reads the store token from here
-    with stub_vllm():
+    with stubbed_backend(TOKEN):
         yield
-    if old is None:
-        del os.environ[backend.TOKEN_ENV]
-    else:
-        os.environ[backend.TOKEN_ENV] = old
 
 
 def _backend(tp_rank: int = 0) -> backend.VLLMWorkerBackend:
