@@ -8,7 +8,9 @@
 # Steps: moe mixed dense large threshold tests (default: all, ~10-12 min on one H200), and
 # moe-one-buffer / mixed-one-buffer (the model with each rank's sources and targets as views of
 # one buffer: the m2n lane reshards the stacks in place). API_MARKS=1 adds each model step's
-# public-API timeline (bench/api_marks.py) under $OUT/api-marks-<step>.
+# public-API timeline (bench/api_marks.py) under $OUT/api-marks-<step>. A model step suffixed
+# -thread or -process (dense-thread, moe-process) hosts the store on a thread of trainer rank 0
+# or in a process of its own instead of rank 0's event loop (--store).
 set -u
 OUT=${OUT:-/tmp/m2n-gpu-out}
 mkdir -p "$OUT"
@@ -42,6 +44,9 @@ for s in "${steps[@]}"; do
         moe|mixed|dense|large)
             run_step "$s" "$PY" bench/gpu_sync_bench.py --model "$s" --timeout 420 --out "$JSON" \
                 ${marks[@]+"${marks[@]}"} ;;
+        moe-thread|mixed-thread|dense-thread|large-thread|moe-process|mixed-process|dense-process|large-process)
+            run_step "$s" "$PY" bench/gpu_sync_bench.py --model "${s%-*}" --store "${s##*-}" \
+                --no-broadcast --timeout 420 --out "$JSON" ${marks[@]+"${marks[@]}"} ;;
         moe-one-buffer|mixed-one-buffer)  # each stack's members back to back in one buffer
             run_step "$s" "$PY" bench/gpu_sync_bench.py --model "${s%-one-buffer}" --one-buffer \
                 --no-broadcast --timeout 420 --out "$JSON" ${marks[@]+"${marks[@]}"} ;;
@@ -51,8 +56,8 @@ for s in "${steps[@]}"; do
         tests)
             STEP_TIMEOUT=${TESTS_TIMEOUT:-900} run_step tests env M2N_GPU_REPORT="$OUT/gpu-report.jsonl" "$PY" -m pytest tests/gpu \
                 -q -rs -p no:cacheprovider ;;
-        *) echo "unknown step $s (moe mixed dense large moe-one-buffer mixed-one-buffer" \
-               "threshold tests)" | tee -a "$OUT/steps.log" ;;
+        *) echo "unknown step $s (moe mixed dense large, each -thread or -process too;" \
+               "moe-one-buffer mixed-one-buffer threshold tests)" | tee -a "$OUT/steps.log" ;;
     esac
 done
 echo "done: $OUT/steps.log, $OUT/goals.log, $JSON" | tee -a "$OUT/steps.log"

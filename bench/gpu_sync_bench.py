@@ -1401,9 +1401,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sources and targets as views of one buffer per rank, each stack's "
                          "members back to back (a flat parameter buffer): the m2n lane "
                          "reshards those stacks in place")
-    ap.add_argument("--store-process", action="store_true",
-                    help="run the store in a process of its own (as `m2n-async store` beside "
-                         "a job) instead of in trainer rank 0's event loop")
+    ap.add_argument("--store", choices=("rank0", "thread", "process"), default="rank0",
+                    help="where the store runs: trainer rank 0's event loop (default, a job "
+                         "serving it from its training loop), a thread of rank 0 "
+                         "(StoreServer.in_thread, as the vLLM backend) or a process of its "
+                         "own (as `m2n-async store` beside a job)")
     ap.add_argument("--diagnose", action="store_true",
                     help="also time raw-call variants, the m2n lane with blocking-sync events "
                          "and other buckets, and trace one pipeline round")
@@ -1451,7 +1453,7 @@ def build_case(args: argparse.Namespace) -> dict[str, Any]:
     return {"model": args.model, "iters": args.iters, "slow_iters": args.slow_iters,
             "bucket_bytes": args.bucket_bytes, "max_inflight": args.max_inflight,
             "max_cta": args.max_cta, "diagnose": args.diagnose, "one_buffer": args.one_buffer,
-            "store": "process" if args.store_process else "rank0",
+            "store": args.store,
             "coalesce_below": (COALESCE_BELOW_BYTES if args.coalesce_below is None
                                else args.coalesce_below),
             "round_deadline": args.round_deadline, "timeline": bool(args.timeline),

@@ -94,7 +94,7 @@ def pick_loop(choice: str) -> str:
         import uvloop  # noqa: F401  (only probing that it is installed)
     except ImportError:
         if choice == "uvloop":
-            raise ValueError("--loop uvloop: uvloop is not installed "
+            raise ValueError("loop uvloop: uvloop is not installed "
                              "(pip install m2n_async[fast])") from None
         return "asyncio"
     return "uvloop"

@@ -75,7 +75,7 @@ import logging
 import socket
 import time
 from types import TracebackType
-from typing import Final, Self, cast
+from typing import TYPE_CHECKING, Final, Self, cast
 
 import anyio
 import msgspec
@@ -122,6 +122,9 @@ from m2n_async._store._wire import (
     Wait,
     encode_frame,
 )
+
+if TYPE_CHECKING:
+    from m2n_async._store._thread import StoreThread
 
 __all__ = ["DEFAULT_MAX_OUTPUT_BYTES", "DEFAULT_MAX_PARTIAL_BYTES", "StoreServer"]
 
@@ -325,6 +328,26 @@ class StoreServer:
         for proto in list(self._output_holders):
             proto._measure_output()
         return self._output_bytes
+
+    def in_thread(self, *, loop: str = "auto") -> StoreThread:
+        """Serve from an event loop thread of its own; returns once the server listens (its
+        ``address`` is known), a ``StoreThread`` to ``close()`` or use as ``with``. ``loop``:
+        ``"auto"`` (uvloop when installed, else asyncio, as ``m2n-async store``),
+        ``"asyncio"`` or ``"uvloop"`` (``ValueError`` if it is not installed).
+
+        Where the process that hosts the store also runs an engine (trainer rank 0 of a job
+        without a store of its own), this keeps the store's answers to every rank off the
+        engine's event loop (module ``_thread`` says why).
+        """
+        from m2n_async._store._cli import pick_loop
+        from m2n_async._store._thread import StoreThread
+
+        if loop not in ("auto", "asyncio", "uvloop"):
+            raise ValueError(f"StoreServer.in_thread: loop must be 'auto', 'asyncio' or "
+                             f"'uvloop', got {loop!r}")
+        if self._sock is not None:
+            raise StoreError("StoreServer is already running")
+        return StoreThread(self, loop=pick_loop(loop))
 
     async def __aenter__(self) -> Self:
         """Bind and start serving.

@@ -102,6 +102,8 @@ from m2n_async.blocking import BlockingTrainer, BlockingWorker
 if TYPE_CHECKING:
     import torch
 
+    from m2n_async._store import StoreThread
+
 __all__ = [
     "BACKEND",
     "TOKEN_ENV",
@@ -1296,42 +1298,20 @@ class VLLMTrainerEngine:
                 self._store.close()
 
 
-class _ServedStore:
-    """A ``StoreServer`` on an event loop thread of its own (a blocking portal)."""
+def _serve_store(host: str, port: int, token: str) -> StoreThread:
+    """A ``StoreServer`` on an event loop thread of its own (off every engine's loop)."""
+    from m2n_async._store import StoreServer
 
-    def __init__(self, host: str, port: int, token: str) -> None:
-        from anyio.from_thread import start_blocking_portal
-
-        from m2n_async._store import StoreServer
-
-        self._portal_cm = start_blocking_portal("asyncio", name="m2n-async-store")
-        portal = self._portal_cm.__enter__()
-        try:
-            self._server_cm = portal.wrap_async_context_manager(
-                StoreServer(host=host, port=port, token=token))
-            self.address: str = self._server_cm.__enter__().address
-        except BaseException:
-            self._portal_cm.__exit__(None, None, None)
-            raise
-        self._closed = False
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._server_cm.__exit__(None, None, None)
-        finally:
-            self._portal_cm.__exit__(None, None, None)
+    return StoreServer(host=host, port=port, token=token).in_thread()
 
 
-def _open_store(info: TrainerInitInfo, token: str) -> tuple[_ServedStore | None, str]:
+def _open_store(info: TrainerInitInfo, token: str) -> tuple[StoreThread | None, str]:
     if info.store_address is not None:
         return None, info.store_address
     if info.trainer_ranks > 1 and info.store_port == 0:
         return _share_store(info, token)
     if info.rank == 0:
-        store = _ServedStore(info.store_host, info.store_port, token)
+        store = _serve_store(info.store_host, info.store_port, token)
         return store, store.address
     _await_listener(info.store_host, info.store_port, info.phase_timeout)
     return None, f"{info.store_host}:{info.store_port}"
@@ -1354,14 +1334,14 @@ def _await_listener(host: str, port: int, limit: float) -> None:
             time.sleep(0.05)
 
 
-def _share_store(info: TrainerInitInfo, token: str) -> tuple[_ServedStore | None, str]:
+def _share_store(info: TrainerInitInfo, token: str) -> tuple[StoreThread | None, str]:
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("m2n_async: with trainer_ranks > 1 and no store_address, give a "
                          "fixed store_port (or initialize torch.distributed so rank 0 can "
                          "share the address it picked)")
-    store = _ServedStore(info.store_host, 0, token) if info.rank == 0 else None
+    store = _serve_store(info.store_host, 0, token) if info.rank == 0 else None
     box: list[object] = [store.address if store is not None else None]
     dist.broadcast_object_list(box, src=0)
     return store, str(box[0])

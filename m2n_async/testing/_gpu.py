@@ -6,9 +6,10 @@ The ranks are the processes of a ``LocalWorld`` (``m2n_async.testing``), fresh f
 ``run_world``; several NCCL ranks share the one GPU (libnccl >= 2.30 with
 ``NCCL_MULTI_RANK_GPU_ENABLE=1``, DEVELOPERS "GPU tests on the H200"). By default trainer
 rank 0 serves the scenario's ``StoreServer`` from its own event loop, as a job that hosts
-the store in rank 0 does; ``case["store"] == "process"`` uses the world's store instead,
-outside every rank (as ``m2n-async store`` beside a job). Every rank then uses the real
-store, rendezvous, native thread, transports and bucket pipeline.
+the store in rank 0 does; ``case["store"] == "thread"`` serves it from a thread of rank 0
+(``StoreServer.in_thread``, as the vLLM backend does), and ``"process"`` uses the world's
+store instead, outside every rank (as ``m2n-async store`` beside a job). Every rank then uses
+the real store, rendezvous, native thread, transports and bucket pipeline.
 
 A *scenario* is a coroutine ``scenario(ctx) -> dict`` run on every rank (``ctx`` is a
 ``RankCtx``); its JSON-able result comes back to the parent.
@@ -16,6 +17,7 @@ A *scenario* is a coroutine ``scenario(ctx) -> dict`` run on every rank (``ctx``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -369,12 +371,18 @@ async def _gpu_rank(ctx: Any, *, scenario: str, case: dict[str, Any]) -> dict[st
         try:
             if case.get("store") == "process":  # the world's store: outside every rank
                 result = await _run_scenario(fn, ctx, case, device, ctx.address)
-            elif rank == 0:  # the default: served by trainer rank 0's own event loop
-                async with StoreServer(host="127.0.0.1", port=0, token=TOKEN) as srv:
-                    await world.set("gpu-world/store", srv.address.encode())
-                    result = await _run_scenario(fn, ctx, case, device, srv.address)
+            elif rank == 0:  # served by trainer rank 0: its own event loop, or a thread
+                async with contextlib.AsyncExitStack() as stack:
+                    server = StoreServer(host="127.0.0.1", port=0, token=TOKEN)
+                    if case.get("store") == "thread":
+                        served = stack.enter_context(server.in_thread())
+                        address = served.address
+                    else:
+                        address = (await stack.enter_async_context(server)).address
+                    await world.set("gpu-world/store", address.encode())
+                    result = await _run_scenario(fn, ctx, case, device, address)
                     # keep serving until every rank is done (a dead rank never is: bounded)
-                    client = await StoreClient.connect(srv.address, token=TOKEN)
+                    client = await StoreClient.connect(address, token=TOKEN)
                     with anyio.move_on_after(float(case.get("linger_s", 60))):
                         await client.wait([f"done/{r}" for r in range(world_size)
                                            if r not in case.get("victims", ())])

@@ -50,7 +50,6 @@ import importlib
 import multiprocessing as mp
 import os
 import pickle
-import queue
 import secrets
 import shutil
 import signal
@@ -743,37 +742,15 @@ def _is_stopped(pid: int) -> bool:
 
 @contextmanager
 def store_thread(token: str) -> Iterator[str]:
-    """A ``StoreServer`` on 127.0.0.1 in a background thread; yields its address.
+    """A ``StoreServer`` on 127.0.0.1 in a background thread (``StoreServer.in_thread``,
+    asyncio); yields its address.
 
-    Cancellation: leaving the block stops the server and joins the thread (10 s at most).
+    Cancellation: leaving the block stops the server and ends its thread.
     """
     from m2n_async._store import StoreServer
 
-    ready: queue.Queue[str | BaseException] = queue.Queue()
-    stop: list[Any] = []
-
-    async def serve() -> None:
-        try:
-            async with StoreServer("127.0.0.1", 0, token=token) as server:
-                done = anyio.Event()
-                stop.append((anyio.lowlevel.current_token(), done))
-                ready.put(server.address)
-                await done.wait()
-        except BaseException as exc:
-            ready.put(exc)
-            raise
-
-    t = threading.Thread(target=lambda: anyio.run(serve), daemon=True, name="m2n-test-store")
-    t.start()
-    got = ready.get(timeout=30)
-    if isinstance(got, BaseException):
-        raise got
-    try:
-        yield got
-    finally:
-        token_, done = stop[0]
-        anyio.from_thread.run_sync(done.set, token=token_)
-        t.join(10)
+    with StoreServer("127.0.0.1", 0, token=token).in_thread(loop="asyncio") as served:
+        yield served.address
 
 
 # -- the world ------------------------------------------------------------------------------
