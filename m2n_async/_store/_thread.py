@@ -11,6 +11,7 @@ a daemon thread, so a handle never closed cannot hold the interpreter at exit.
 
 from __future__ import annotations
 
+import os
 import threading
 from contextlib import AbstractContextManager
 from types import TracebackType
@@ -37,7 +38,7 @@ class StoreThread:
     thread-safe, and it blocks the calling thread until the server is closed (at most ~5 s:
     the server's own close bound), so an event loop should call it through
     ``anyio.to_thread.run_sync``. A handle never closed keeps serving until the interpreter
-    exits (the thread is a daemon).
+    exits (the thread is a daemon); a forked child does not inherit the thread.
 
     Cancellation: none to speak of; nothing here runs on the caller's event loop.
     """
@@ -45,6 +46,7 @@ class StoreThread:
     def __init__(self, server: StoreServer, *, loop: str = "asyncio") -> None:
         self._lock = threading.Lock()
         self._closed = False
+        self._pid = os.getpid()  # a forked child has no such thread: its close() is a no-op
         self._portal_cm = start_blocking_portal(
             "asyncio", backend_options={"use_uvloop": loop == "uvloop"},
             name="m2n-async-store")
@@ -77,7 +79,11 @@ class StoreThread:
 
     def close(self) -> None:
         """Stop serving, close every connection and end the thread. Idempotent; refused from
-        the store's own thread (it would wait for itself)."""
+        the store's own thread (it would wait for itself). In a forked child it only marks
+        the handle closed: the thread, and the server's sockets, are the parent's."""
+        if os.getpid() != self._pid:
+            self._closed = True
+            return
         if threading.get_ident() == self._thread_ident:
             raise StoreError("StoreThread.close() called on the store's own thread: it "
                              "would wait for itself")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import threading
+import warnings
 
 import anyio
 import anyio.to_thread
@@ -11,13 +13,12 @@ from store_helpers import TOKEN
 
 from m2n_async import StoreClient, StoreError, StoreServer, StoreThread
 
-pytestmark = pytest.mark.asyncio
-
 
 def _store_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "m2n-async-store"]
 
 
+@pytest.mark.asyncio
 async def test_serves_clients_of_this_loop_and_of_other_threads() -> None:
     before = len(_store_threads())
     with StoreServer("127.0.0.1", 0, token=TOKEN).in_thread(loop="asyncio") as served:
@@ -48,6 +49,7 @@ async def test_serves_clients_of_this_loop_and_of_other_threads() -> None:
     assert len(_store_threads()) == before  # the thread ended with close()
 
 
+@pytest.mark.asyncio
 async def test_close_ends_the_clients_sessions_and_is_idempotent() -> None:
     served = StoreServer("127.0.0.1", 0, token=TOKEN).in_thread(loop="asyncio")
     client = await StoreClient.connect(served.address, token=TOKEN)
@@ -73,6 +75,7 @@ async def test_close_ends_the_clients_sessions_and_is_idempotent() -> None:
         await client.aclose()
 
 
+@pytest.mark.asyncio
 async def test_close_from_the_store_thread_is_refused() -> None:
     served = StoreServer("127.0.0.1", 0, token=TOKEN).in_thread(loop="asyncio")
     try:
@@ -95,6 +98,7 @@ async def test_close_from_the_store_thread_is_refused() -> None:
         served.close()
 
 
+@pytest.mark.asyncio
 async def test_refusals() -> None:
     server = StoreServer("127.0.0.1", 0, token=TOKEN)
     with pytest.raises(ValueError, match="loop must be 'auto', 'asyncio' or 'uvloop'"):
@@ -114,6 +118,7 @@ async def test_refusals() -> None:
             await client.aclose()
 
 
+@pytest.mark.asyncio
 async def test_a_bind_failure_leaves_no_thread() -> None:
     with StoreServer("127.0.0.1", 0, token=TOKEN).in_thread(loop="asyncio") as taken:
         port = int(taken.address.rsplit(":", 1)[1])
@@ -121,3 +126,33 @@ async def test_a_bind_failure_leaves_no_thread() -> None:
         with pytest.raises(StoreError, match="cannot listen"):
             StoreServer("127.0.0.1", port, token=TOKEN).in_thread(loop="asyncio")
         assert len(_store_threads()) == before
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_close_in_a_forked_child_leaves_the_parents_server_serving() -> None:
+    with StoreServer("127.0.0.1", 0, token=TOKEN).in_thread(loop="asyncio") as served:
+        r, w = os.pipe()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads: intended
+            pid = os.fork()
+        if pid == 0:  # the child: the store thread is not here, so close() must not wait
+            try:
+                served.close()
+                os.write(w, b"ok" if served.closed else b"no")
+            finally:
+                os._exit(0)
+        os.close(w)
+        with os.fdopen(r, "rb") as got:
+            assert got.read() == b"ok"
+        assert os.waitpid(pid, 0)[1] == 0
+        assert not served.closed
+
+        async def still_served() -> bytes | None:
+            client = await StoreClient.connect(served.address, token=TOKEN)
+            try:
+                await client.set("k", b"v")
+                return await client.get("k")
+            finally:
+                await client.aclose()
+
+        assert anyio.run(still_served) == b"v"
