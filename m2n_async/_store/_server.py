@@ -335,9 +335,9 @@ class StoreServer:
         ``"auto"`` (uvloop when installed, else asyncio, as ``m2n-async store``),
         ``"asyncio"`` or ``"uvloop"`` (``ValueError`` if it is not installed).
 
-        Where the process that hosts the store also runs an engine (trainer rank 0 of a job
-        without a store of its own), this keeps the store's answers to every rank off the
-        engine's event loop (module ``_thread`` says why).
+        For a process that also runs an engine (trainer rank 0 of a job without a store of
+        its own) or has no event loop (a synchronous script with ``BlockingTrainer``): the
+        store answers every rank off the engine's loop, also while that loop is busy.
         """
         from m2n_async._store._cli import pick_loop
         from m2n_async._store._thread import StoreThread

@@ -1,12 +1,13 @@
 """A ``StoreServer`` served from an event loop thread of its own (``StoreServer.in_thread``).
 
 Why a thread: a server in the event loop of a process that also trains (trainer rank 0's,
-say) answers every rank's store requests between that loop's own steps, and its own round
-steps wait behind them; on its own loop thread the store answers in the time the trainer's
-loop spends waiting on the GPU or the network, as a server in a process of its own
-(``m2n-async store``) does (BENCHMARKS "Coalesced reshards" measures the three hostings side
-by side). The thread is anyio's blocking portal (``anyio.from_thread.start_blocking_portal``):
-a daemon thread, so a handle never closed cannot hold the interpreter at exit.
+say) answers every rank between that loop's own steps, and no one while that loop is blocked
+by synchronous work; a synchronous training script has no event loop to serve it from at all.
+On a loop thread of its own the store answers whenever the GIL is free, as a server in a
+process of its own (``m2n-async store``) does (docs/tuning.md §5 and BENCHMARKS "Coalesced
+reshards" compare the three hostings). The thread is anyio's blocking portal
+(``anyio.from_thread.start_blocking_portal``): a daemon thread, so a handle never closed
+cannot hold the interpreter at exit.
 """
 
 from __future__ import annotations
