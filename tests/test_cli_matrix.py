@@ -194,3 +194,66 @@ def test_store_unparsable_values_are_argparse_errors(capsys: pytest.CaptureFixtu
     rc, out, err = _cli(capsys, "store", "--token-file", str(token), flag, value)
     assert (rc, out) == (2, "")
     assert f"argument {flag}: invalid" in err and value in err and "Traceback" not in err
+
+
+# -- plan -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def plan(tmp_path: Path) -> Path:
+    path = tmp_path / "plan.toml"
+    path.write_text(PLAN)
+    return path
+
+
+@pytest.mark.parametrize(("flag", "value"), [
+    ("--bandwidth", "0"), ("--bandwidth", "-1"), ("--bandwidth", "nan"),
+    ("--bandwidth", "inf"), ("--bandwidth", "1e400"),
+    ("--bucket-bytes", "0"), ("--bucket-bytes", "-1"), ("--bucket-bytes", ""),
+    ("--bucket-bytes", "9223372036854775808"),
+    ("--coalesce-below", "-1"), ("--coalesce-below", "lots"),
+])
+def test_plan_names_the_flag_and_value_it_refuses(capsys: pytest.CaptureFixture[str],
+                                                  plan: Path, flag: str, value: str) -> None:
+    rc, out, err = _cli(capsys, "plan", str(plan), flag, value)
+    assert (rc, out) == (2, "")
+    _one_line(err, flag)
+    assert value in err or (value == "1e400" and "inf" in err)  # read as the float it is
+
+
+@pytest.mark.parametrize("zero", ["0", "0.0", "0B", "0 MiB"])
+def test_plan_coalesce_below_zero_is_off_however_it_is_written(
+        capsys: pytest.CaptureFixture[str], plan: Path, zero: str) -> None:
+    rc, off, _ = _cli(capsys, "plan", str(plan), "--coalesce-below", zero)
+    assert rc == 0 and "m2n not coalesced" in off
+
+
+@pytest.mark.parametrize("value", ["{", "[]", '{"m2n": [1, 2]}', '{"m2n": [-1, 0, 1]}',
+                                   '{"bogus": [1, 1, 1]}'])
+def test_plan_cost_errors_name_where_the_terms_came_from(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, plan: Path,
+        value: str) -> None:
+    rc, out, err = _cli(capsys, "plan", str(plan), "--costs", value)
+    assert (rc, out) == (2, "")
+    _one_line(err, "--costs")
+    monkeypatch.setenv("M2N_ASYNC_COSTS", value)
+    rc, out, err = _cli(capsys, "plan", str(plan))
+    assert (rc, out) == (2, "")
+    _one_line(err, "$M2N_ASYNC_COSTS")
+
+
+def test_plan_file_problems(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    rc, out, err = _cli(capsys, "plan", str(tmp_path / "missing.toml"))
+    assert (rc, out) == (2, "")
+    _one_line(err, "missing.toml", "No such file")
+    rc, out, err = _cli(capsys, "plan", str(tmp_path))
+    assert (rc, out) == (2, "")
+    _one_line(err, str(tmp_path), "directory")
+    rc, out, err = _cli(capsys, "plan", "")
+    assert (rc, out) == (2, "")
+    _one_line(err, "SPEC ''")
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"\xff\xfe")
+    rc, out, err = _cli(capsys, "plan", str(binary))
+    assert (rc, out) == (1, "")  # read, but not TOML: an invalid plan
+    _one_line(err, "binary.toml", "not valid TOML")

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import stat
@@ -707,19 +708,31 @@ def add_plan_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
 
 def _cost_terms(value: str | None) -> dict[str, tuple[float, float, float]] | None:
     """``--costs``, else ``$M2N_ASYNC_COSTS`` (as an engine reads it), else None."""
-    text = value if value is not None else os.environ.get(COSTS_ENV, "")
-    return parse_costs(text) if text.strip() else None
+    text, where = ((value, "--costs") if value is not None
+                   else (os.environ.get(COSTS_ENV, ""), f"${COSTS_ENV}"))
+    if not text.strip():
+        return None
+    try:
+        return parse_costs(text)
+    except PlanError as e:  # the terms may come from the environment: say which
+        raise PlanError(f"{where} {text!r}: {e}") from None
 
 
 def _coalesce_below(value: str | None) -> int:
     """``--coalesce-below``: the engine's default when absent, 0 (coalescing off), a size."""
     if value is None:
         return COALESCE_BELOW_BYTES
-    return 0 if value.strip() == "0" else parse_size(value, "--coalesce-below")
+    m = _SIZE_RE.match(value)
+    if m is not None and Fraction(m.group(1)) == 0:  # "0", "0.0", "0B": off, however written
+        return 0
+    return parse_size(value, "--coalesce-below")
 
 
 def run_plan_command(args: argparse.Namespace) -> int:
     """Run ``m2n-async plan``; returns the exit status."""
+    if not args.spec:  # Path("") is ".": without this, "cannot read : Is a directory"
+        print("m2n-async plan: SPEC '': an empty path names no file", file=sys.stderr)
+        return 2
     try:
         plan, file_bucket = load_plan_file(args.spec)
     except OSError as e:
@@ -731,8 +744,9 @@ def run_plan_command(args: argparse.Namespace) -> int:
     try:
         bucket = (parse_size(args.bucket_bytes, "--bucket-bytes")
                   if args.bucket_bytes is not None else file_bucket)
-        if not args.bandwidth > 0:
-            raise PlanError(f"--bandwidth must be > 0 GB/s, got {args.bandwidth}")
+        # finite too: inf (or 1e400, read as inf) gives a lower bound of 0 s and a JSON null
+        if not (args.bandwidth > 0 and math.isfinite(args.bandwidth)):
+            raise PlanError(f"--bandwidth must be > 0 GB/s and finite, got {args.bandwidth}")
         summary = summarize(plan, source=str(args.spec), bucket_bytes=bucket,
                             bandwidth_bytes_per_second=args.bandwidth * 1e9,
                             coalesce_below=_coalesce_below(args.coalesce_below),
