@@ -610,10 +610,9 @@ def run_demo(*, trainers: int = 2, workers: int = 2, rounds: int = 3, size_mb: f
     """
     out = out or sys.stdout
     err = err or sys.stderr
-    if trainers < 1 or workers < 1 or rounds < 1 or not size_mb > 0 or not bucket_mb > 0:
-        print(f"m2n-async demo: need --trainers, --workers, --rounds >= 1 and --size-mb, "
-              f"--bucket-mb > 0 (got {trainers}, {workers}, {rounds}, {size_mb}, {bucket_mb})",
-              file=err)
+    refused = _refusal(trainers, workers, rounds, size_mb, bucket_mb, round_timeout)
+    if refused is not None:
+        print(f"m2n-async demo: {refused}", file=err)
         return 2
     if timeout is None:
         timeout = 3 * min(60.0, round_timeout) + rounds * round_timeout
@@ -628,6 +627,61 @@ def run_demo(*, trainers: int = 2, workers: int = 2, rounds: int = 3, size_mb: f
         print(f"m2n-async demo FAILED: {failure}", file=err)
         return 1
     return 0
+
+
+# Bounds of the arguments, each far past a real run and within float arithmetic (past them
+# the demo failed with an OverflowError, before or after its processes started).
+_MAX_RANKS = 4096  # processes per side, every one on this host
+_MAX_ROUNDS = 10**9
+_MAX_SIZE_MB = 1e12  # an exabyte: far past any host's memory, which is checked below
+_MAX_ROUND_TIMEOUT = 1e9  # seconds; a rank's deadline at 1e300 s overflowed the platform's time_t
+
+
+def _refusal(trainers: int, workers: int, rounds: int, size_mb: float, bucket_mb: float,
+             round_timeout: float) -> str | None:
+    """Why these arguments cannot run, naming the flag and its value; None when they can.
+    Checked before any process starts: each would otherwise fail on its own, seconds later,
+    or (a model past the host's memory) not at all before memory runs out."""
+    for flag, count, most in (("--trainers", trainers, _MAX_RANKS),
+                              ("--workers", workers, _MAX_RANKS),
+                              ("--rounds", rounds, _MAX_ROUNDS)):
+        if not 1 <= count <= most:
+            return f"{flag} must be >= 1 and at most {most}, got {count}"
+    if not 0 < size_mb <= _MAX_SIZE_MB:  # false for nan as well
+        return f"--size-mb must be a number of MB > 0 and at most {_MAX_SIZE_MB:g}, got {size_mb:g}"
+    bucket = bucket_mb * (1 << 20)
+    if not (math.isfinite(bucket) and 1 <= int(bucket) < 2**63):  # EngineConfig.bucket_bytes
+        return (f"--bucket-mb must be at least one byte (2**-20 MiB) and below 2**63 bytes, "
+                f"got {bucket_mb:g}")
+    if not 0 < round_timeout <= _MAX_ROUND_TIMEOUT:
+        return (f"--round-timeout must be a number of seconds > 0 and at most "
+                f"{_MAX_ROUND_TIMEOUT:g}, got {round_timeout:g}")
+    params = demo_model(size_mb, trainers, workers)  # shapes only: nothing is allocated
+    # A lower bound of what the ranks hold together: each its own shards, a replicated tensor
+    # whole on every rank of its side (the verification's recomputation comes on top).
+    held = sum(p.nbytes * ((trainers if p.src is None else 1) + (workers if p.dst is None else 1))
+               for p in params)
+    memory = _host_memory()
+    if memory is None or held <= memory:
+        return None
+    model = sum(p.nbytes for p in params)
+    why = ""
+    if model > 2 * size_mb * _MB:  # rounded up far past the request: say why it cannot shrink
+        step = 16 * _lcm(trainers, workers)
+        why = (f" (its hidden size is a multiple of 16 x lcm({trainers}, {workers}) = {step}, "
+               f"so no --size-mb makes it smaller; fewer ranks or counts sharing factors do)")
+    return (f"--trainers {trainers}, --workers {workers} and --size-mb {size_mb:g} make a "
+            f"model of {model / _MB:.0f} MB whose shards the processes hold as "
+            f"{held / 1e9:.1f} GB together, more than this host's {memory / 1e9:.1f} GB of "
+            f"memory{why}")
+
+
+def _host_memory() -> int | None:
+    """This host's physical memory in bytes; None where the platform does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # a name unknown here, or no sysconf
+        return None
 
 
 def _parent(trainers: int, workers: int, rounds: int, size_mb: float, transport: str,
@@ -820,18 +874,23 @@ def add_demo_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         description="Spawn trainer and worker processes on this machine (CPU, Gloo by "
                     "default), build a synthetic transformer-shaped model with mixed layouts, "
                     "run several rounds with changing weights and verify every worker's "
-                    "tensors bit-exact. Exit status: 0 verified, 1 mismatch or failure.")
-    p.add_argument("--trainers", type=int, default=2, help="trainer processes (default 2)")
-    p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+                    "tensors bit-exact. Exit status: 0 verified, 1 mismatch or failure, 2 bad "
+                    "option, 130 interrupted.")
+    p.add_argument("--trainers", type=int, default=2,
+                   help=f"trainer processes (default 2, at most {_MAX_RANKS})")
+    p.add_argument("--workers", type=int, default=2,
+                   help=f"worker processes (default 2, at most {_MAX_RANKS})")
     p.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
     p.add_argument("--size-mb", type=float, default=350.0,
-                   help="model size in MB (10^6 bytes; default 350)")
+                   help="model size in MB (10^6 bytes; default 350); refused when the "
+                        "processes would hold more than this host's memory")
     p.add_argument("--transport", choices=(*LANES, AUTO), default="gloo",
                    help="data plane (default gloo; auto picks the best available)")
     p.add_argument("--bucket-mb", type=float, default=64.0,
                    help="bucket size in MiB (default 64)")
     p.add_argument("--round-timeout", type=float, default=120.0,
-                   help="seconds a round may take before it is aborted (default 120)")
+                   help="seconds a round may take before it is aborted (default 120, at "
+                        f"most {_MAX_ROUND_TIMEOUT:g})")
 
 
 def run_demo_command(args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from m2n_async import _demo
 from m2n_async.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,6 +94,7 @@ def test_python_dash_m_and_the_script_both_run_the_command() -> None:
 @pytest.mark.parametrize(("command", "statuses"), [
     ("plan", "Exit status: 0 valid, 1 invalid (or --require not met), 2 unreadable file or "
              "bad option."),
+    ("demo", "Exit status: 0 verified, 1 mismatch or failure, 2 bad option, 130 interrupted."),
     ("store", "Exit status: 0 stopped by SIGTERM or Ctrl-C, 1 cannot listen (address in use "
               "or not this host's), 2 bad option or token file."),
 ])
@@ -257,3 +259,60 @@ def test_plan_file_problems(capsys: pytest.CaptureFixture[str], tmp_path: Path) 
     rc, out, err = _cli(capsys, "plan", str(binary))
     assert (rc, out) == (1, "")  # read, but not TOML: an invalid plan
     _one_line(err, "binary.toml", "not valid TOML")
+
+
+# -- demo -----------------------------------------------------------------------------------
+
+
+# The demo's smallest job: what a probe of one bad value adds to it is the value alone.
+TINY_DEMO = ["demo", "--trainers", "1", "--workers", "1", "--rounds", "1", "--size-mb", "0.01"]
+
+
+@pytest.fixture
+def no_spawn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A demo that gets past its checks fails the test instead of starting processes."""
+    def spawn(*args: object, **kwargs: object) -> str:
+        raise AssertionError("the demo started its processes")
+    monkeypatch.setattr(_demo, "_parent", spawn)
+
+
+@pytest.mark.parametrize(("flag", "value"), [
+    ("--trainers", "0"), ("--workers", "-1"), ("--rounds", "0"), ("--trainers", "4097"),
+    ("--workers", str(10**400)), ("--rounds", str(10**400)),
+    ("--size-mb", "0"), ("--size-mb", "nan"), ("--size-mb", "inf"), ("--size-mb", "1e400"),
+    ("--size-mb", "1e307"),
+    ("--bucket-mb", "0"), ("--bucket-mb", "inf"), ("--bucket-mb", "1e-9"),
+    ("--bucket-mb", "1e20"),
+    ("--round-timeout", "0"), ("--round-timeout", "-1"), ("--round-timeout", "nan"),
+    ("--round-timeout", "inf"), ("--round-timeout", "1e300"),
+])
+def test_demo_refuses_a_bad_value_before_it_starts(capsys: pytest.CaptureFixture[str],
+                                                   no_spawn: None, flag: str, value: str
+                                                   ) -> None:
+    rc, out, err = _cli(capsys, *TINY_DEMO, flag, value)
+    assert (rc, out) == (2, "")
+    _one_line(err, flag)
+    assert value in err or str(float(value)) in err
+
+
+def test_demo_refuses_a_job_larger_than_this_hosts_memory(capsys: pytest.CaptureFixture[str],
+                                                         no_spawn: None) -> None:
+    # Hidden sizes are multiples of 16 x lcm(trainers, workers): 97 and 89 make the smallest
+    # model terabytes, whatever --size-mb asks for; said before any process starts.
+    rc, out, err = _cli(capsys, "demo", "--trainers", "97", "--workers", "89")
+    assert (rc, out) == (2, "")
+    _one_line(err, "--trainers 97", "--workers 89", "--size-mb 350", "memory")
+    rc, out, err = _cli(capsys, *TINY_DEMO, "--size-mb", "1e12")
+    assert (rc, out) == (2, "")
+    _one_line(err, "--size-mb 1e+12", "memory")
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--trainers", "x"), ("--size-mb", "big"),
+                                             ("--transport", "tcp")])
+def test_demo_unparsable_values_are_argparse_errors(capsys: pytest.CaptureFixture[str],
+                                                    no_spawn: None, flag: str, value: str
+                                                    ) -> None:
+    rc, out, err = _cli(capsys, "demo", flag, value)
+    assert (rc, out) == (2, "")
+    assert f"argument {flag}: invalid" in err and value in err and "Traceback" not in err
+
