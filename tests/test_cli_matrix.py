@@ -68,7 +68,7 @@ def busy_port() -> Iterator[int]:
         yield s.getsockname()[1]
 
 
-# -- the entry points ---------------------------------------------------------------------------
+# -- the entry points ------------------------------------------------------------------------
 
 
 def _run(argv: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
@@ -95,8 +95,9 @@ def test_python_dash_m_and_the_script_both_run_the_command() -> None:
     ("plan", "Exit status: 0 valid, 1 invalid (or --require not met), 2 unreadable file or "
              "bad option."),
     ("demo", "Exit status: 0 verified, 1 mismatch or failure, 2 bad option, 130 interrupted."),
-    ("store", "Exit status: 0 stopped by SIGTERM or Ctrl-C, 1 cannot listen (address in use "
-              "or not this host's), 2 bad option or token file."),
+    ("store", "Exit status: 0 stopped by SIGTERM or Ctrl-C, 1 cannot listen (address in use, "
+              "or a host that does not resolve or is not this one's), 2 bad option or token "
+              "file."),
 ])
 def test_each_commands_help_gives_its_exit_statuses(capsys: pytest.CaptureFixture[str],
                                                     command: str, statuses: str) -> None:

@@ -9,8 +9,8 @@ The event loop: uvloop when it is installed (``pip install m2n_async[fast]``), e
 (readiness wait, receive, send), which uvloop does in C: it roughly halves the server's CPU per
 request. The protocol and every guarantee are the same on both.
 
-Exit status: 0 stopped by SIGTERM or Ctrl-C, 1 cannot listen (address in use or not this
-host's), 2 bad option or token file.
+Exit status: 0 stopped by SIGTERM or Ctrl-C, 1 cannot listen (address in use, or a host that
+does not resolve or is not this one's), 2 bad option or token file.
 """
 
 from __future__ import annotations
