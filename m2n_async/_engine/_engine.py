@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import numbers
 import os
 import time
 from collections.abc import (
@@ -1172,7 +1173,12 @@ class WorkerEngine(_Engine):
         """Wait for the next round and write every destination shard into its target.
 
         ``timeout`` bounds the wait for the round to *start* (``TimeoutError``; the engine
-        stays READY); the round itself is bounded by trainer rank 0's round deadline.
+        stays READY); the round itself is bounded by trainer rank 0's round deadline. It is
+        a number of seconds > 0; ``None`` or ``math.inf`` waits without bound. One that
+        bounds no wait — 0, a negative number, NaN, a bool, anything that is no real number —
+        raises ``LocalProtocolError`` at once (nothing happened, the engine stays READY): a
+        zero bound would time out even when the round has already started, so poll with a
+        short timeout instead.
         ``progress(bytes_done, bytes_total)`` after each bucket (a ``KeyboardInterrupt`` or
         ``SystemExit`` raised by it or by a load callback: as in ``sync_weights``). Returns
         the ``SyncResult`` once every rank reported success; the version advances only
@@ -1196,6 +1202,7 @@ class WorkerEngine(_Engine):
         part is done, the round's outcome is gathered and committed shielded (bounded), as on
         every other rank; the cancel takes effect after.
         """
+        limit = _wait_bound(timeout)
         if self._job_closed and self._state is EngineState.POISONED:
             if self._closing:  # as for any engine once close() began (its docstring)
                 raise LocalProtocolError(f"receive: rank {self.rank} (generation "
@@ -1204,19 +1211,20 @@ class WorkerEngine(_Engine):
             raise PeerLostError(f"generation {self._generation}: {self._job_end}; no more "
                                 f"rounds", ranks=(0,))
         with self._exclusive("receive"):
-            return await self._receive(timeout, progress)
+            return await self._receive(limit, progress)
 
-    async def _receive(self, timeout: float | None,  # noqa: ASYNC109 - the API's argument
-                       progress: Progress | None) -> SyncResult:
+    async def _receive(self, limit: float | None, progress: Progress | None) -> SyncResult:
         k = self._round + 1
         t0 = time.perf_counter()
         assert self._rounds is not None
         try:
-            start = await self._wait_start(k, limit=timeout, missed_is_failure=False,
+            start = await self._wait_start(k, limit=limit, missed_is_failure=False,
                                            what="receive")
         except TimeoutError:
+            if limit is None:  # not this call's bound that ran out: raised as it came
+                raise
             raise TimeoutError(f"receive on rank {self.rank}: no round {k} started within "
-                               f"{timeout:g} s (generation {self._generation})") from None
+                               f"{limit:g} s (generation {self._generation})") from None
         except TransferError as exc:
             self._poison_with(exc)
             raise
@@ -1282,6 +1290,21 @@ class WorkerEngine(_Engine):
                 if self._closing:  # this engine was closed while it waited: the end
                     return
                 raise
+
+
+def _wait_bound(timeout: object) -> float | None:
+    """``receive(timeout=)`` as the bound of the wait for a round's start: None for no bound
+    (``None`` or ``math.inf``); ``LocalProtocolError`` for a value that bounds no wait."""
+    if timeout is None:
+        return None
+    # Real, not (int, float): a NumPy scalar is a number of seconds too. Not bool, though it
+    # is an int: True would wait one second where the caller meant a flag.
+    if (not isinstance(timeout, numbers.Real) or isinstance(timeout, bool)
+            or math.isnan(timeout) or timeout <= 0):
+        raise LocalProtocolError(f"receive: timeout must be a number of seconds > 0 (None or "
+                                 f"math.inf: no bound), got {timeout!r}; to poll for a round, "
+                                 f"pass a short timeout such as 0.05")
+    return None if math.isinf(timeout) else float(timeout)
 
 
 def _sink_map(targets: Mapping[str, Any], interrupts: Interrupts) -> SinkMap:
