@@ -630,7 +630,8 @@ class BlockingWorker(_Blocking[WorkerEngine]):
         targets; returns once every rank reported success.
 
         ``timeout`` bounds the wait for the round to start (``TimeoutError``, the engine
-        stays READY), as on the coroutine. Errors as the coroutine. Interrupted: while
+        stays READY), as on the coroutine: seconds > 0, ``None`` or ``math.inf`` for no
+        bound, anything else ``LocalProtocolError``. Errors as the coroutine. Interrupted: while
         waiting for the start nothing happened (READY); during the round this rank aborts it
         everywhere and is POISONED (targets may be partly written); the interrupt propagates
         once that is done.
@@ -647,16 +648,26 @@ class BlockingWorker(_Blocking[WorkerEngine]):
         """``for result in worker.updates():`` — one ``SyncResult`` per round, until trainer
         rank 0 closes the job or opens a newer generation (the iteration then ends and the
         engine is POISONED: a later ``updates()`` ends at once; close it and connect again),
-        or this engine is closed; rank 0 closing on an error raises its ``PeerLostError``.
-        Errors and interruption as ``receive``; the iterator must be used from one thread.
+        or this engine is closed (while the iteration waits for a round, or before it asks for
+        the next: by the loop body, or by another thread); rank 0 closing on an error raises
+        its ``PeerLostError``. Errors and interruption as ``receive``; the iterator must be
+        used from one thread.
         """
         agen: AsyncIterator[SyncResult] = self._engine.updates()
         try:
             while True:
+                if self._loop.closed:
+                    # close() stopped the loop between two rounds: the end, as the async
+                    # iterator ends on a closed engine (the loop cannot be asked any more).
+                    return
                 try:
                     yield self._loop.call(agen.__anext__)
                 except StopAsyncIteration:
                     return
+                except LocalProtocolError:
+                    if self._loop.closed:  # another thread's close() stopped the loop under
+                        return  # this very call (the engine's end, not this call's error)
+                    raise
         except GeneratorExit:
             # Dropped half-way, maybe by a collection on any thread (the loop's own, or one
             # while the loop is busy): only queued, as a finalizer's close, so it never waits.
