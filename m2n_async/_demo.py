@@ -100,10 +100,6 @@ class DemoParam:
         return math.prod(self.shape) * dtype_itemsize(self.dtype)
 
 
-def _lcm(a: int, b: int) -> int:
-    return a * b // math.gcd(a, b)
-
-
 def demo_model(size_mb: float, trainers: int, workers: int, *, small_per_layer: int = 96
                ) -> list[DemoParam]:
     """A transformer-shaped parameter list of about ``size_mb`` MB (10^6 bytes).
@@ -122,7 +118,7 @@ def demo_model(size_mb: float, trainers: int, workers: int, *, small_per_layer: 
         raise ValueError(f"need at least one trainer and one worker, got {trainers}+{workers}")
     if not size_mb > 0:
         raise ValueError(f"size_mb must be > 0, got {size_mb}")
-    u = _lcm(trainers, workers)
+    u = math.lcm(trainers, workers)
     experts = trainers * max(1, math.ceil(8 / trainers))
     step = 16 * u  # hidden multiple: d/2 (expert width) and d still divide by T and N
     # Bytes per hidden^2: 20 (dense, bf16) + 3 * experts (expert tensors, bf16) per layer;
@@ -667,7 +663,7 @@ def _refusal(trainers: int, workers: int, rounds: int, size_mb: float, bucket_mb
     model = sum(p.nbytes for p in params)
     why = ""
     if model > 2 * size_mb * _MB:  # rounded up far past the request: say why it cannot shrink
-        step = 16 * _lcm(trainers, workers)
+        step = 16 * math.lcm(trainers, workers)
         why = (f" (its hidden size is a multiple of 16 x lcm({trainers}, {workers}) = {step}, "
                f"so no --size-mb makes it smaller; fewer ranks or counts sharing factors do)")
     return (f"--trainers {trainers}, --workers {workers} and --size-mb {size_mb:g} make a "

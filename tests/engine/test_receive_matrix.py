@@ -562,31 +562,23 @@ def test_blocking_timeout_that_bounds_no_wait_is_refused(
     assert w.holds(1)
 
 
-def test_blocking_updates_end_when_the_loop_body_closes_the_worker(
-        pair: tuple[BlockingTrainer, BlockingWorker, World]) -> None:
+@pytest.mark.parametrize("closer", ["loop body", "another thread"])
+def test_blocking_updates_end_when_the_worker_is_closed_between_rounds(
+        pair: tuple[BlockingTrainer, BlockingWorker, World], closer: str) -> None:
     trainer, worker, w = pair
     versions: list[int] = []
     with ThreadPoolExecutor(1) as ex:
         sent = ex.submit(trainer.sync_weights, source_shards(w.plan, 0, 1))
         for u in worker.updates():
             versions.append(u.version)
-            worker.close()  # as the async iterator: the loop ends
+            if closer == "loop body":
+                worker.close()  # as the async iterator: the loop ends
+            else:
+                ex.submit(worker.close).result(LIMIT)  # between rounds, from another thread
         assert sent.result(LIMIT).version == 1
     assert versions == [1] and worker.state is EngineState.CLOSED
-    assert list(worker.updates()) == []  # a closed worker's updates() ends at once
-
-
-def test_blocking_updates_end_when_another_thread_closes_the_worker(
-        pair: tuple[BlockingTrainer, BlockingWorker, World]) -> None:
-    trainer, worker, w = pair
-    versions: list[int] = []
-    with ThreadPoolExecutor(1) as ex:
-        sent = ex.submit(trainer.sync_weights, source_shards(w.plan, 0, 1))
-        for u in worker.updates():
-            versions.append(u.version)
-            ex.submit(worker.close).result(LIMIT)  # between rounds, from another thread
-        assert sent.result(LIMIT).version == 1
-    assert versions == [1] and worker.state is EngineState.CLOSED
+    if closer == "loop body":
+        assert list(worker.updates()) == []  # a closed worker's updates() ends at once
 
 
 def test_blocking_updates_left_early_then_receive_takes_the_next_round(
