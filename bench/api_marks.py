@@ -164,6 +164,19 @@ def install(directory: str) -> None:
         _wrap_async(lane, "stage", "lane.stage")
         _wrap_sync(lane, "transfer", "lane.transfer")
         _wrap_async(lane, "unpack", "lane.unpack")
+    from m2n_async._engine import _targets
+
+    _wrap_async(_targets.TargetCheck, "__call__", "targets.check")
+    if len(lanes) > 1:  # the m2n lane's host steps inside stage and unpack
+        for name in ("_pack", "_stacks", "_source_table", "_table", "_span", "_target_span",
+                     "_scatter_lists"):
+            _wrap_sync(m2n.M2NTransport, name, f"m2n.{name}")
+        _wrap_sync(_cuda.GpuTransportBase, "begin_transfer", "gpu.begin_transfer")
+        _wrap_async(_cuda.GpuTransportBase, "finish_unpack", "gpu.finish_unpack")
+        # m2n imported these by name: wrap the module's own references
+        for name in ("copy_many", "pointer_table"):
+            if name in m2n.__dict__:
+                _wrap_sync(m2n, name, f"m2n.{name}")
 
 
 def summarize(directory: str, *, skip: int = 3) -> str:
