@@ -539,9 +539,12 @@ class M2NTransport(GpuTransportBase):
                             st.in_place_stacks += 1
                             st.stacked_params += len(call.members)
                             continue
-                        for m in call.members:  # a missing target fails before the transfer
-                            if m.name not in records:
+                        try:  # a missing target fails before the transfer
+                            call.fetch(records)  # one C-level lookup of every member
+                        except KeyError:
+                            for m in call.members:  # raises the error naming it
                                 lookup_tensor(records, m.name, where)
+                            raise
                         if stacks is None:
                             stacks = self._stacks(st)
                         buf = stacks[k][0]

@@ -1217,6 +1217,17 @@ class WorkerEngine(_Engine):
         k = self._round + 1
         t0 = time.perf_counter()
         assert self._rounds is not None
+        assert self._plan is not None and self._transport is not None
+        plan, transport, rank = self._plan, self._transport, self.rank
+        if self._target_check is None:
+            # The device the transport resolved ("cuda" -> "cuda:N"), as for the sources.
+            resolved = getattr(transport, "device", None)
+            self._target_check = TargetCheck(plan, self._sinks, rank, str(resolved)
+                                             if resolved is not None else
+                                             (transport.ctx.settings.device or "cpu"))
+        # While the trainers check their sources and start the round: off its path
+        # (``_targets``); the round checks again what failed, or all if it starts late.
+        await self._target_check.precheck(transport.ctx.buckets)
         try:
             start = await self._wait_start(k, limit=limit, missed_is_failure=False,
                                            what="receive")
@@ -1238,17 +1249,9 @@ class WorkerEngine(_Engine):
                                 f"rounds", ranks=(0,))
             self._poison_with(err)
             raise err from None
-        assert self._plan is not None and self._transport is not None
-        plan, transport, rank = self._plan, self._transport, self.rank
+        self._target_check.started()
         if progress is not None:  # it runs in a task of the loop: see CallbackInterrupted
             progress = self._interrupts.wrap(progress, "the progress callback")
-
-        if self._target_check is None:
-            # The device the transport resolved ("cuda" -> "cuda:N"), as for the sources.
-            resolved = getattr(transport, "device", None)
-            self._target_check = TargetCheck(plan, self._sinks, rank, str(resolved)
-                                             if resolved is not None else
-                                             (transport.ctx.settings.device or "cpu"))
 
         async def work() -> PipelineStats:
             stats = await run_pipeline(transport, transport.ctx.buckets,

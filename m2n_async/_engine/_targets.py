@@ -17,11 +17,23 @@ expected dtypes and shapes — are built once, at connect; a round reads each te
 shape, device and contiguity with C-level ``map`` calls over chunks of ``_INLINE_PARAMS``,
 with a checkpoint between chunks. A chunk that fails the fast pass goes through
 ``validate_local_buffer``, which explains.
+
+Where the pass runs: ``receive`` runs it over every bucket (``precheck``) before it waits for
+the round to start, while the trainers check their sources and publish the start, so that
+the pass is off the round's path. When the round starts within ``FRESH_S`` of that pass, a
+bucket that passed is only looked at for targets given new storage since (their addresses,
+read anyway by the lanes: new storage is what could take a write past its end), and checked
+whole if one was; a later start (a worker that waited for the next step of training) checks
+each bucket whole again before staging it. A bucket that failed is checked again in the
+round, where it fails the round as above: nothing fails before the round, which the trainers
+would otherwise wait out. A target changed by another thread or task while ``receive`` runs
+is a race with the round whichever pass runs: change targets between rounds.
 """
 
 from __future__ import annotations
 
 import operator
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +47,12 @@ from m2n_async._proto.plan import TransferPlan, validate_local_buffer
 if TYPE_CHECKING:
     from m2n_async._proto.plan import Bucket
 
-__all__ = ["TargetCheck"]
+__all__ = ["FRESH_S", "TargetCheck"]
+
+#: How long after ``precheck`` a round may start and still use its verdicts (module doc): a
+#: worker called as a round begins (vLLM's update RPC, a receive loop that keeps up) is well
+#: inside it; one that waited for a training step checks in the round.
+FRESH_S = 0.25
 
 #: One chunk: the plan indices of its in-place targets, the tensors, their wire dtypes and
 #: local shapes.
@@ -55,6 +72,9 @@ class TargetCheck:
         self._chunks: dict[tuple[int, int], list[_Chunk]] = {}  # per bucket, on first use
         self._sinks = sinks
         self._torch = torch
+        #: bucket -> its targets' addresses, per chunk, for the buckets that passed ``precheck``
+        self._passed: dict[int, list[list[int]]] = {}
+        self._prechecked_at: float | None = None
 
     def _tables(self, start: int, stop: int, sinks: SinkMap, torch: Any) -> list[_Chunk]:
         got = self._chunks.get((start, stop))
@@ -73,9 +93,45 @@ class TargetCheck:
                              for p in params]))
         return got
 
+    async def precheck(self, buckets: Sequence[Bucket]) -> None:
+        """The fast pass over every bucket, before the round (module doc): remembers which
+        passed, and their targets' addresses, for the round's ``__call__``; raises nothing."""
+        self._passed = {}
+        self._prechecked_at = None
+        data_ptr = self._torch.Tensor.data_ptr
+        for bucket in buckets:
+            if await self._fast(bucket):
+                self._passed[bucket.index] = [
+                    list(map(data_ptr, ts))
+                    for _, ts, _, _ in self._tables(bucket.start, bucket.stop, self._sinks,
+                                                    self._torch)]
+        self._prechecked_at = time.monotonic()
+
+    def started(self) -> None:
+        """The round began: keep ``precheck``'s verdicts only if it ended within
+        ``FRESH_S``."""
+        at = self._prechecked_at
+        if at is None or time.monotonic() - at > FRESH_S:
+            self._passed = {}
+        self._prechecked_at = None
+
     async def __call__(self, bucket: Bucket) -> None:
         """Raise ``PlanError`` naming the first of ``bucket``'s in-place targets that no
-        longer has its planned dtype, local shape, contiguity or device."""
+        longer has its planned dtype, local shape, contiguity or device. A bucket that passed
+        ``precheck`` just before the round is only looked at for targets given new storage
+        since (their addresses: a quarter of the pass's cost); one that did is checked."""
+        seen = self._passed.pop(bucket.index, None)  # a verdict serves one round
+        if seen is not None:
+            data_ptr = self._torch.Tensor.data_ptr
+            tables = self._tables(bucket.start, bucket.stop, self._sinks, self._torch)
+            if all(list(map(data_ptr, ts)) == ptrs
+                   for (_, ts, _, _), ptrs in zip(tables, seen, strict=True)):
+                return
+        await self._fast(bucket, explain=True)
+
+    async def _fast(self, bucket: Bucket, *, explain: bool = False) -> bool:
+        """Whether every in-place target of ``bucket`` passes the fast pass; with
+        ``explain``, the first chunk that does not raises the ``PlanError`` naming it."""
         on_device = self._all_on_device
         for a, (idx, ts, dtypes, shapes) in enumerate(
                 self._tables(bucket.start, bucket.stop, self._sinks, self._torch)):
@@ -84,7 +140,10 @@ class TargetCheck:
             if (all(map(operator.is_, map(_DTYPE, ts), dtypes))
                     and laid_out(ts, shapes, on_device)):
                 continue
+            if not explain:
+                return False
             self._explain(idx, ts)
+        return True
 
     def _explain(self, idx: Sequence[int], ts: Sequence[Any]) -> None:
         for i, t in zip(idx, ts, strict=True):

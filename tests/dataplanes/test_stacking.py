@@ -252,3 +252,22 @@ def test_the_gpu_kernel_declines_cpu_tensors():
     dsts = [torch.empty(4, 4) for _ in range(16)]
     srcs = [torch.ones(4, 4) for _ in range(16)]
     assert copy_many(dsts, srcs) is False
+
+
+@pytest.mark.asyncio
+async def test_a_missing_member_target_names_the_parameter(fake_world):
+    # a worker whose sinks lack one member of a stacked call fails staging, before the
+    # transfer, naming that member (the others are looked up in one call)
+    defs = [(f"e{i}", (8, 4), torch.float32, (R, 0), (R, 1)) for i in range(6)]
+    plan = make_plan(defs, (1, 2), (1, 2))
+
+    def sinks_for(rank, rnd):
+        got = dict(targets(plan, rank))
+        if rank == 2:
+            del got["e3"]
+        return got
+
+    results = await run_world("m2n", plan, bucket_bytes=1 << 20, sinks_for=sinks_for,
+                              deadline=1.5)  # the others wait out the round's deadline
+    err = results[2].error
+    assert err is not None and "parameter 'e3' is missing from this rank's tensors" in str(err)

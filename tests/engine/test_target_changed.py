@@ -140,3 +140,97 @@ async def test_a_non_contiguous_module_target_given_new_storage_is_followed() ->
         assert info.group_contains(TransferError, match="the target changed after connect")
     finally:
         await _close(*trainers, *workers)
+
+
+async def _renewed_while_waiting(monkeypatch: pytest.MonkeyPatch, fresh: float,
+                                 how: str) -> tuple[Any, Any, int]:
+    """Round 1; then the worker calls ``receive`` (its targets pass the check made before it
+    waits), the target is renewed ``how`` while it waits, and round 2 starts 0.3 s later.
+    Returns the trainer's and worker's outcome of round 2 and how many fast passes the
+    worker ran in the round itself (not counting ``receive``'s own, before the wait)."""
+    from m2n_async._engine import _targets
+
+    monkeypatch.setattr(_targets, "FRESH_S", fresh)
+    trainers, workers = await _connect_all(MemoryStore(), PLAN)
+    in_round = 0
+    fast = _targets.TargetCheck._fast
+
+    async def counted(self: Any, bucket: Any, *, explain: bool = False) -> bool:
+        nonlocal in_round
+        in_round += explain  # the round's passes explain; ``precheck``'s do not
+        return await fast(self, bucket, explain=explain)
+
+    monkeypatch.setattr(_targets.TargetCheck, "_fast", counted)
+    try:
+        await _round(trainers, workers, lambda e: e.sync_weights(source_shards(PLAN, 0, 1)))
+        in_round = 0
+        got: dict[str, Any] = {}
+
+        async def side(name: str, call: Callable[[], Any]) -> None:
+            try:
+                got[name] = await call()
+            except Exception as exc:
+                got[name] = exc
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(side, "worker", workers[0].receive)
+                await anyio.sleep(0.1)  # the worker checked its targets and waits
+                if how != "unchanged":
+                    _renew(workers[0]._sinks["w_row"].tensor, how)
+                await anyio.sleep(0.2)
+                tg.start_soon(side, "trainer",
+                              lambda: trainers[0].sync_weights(source_shards(PLAN, 0, 2)))
+        if how in ("unchanged", "same") and not isinstance(got["worker"], Exception):
+            _check(PLAN, workers, 2)  # bit-exact, in the new storage too
+        return got["trainer"], got["worker"], in_round
+    finally:
+        await _close(*trainers, *workers)
+
+
+@pytest.mark.asyncio
+async def test_a_prompt_round_uses_the_check_made_before_the_wait(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The check runs while the trainers start the round, off its path: not again in it.
+    trainer, worker, in_round = await _renewed_while_waiting(monkeypatch, 30.0, "unchanged")
+    assert trainer.version == worker.version == 2
+    assert in_round == 0
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("fresh", [30.0, 0.05], ids=["prompt", "late"])
+async def test_storage_given_while_the_worker_waited_is_checked_in_the_round(
+        monkeypatch: pytest.MonkeyPatch, fresh: float) -> None:
+    # Prompt: the round sees the target's new address and checks it whole. Late (the start
+    # came more than FRESH_S after the early check): the round checks every bucket whole.
+    # Either way, storage of another dtype given while the worker waited fails the round
+    # naming the parameter, and nothing is written into it.
+    trainer, worker, in_round = await _renewed_while_waiting(monkeypatch, fresh, "bfloat16")
+    for exc in (trainer, worker):
+        assert isinstance(exc, TransferError), exc
+        assert "parameter 'w_row' (destination side, rank 1)" in str(exc), exc
+        assert "tensor dtype bfloat16 != planned dtype float32" in str(exc), exc
+    assert in_round == 1
+
+
+@pytest.mark.asyncio
+async def test_storage_of_the_planned_kind_given_while_the_worker_waited_is_written(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    trainer, worker, in_round = await _renewed_while_waiting(monkeypatch, 30.0, "same")
+    assert trainer.version == worker.version == 2
+    assert in_round == 1  # the new address: checked whole, then written
+
+
+@pytest.mark.asyncio
+async def test_a_target_that_fails_the_early_check_fails_the_round_not_the_wait(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Renewed before receive: the early check fails, nothing is raised before the round
+    # (the trainers would wait it out), and the round's own check fails it on every rank.
+    from m2n_async._engine import _targets
+
+    monkeypatch.setattr(_targets, "FRESH_S", 30.0)
+    trainer, worker, engine = await _two_rounds("smaller")
+    for exc in (trainer, worker):
+        assert isinstance(exc, TransferError), exc
+        assert "tensor shape (4, 6) != local shard shape (12, 6)" in str(exc), exc
+    assert engine == (1, "poisoned")
