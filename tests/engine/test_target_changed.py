@@ -234,3 +234,32 @@ async def test_a_target_that_fails_the_early_check_fails_the_round_not_the_wait(
         assert isinstance(exc, TransferError), exc
         assert "tensor shape (4, 6) != local shard shape (12, 6)" in str(exc), exc
     assert engine == (1, "poisoned")
+
+
+@pytest.mark.asyncio
+async def test_short_receive_timeouts_do_not_repeat_the_check(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A worker polling with short timeouts runs the early check once per FRESH_S, not once
+    # per call; the round that then starts still checks what it must (it is written).
+    from m2n_async._engine import _targets
+
+    monkeypatch.setattr(_targets, "FRESH_S", 30.0)
+    trainers, workers = await _connect_all(MemoryStore(), PLAN)
+    passes = 0
+    fast = _targets.TargetCheck._fast
+
+    async def counted(self: Any, bucket: Any, *, explain: bool = False) -> bool:
+        nonlocal passes
+        passes += 1
+        return await fast(self, bucket, explain=explain)
+
+    monkeypatch.setattr(_targets.TargetCheck, "_fast", counted)
+    try:
+        for _ in range(5):
+            with pytest.raises(TimeoutError):
+                await workers[0].receive(timeout=0.01)
+        assert passes == len(workers[0]._transport.ctx.buckets)  # the first call's only
+        await _round(trainers, workers, lambda e: e.sync_weights(source_shards(PLAN, 0, 1)))
+        _check(PLAN, workers, 1)
+    finally:
+        await _close(*trainers, *workers)
