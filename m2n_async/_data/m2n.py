@@ -635,7 +635,7 @@ class M2NTransport(GpuTransportBase):
         seen = self._src_tables.setdefault(key, [])
         hit = next((i for i, (old, _) in enumerate(seen) if old == ptrs), None)
         if hit is None:
-            table = pointer_table(srcs, self.device)
+            table = pointer_table(srcs, self.device, ptrs)
             seen.insert(0, (ptrs, table))
             del seen[SOURCE_TABLES:]
         else:
@@ -923,15 +923,18 @@ class M2NTransport(GpuTransportBase):
             data_ptr = torch.Tensor.data_ptr  # the C method: one C-level pass per group
             with streams.on(streams.unpack):
                 for g in groups:
-                    if g.dst_ptrs is not None and list(map(data_ptr, g.dsts)) != g.dst_ptrs:
+                    ptrs = list(map(data_ptr, g.dsts)) if g.dst_ptrs is not None else None
+                    if ptrs is not None and ptrs != g.dst_ptrs:
                         g.kernel = g.tables = g.dst_ptrs = None  # a target moved: decide again
                     if g.kernel is None:  # decided once per group (it is cached with it)
                         g.kernel = (len(g.dsts) >= MIN_PIECES and kernels_available()
                                     and uniform_pieces(g.dsts) and uniform_pieces(g.srcs))
                         if g.kernel and g.cache:
+                            if ptrs is None:
+                                ptrs = list(map(data_ptr, g.dsts))
                             g.tables = (pointer_table(g.srcs, self.device),
-                                        pointer_table(g.dsts, self.device))
-                            g.dst_ptrs = list(map(data_ptr, g.dsts))
+                                        pointer_table(g.dsts, self.device, ptrs))
+                            g.dst_ptrs = ptrs
                     src_t, dst_t = g.tables if g.tables is not None else (None, None)
                     if not (g.kernel and copy_many(g.dsts, g.srcs, src_table=src_t,
                                                    dst_table=dst_t, uniform=True)):

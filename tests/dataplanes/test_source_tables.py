@@ -27,7 +27,8 @@ class _Source:
 def _lane(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[list[int]]]:
     built: list[list[int]] = []
 
-    def pointer_table(tensors: Any, device: Any) -> tuple[str, int]:
+    def pointer_table(tensors: Any, device: Any, ptrs: Any = None) -> tuple[str, int]:
+        assert ptrs == tensors[0].ptrs  # the addresses the lane read, passed on
         built.append(list(tensors[0].ptrs))
         return ("table", len(built))  # unique per build: which build a round got
 
@@ -90,3 +91,17 @@ def test_no_table_without_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(m2n_lane, "kernels_available", lambda: False)
     assert _take(lane, [0x1000]) is None
     assert built == []
+
+
+def test_the_real_table_holds_the_addresses_and_their_alignment() -> None:
+    import torch
+
+    from m2n_async._data import _kernels
+
+    flat = torch.zeros(64, dtype=torch.float32)
+    pieces = [flat[i:i + 4] for i in (0, 8, 17)]  # 0, 32 and 68 bytes in: 4-byte aligned
+    ptrs = [t.data_ptr() for t in pieces]
+    for given in (None, ptrs):
+        table = _kernels.pointer_table(pieces, "cpu", given)
+        assert table.table.dtype == torch.int64 and table.table.tolist() == ptrs
+        assert table.align == _kernels.address_align(ptrs) == 4

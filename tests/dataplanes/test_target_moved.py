@@ -70,7 +70,7 @@ async def test_m2n_scatters_into_a_targets_new_storage(fake_world: Any,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     # A CPU stand-in for the Triton copy (``_kernels``), as faithful as it needs to be here:
     # it copies through the pointer tables, as the kernel reads its pieces' base addresses.
-    def pointer_table(tensors: Any, device: Any) -> list[int]:
+    def pointer_table(tensors: Any, device: Any, ptrs: Any = None) -> list[int]:
         return [t.data_ptr() for t in tensors]
 
     def copy_many(dsts: Any, srcs: Any, *, src_table: Any = None, dst_table: Any = None,

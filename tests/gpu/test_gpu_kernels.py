@@ -113,3 +113,20 @@ def test_flat_and_general_forms_agree():
         assert torch.equal(a.view(torch.int16), s.view(torch.int16))
         assert torch.equal(b.view(torch.int16), s.view(torch.int16))
 
+
+
+def test_a_pointer_table_is_queued_behind_a_busy_stream_not_waited_for():
+    # pointer_table runs on the event loop's thread, on a stream that may still have work
+    # queued (the producer's kernels a pack waits for; the transfer an unpack waits for,
+    # which never ends if a peer died): it must return while that work is still queued.
+    from m2n_async._data import _kernels as k  # the table needs no Triton
+
+    pieces = [torch.empty(16, device="cuda") for _ in range(64)]
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU clock cycles queued on the stream
+        table = k.pointer_table(pieces, torch.device("cuda"))
+        busy = not side.query()
+    side.synchronize()
+    assert busy, "pointer_table waited for the stream's earlier work"
+    assert table.table.cpu().tolist() == [t.data_ptr() for t in pieces]
