@@ -883,20 +883,19 @@ class TrainerEngine(_Engine):
 
         Cancellation: if cancelled before rank 0 publishes the round, nothing happened and
         the engine stays READY. Rank 0's publish itself is shielded (bounded by the round
-        deadline): a cancel that lands during it takes effect just after, once the round has
-        started. Once the round started and until this rank's part of it is done, this rank
-        posts the round's abort record (peers fail fast with a ``TransferError`` naming this
-        rank, ``cause="cancelled"``), aborts its transport (shielded, bounded), and the
-        engine is POISONED; the version does not advance anywhere. Connect again for a new
-        generation. Once its part
-        is done, the outcome is gathered and committed shielded (bounded by the round
-        deadline), so the round ends here as on every other rank; the cancel takes effect
-        after. To bound a round, pass ``timeout=`` on rank 0 (or set
-        ``EngineConfig.round_timeout``) rather than wrapping this call in
-        ``asyncio.wait_for`` / ``anyio.fail_after``: a timeout that cancels it mid-round
-        leaves this engine POISONED and raises a bare ``TimeoutError``, while the engine's
-        deadline fails the round on every rank with a ``TransferError`` naming the late rank
-        (``cause="deadline"``).
+        deadline, at least ``abort_grace``): a cancel that lands during it takes effect
+        just after, once the round has started. Once the round started and until this
+        rank's part of it is done, this rank posts the round's abort record (peers fail fast
+        with a ``TransferError`` naming this rank, ``cause="cancelled"``), aborts its
+        transport (shielded, bounded), and the engine is POISONED; the version does not
+        advance anywhere. Connect again for a new generation. Once its part is done, the
+        outcome is gathered and committed shielded (bounded by the round deadline), so the
+        round ends here as on every other rank; the cancel takes effect after. To bound a
+        round, pass ``timeout=`` on rank 0 (or set ``EngineConfig.round_timeout``) rather
+        than wrapping this call in ``asyncio.wait_for`` / ``anyio.fail_after``: a timeout that
+        cancels it mid-round leaves this engine POISONED and raises a bare ``TimeoutError``, while
+        the engine's deadline fails the round on every rank with a ``TransferError`` naming the late
+        rank (``cause="deadline"``).
         """
         with self._exclusive("sync_weights"):
             return await self._sync_weights(weights, version, timeout, progress)

@@ -229,19 +229,22 @@ class RoundDriver:
 
     async def publish_start(self, start: RoundStart) -> None:
         """Trainer rank 0 opens the round: one compare-and-set of its ``start`` key (bounded
-        by its deadline), so the key holds one record for good and every rank reads the same
-        start. Raises the round's ``TransferError`` if the store fails, or if the key was
-        written already (``Round.start_taken``): by this engine's ``close()`` (the job's
-        closing start; no rank runs the round, nothing is recorded) or by another process (a
-        protocol failure naming rank 0, recorded, so that the ranks that read that start
-        raise the same error).
+        by its deadline, at least ``abort_grace``), so the key holds one record for good and
+        every rank reads the same start. Raises the round's ``TransferError`` if the store
+        fails, or if the key was written already (``Round.start_taken``): by this engine's
+        ``close()`` (the job's closing start; no rank runs the round, nothing is recorded) or
+        by another process (a protocol failure naming rank 0, recorded, so that the ranks
+        that read that start raise the same error).
 
         Cancellation: the caller shields it (a round that may have started must be aborted,
         not forgotten)."""
         core = self.core(start.round)
         record = encode(start)
         try:
-            with anyio.fail_after(start.round_timeout):
+            # At least abort_grace: a deadline shorter than one store request (a tiny
+            # timeout=) must fail the round at its deadline, on every rank, not here as a
+            # store loss that no peer hears of.
+            with anyio.fail_after(max(start.round_timeout, self.abort_grace)):
                 swapped, current = await self.store.compare_set(core.keys.start, None, record)
         except StaleGenerationError as exc:
             raise core.error(core.superseded(exc.current)) from exc
