@@ -876,10 +876,13 @@ class TrainerEngine(_Engine):
         (``cause="left"``, naming rank 0).
 
         Raises ``LocalProtocolError`` (nothing happened, the engine stays READY) for a
-        ``version`` that is not an int above the committed one, a ``timeout`` that is not a
-        finite number > 0, ``weights`` of none of the kinds above, or a second
-        ``sync_weights`` while one runs on this engine; ``PlanError`` (likewise) for a
-        shard refused before the round (above).
+        ``version`` that is not an int above the committed one (a bool is no int here) or is
+        above 2**64 - 1, a ``timeout`` that is not a finite number of seconds > 0 (0, a
+        negative number, NaN, ``math.inf``, a bool, anything that is no real number: the
+        round deadline cannot be unbounded, as ``EngineConfig.round_timeout`` cannot), a
+        ``progress`` that is neither None nor callable, ``weights`` of none of the kinds
+        above, or a second ``sync_weights`` while one runs on this engine; ``PlanError``
+        (likewise) for a shard refused before the round (above).
 
         Cancellation: if cancelled before rank 0 publishes the round, nothing happened and
         the engine stays READY. Rank 0's publish itself is shielded (bounded by the round
@@ -934,8 +937,6 @@ class TrainerEngine(_Engine):
                             progress: Progress | None) -> SyncResult:
         assert self._plan is not None and self._transport is not None
         plan, transport, rank = self._plan, self._transport, self.rank
-        if progress is not None:  # it runs in a task of the loop: see CallbackInterrupted
-            progress = self._interrupts.wrap(progress, "the progress callback")
         # The device the transport resolved ("cuda" -> "cuda:N"): shards are checked against
         # the very device the transport copies on, index included.
         resolved = getattr(transport, "device", None)
@@ -950,11 +951,13 @@ class TrainerEngine(_Engine):
             if version is not None and (type(version) is not int):
                 raise LocalProtocolError(f"sync_weights: version must be an int, got "
                                          f"{version!r} ({type(version).__name__})")
-            if timeout is not None and not (isinstance(timeout, (int, float))
-                                            and not isinstance(timeout, bool)
-                                            and math.isfinite(timeout) and timeout > 0):
-                raise LocalProtocolError(f"sync_weights: timeout must be a finite number of "
-                                         f"seconds > 0, got {timeout!r}")
+            if version is not None and version > _MAX_VERSION:
+                # The round's start carries it as an unsigned 64-bit int: refused here, not
+                # as an encoding error of the publish.
+                raise LocalProtocolError(f"sync_weights: version must be at most 2**64 - 1, "
+                                         f"got {version!r}")
+            timeout = _round_deadline(timeout)
+            _check_progress(progress, "sync_weights")
             sources = await self._checked_sources(weights, plan, device, version)
         except (PlanError, LocalProtocolError) as exc:
             # Refused before joining (its arguments or its weights): the peers stay in the
@@ -963,6 +966,8 @@ class TrainerEngine(_Engine):
             with anyio.CancelScope(shield=True):
                 await self._rounds_note_refusal(exc)
             raise
+        if progress is not None:  # it runs in a task of the loop: see CallbackInterrupted
+            progress = self._interrupts.wrap(progress, "the progress callback")
         k = self._round + 1
         rounds = self._rounds
         assert rounds is not None
@@ -1178,21 +1183,22 @@ class WorkerEngine(_Engine):
         raises ``LocalProtocolError`` at once (nothing happened, the engine stays READY): a
         zero bound would time out even when the round has already started, so poll with a
         short timeout instead.
-        ``progress(bytes_done, bytes_total)`` after each bucket (a ``KeyboardInterrupt`` or
-        ``SystemExit`` raised by it or by a load callback: as in ``sync_weights``). Returns
-        the ``SyncResult`` once every rank reported success; the version advances only
-        then. Raises the same ``TransferError`` as every other rank when the round failed —
-        also when it failed
-        while this rank waited for it to start (a peer died, a trainer gave up on rank 0):
-        engine POISONED, targets may hold a partial update; ``exc.rank`` is the rank that
-        caused it. Raises ``PeerLostError`` (ranks ``(0,)``) when there will be no more
-        rounds in this generation: trainer rank 0 closed the job (its text names the error it
-        closed on, if it did: see ``close``), or already opened a newer generation (a
-        reconnect). The engine is then POISONED, though nothing failed: it can receive no
-        more and is usable only for ``close`` (connect again to follow a new generation);
-        a later ``receive`` raises the same ``PeerLostError``. A second ``receive`` while one runs
-        on this engine raises ``LocalProtocolError`` (the running one is unaffected); so
-        does this one when a ``close()`` of this engine ends its wait for the round.
+        ``progress(bytes_done, bytes_total)`` after each bucket (one that is neither None nor
+        callable raises ``LocalProtocolError`` at once, as such a timeout; a
+        ``KeyboardInterrupt`` or ``SystemExit`` raised by it or by a load callback: as in
+        ``sync_weights``). Returns the ``SyncResult`` once every rank reported success; the
+        version advances only then. Raises the same ``TransferError`` as every other rank
+        when the round failed — also when it failed while this rank waited for it to start
+        (a peer died, a trainer gave up on rank 0): engine POISONED, targets may hold a
+        partial update; ``exc.rank`` is the rank that caused it. Raises ``PeerLostError``
+        (ranks ``(0,)``) when there will be no more rounds in this generation: trainer rank
+        0 closed the job (its text names the error it closed on, if it did: see ``close``),
+        or already opened a newer generation (a reconnect). The engine is then POISONED,
+        though nothing failed: it can receive no more and is usable only for ``close``
+        (connect again to follow a new generation); a later ``receive`` raises the same
+        ``PeerLostError``. A second ``receive`` while one runs on this engine raises
+        ``LocalProtocolError`` (the running one is unaffected); so does this one when a ``close()``
+        of this engine ends its wait for the round.
 
         Cancellation: while waiting for the round to start, nothing happened: the engine
         stays READY. During the round, until its part is done, this rank posts the round's
@@ -1202,6 +1208,7 @@ class WorkerEngine(_Engine):
         every other rank; the cancel takes effect after.
         """
         limit = _wait_bound(timeout)
+        _check_progress(progress, "receive")
         if self._job_closed and self._state is EngineState.POISONED:
             if self._closing:  # as for any engine once close() began (its docstring)
                 raise LocalProtocolError(f"receive: rank {self.rank} (generation "
@@ -1307,6 +1314,36 @@ def _wait_bound(timeout: object) -> float | None:
                                  f"math.inf: no bound), got {timeout!r}; to poll for a round, "
                                  f"pass a short timeout such as 0.05")
     return None if math.isinf(timeout) else float(timeout)
+
+
+#: The largest ``sync_weights(version=)``: the round's start carries it as a uint64.
+_MAX_VERSION: Final[int] = 2**64 - 1
+
+
+def _round_deadline(timeout: object) -> float | None:
+    """``sync_weights(timeout=)`` as the round deadline: None for the config's
+    ``round_timeout``; ``LocalProtocolError`` for a value that is no finite number of seconds
+    > 0 (0, a negative number, NaN, infinity, a bool, anything that is no real number), as
+    ``receive(timeout=)`` refuses a bound that bounds no wait. Infinity too: the deadline is
+    what ends a round a rank froze in on every rank, like ``EngineConfig.round_timeout``."""
+    if timeout is None:
+        return None
+    # Real, as receive's: a NumPy scalar or a Fraction is a number of seconds too. Not bool,
+    # though it is an int: True would be a one-second deadline where a flag was meant.
+    if (not isinstance(timeout, numbers.Real) or isinstance(timeout, bool)
+            or not math.isfinite(timeout) or timeout <= 0):
+        raise LocalProtocolError(f"sync_weights: timeout must be a finite number of seconds "
+                                 f"> 0 (the round deadline of every rank; None: "
+                                 f"EngineConfig.round_timeout), got {timeout!r}")
+    return float(timeout)
+
+
+def _check_progress(progress: object, what: str) -> None:
+    """``LocalProtocolError`` for a ``progress`` that is neither None nor callable: called
+    after the first bucket, it would fail the round on every rank instead."""
+    if progress is not None and not callable(progress):
+        raise LocalProtocolError(f"{what}: progress must be a callable(bytes_done, "
+                                 f"bytes_total) or None, got {type(progress).__name__}")
 
 
 def _sink_map(targets: Mapping[str, Any], interrupts: Interrupts) -> SinkMap:
