@@ -21,7 +21,11 @@ any round starts, so the engine stays READY. Every trainer checks every paramete
 plan, not only those it sends, against its own local shapes: a mistake in what each rank's
 training code builds alike (a dropped name, a wrong shard) is refused on every trainer, and
 no rank starts a round its peers refused. Lazy sources (a callable, an iterable, any other
-Mapping) are checked bucket by bucket at staging, where a bad shard fails the round.
+Mapping) are checked bucket by bucket at staging, where a bad shard fails the round; so does
+a lookup, call or iteration of the caller's that raises, its error naming the parameters it
+was asked for and the rank (as a worker's load callback that raises is named by its
+parameter). A ``MappingProxyType`` is read into a dict first: a lookup of what it wraps that
+raises there is refused before the round, ``PlanError`` naming the parameter.
 
 The per-round cost for a plain dict: every shard's dtype, shape, device and contiguity are
 read every round (``Tensor.data`` can be reassigned and in-place ops change shapes, so a
@@ -45,7 +49,7 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
-from m2n_async._proto.errors import LocalProtocolError, PlanError
+from m2n_async._proto.errors import LocalProtocolError, M2NError, PlanError, TransferError
 from m2n_async._proto.plan import (
     CAST_DTYPES,
     TransferPlan,
@@ -177,7 +181,11 @@ class _Sources:
             # Read once, as a dict: a proxy forwards lookups to whatever it wraps, which may
             # compute on lookup, and the values checked before the round must be the values
             # sent (one C-level copy over a dict).
-            weights = dict(weights)
+            try:
+                weights = dict(weights)
+            except Exception as exc:
+                # What it wraps raised on a lookup: refused before the round, named.
+                raise _proxy_refused(weights, rank, exc) from exc
         if isinstance(weights, ModuleShards):
             self._dtype_of = weights.dtype_of
         elif isinstance(weights, dict) and type(weights).__getitem__ is dict.__getitem__:
@@ -291,31 +299,67 @@ class _Sources:
 
     def _fetch(self, names: Sequence[str]) -> Mapping[str, torch.Tensor]:
         if self._map is not None:
-            out = {}
-            for n in names:
-                try:
-                    out[n] = self._map[n]
-                except KeyError:
-                    raise PlanError(f"sync_weights: no local shard for parameter {n!r} "
-                                    f"(rank {self._rank})") from None
-            return out
+            return self._lookup(self._map, names)
         if self._call is not None:
-            got = self._call(list(names))
+            try:
+                got = self._call(list(names))
+            except M2NError:
+                raise
+            except Exception as exc:
+                raise self._failed(f"called for parameters {_shown(names)}", exc) from exc
             if not isinstance(got, Mapping):
                 raise LocalProtocolError(f"sync_weights: the weights callable returned "
-                                         f"{type(got).__name__}, expected a Mapping")
-            return got
+                                         f"{type(got).__name__} for parameters "
+                                         f"{_shown(names)} (rank {self._rank}), expected a "
+                                         f"Mapping")
+            # Looked up once, here: a lookup that raises is named like one of a Mapping's.
+            return self._lookup(got, names)
         assert self._iter is not None
         want = set(names)
         while not want <= self._pending.keys():
             try:
-                name, tensor = next(self._iter)
+                item = next(self._iter)
             except StopIteration:
                 missing = sorted(want - self._pending.keys())
                 raise PlanError(f"sync_weights: the weights iterator ended without "
                                 f"parameters {missing[:10]} (rank {self._rank})") from None
+            except M2NError:
+                raise
+            except Exception as exc:
+                missing = sorted(want - self._pending.keys())
+                raise self._failed(f"iterated for parameters {_shown(missing)}", exc) from exc
+            if not (isinstance(item, tuple) and len(item) == 2):
+                raise PlanError(f"sync_weights: the weights iterator yielded a "
+                                f"{type(item).__name__}, not a (name, tensor) pair (rank "
+                                f"{self._rank})")
+            name, tensor = item
             self._pending[name] = tensor
         return {n: self._pending.pop(n) for n in names}
+
+    def _lookup(self, m: Mapping[str, torch.Tensor], names: Sequence[str]
+                ) -> dict[str, torch.Tensor]:
+        """``names`` looked up in ``m`` (a caller's Mapping, which may compute on lookup): a
+        missing one is ``PlanError``, a lookup that raises is named by its parameter."""
+        out = {}
+        for n in names:
+            try:
+                out[n] = m[n]
+            except KeyError:
+                raise PlanError(f"sync_weights: no local shard for parameter {n!r} "
+                                f"(rank {self._rank})") from None
+            except M2NError:
+                raise
+            except Exception as exc:
+                raise self._failed(f"looking up parameter {n!r}", exc) from exc
+        return out
+
+    def _failed(self, how: str, exc: Exception) -> TransferError:
+        """The caller's source raised ``exc``: this rank's own step failed, naming what it
+        was asked for (as a worker's load callback that raises is named by its parameter)."""
+        err = TransferError(f"sync_weights: the weights source raised {exc!r} (rank "
+                            f"{self._rank}, {how})", rank=self._rank)
+        err.own_step = True  # type: ignore[attr-defined]  # this rank's, no peer's
+        return err
 
     def _resolve(self, start: int, names: Sequence[str]) -> Mapping[str, torch.Tensor]:
         """Params ``start, start + 1, ...`` named ``names``: fetched and checked."""
@@ -357,6 +401,28 @@ class _Sources:
                 i = start + names.index(n)
                 validate_local_buffer(self._plan.params[i].spec, t, self._rank, "source",
                                       device=self._device, cast=True)
+
+
+def _proxy_refused(proxy: Mapping[str, Any], rank: int, exc: Exception) -> PlanError:
+    """``PlanError`` for a ``MappingProxyType`` whose copy raised ``exc``, naming the first
+    parameter whose lookup raises (the copy itself does not say which)."""
+    try:
+        for n in proxy:
+            try:
+                proxy[n]
+            except Exception as one:
+                return PlanError(f"sync_weights: looking up the local shard for parameter "
+                                 f"{n!r} (rank {rank}) raised {one!r}")
+    except Exception:  # its iteration raises too: the copy's error is all there is
+        pass
+    return PlanError(f"sync_weights: reading the weights (a MappingProxyType) on rank {rank} "
+                     f"raised {exc!r}")
+
+
+def _shown(names: Sequence[str]) -> str:
+    """Parameter names for a message: the first few of a bucket, and how many more."""
+    head = ", ".join(repr(n) for n in names[:5])
+    return f"[{head}]" if len(names) <= 5 else f"[{head}, and {len(names) - 5} more]"
 
 
 def device_predicates(device: str) -> tuple[Callable[[torch.Tensor], bool],
