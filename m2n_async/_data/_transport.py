@@ -164,6 +164,10 @@ def sink_map(sinks: Mapping[str, SinkLike]) -> SinkMap:
                     for name, s in sinks.items() if s is not None})
 
 
+#: The longest native wait ``Transport.remaining`` gives (~31 years): well within what a
+#: thread's wait and Gloo's nanosecond clock take, beyond any round deadline meant as one.
+_MAX_WAIT_S = 1e9
+
 #: lane name (``_proto.lanes.LANES``) -> import path of its class. Imported lazily: importing
 #: ``nccl.m2n`` without a GPU runtime fails, and a CPU job must not pay for (or trip over) it.
 TRANSPORTS: dict[str, str] = {
@@ -452,14 +456,18 @@ class Transport(ABC):
 
     def remaining(self) -> float:
         """Seconds left until the round deadline (``time.monotonic`` clock; native threads
-        cannot read the event loop's clock). Raises ``TimeoutError`` when passed."""
+        cannot read the event loop's clock), at most ``_MAX_WAIT_S``. Raises
+        ``TimeoutError`` when passed."""
         if self._deadline is None:
             return float("inf")
         left = self._deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError(f"{self.name}: round deadline passed at "
                                f"{self.ctx.where(round=self._round)}")
-        return left
+        # A deadline centuries off (round_timeout=1e12) must still let rounds run: a thread's
+        # wait refuses more than ~292 years (OverflowError), and Gloo adds its wait to a
+        # nanosecond clock that overflows int64 for about as much (it then times out at once).
+        return min(left, _MAX_WAIT_S)
 
     def waiting_on(self) -> list[int]:
         """Peer ranks this rank is known to wait on in this round (an operation that failed

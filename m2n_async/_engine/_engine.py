@@ -1309,11 +1309,20 @@ def _wait_bound(timeout: object) -> float | None:
     # Real, not (int, float): a NumPy scalar is a number of seconds too. Not bool, though it
     # is an int: True would wait one second where the caller meant a flag.
     if (not isinstance(timeout, numbers.Real) or isinstance(timeout, bool)
-            or math.isnan(timeout) or timeout <= 0):
+            or math.isnan(_seconds(timeout)) or timeout <= 0):
         raise LocalProtocolError(f"receive: timeout must be a number of seconds > 0 (None or "
                                  f"math.inf: no bound), got {timeout!r}; to poll for a round, "
                                  f"pass a short timeout such as 0.05")
-    return None if math.isinf(timeout) else float(timeout)
+    return None if math.isinf(_seconds(timeout)) else float(timeout)
+
+
+def _seconds(timeout: numbers.Real) -> float:
+    """``timeout`` as a float; infinity for an int too large for one (10**400 seconds), which
+    ``math.isnan`` and ``float`` would refuse with ``OverflowError``."""
+    try:
+        return float(timeout)
+    except OverflowError:
+        return math.inf
 
 
 #: The largest ``sync_weights(version=)``: the round's start carries it as a uint64.
@@ -1331,7 +1340,7 @@ def _round_deadline(timeout: object) -> float | None:
     # Real, as receive's: a NumPy scalar or a Fraction is a number of seconds too. Not bool,
     # though it is an int: True would be a one-second deadline where a flag was meant.
     if (not isinstance(timeout, numbers.Real) or isinstance(timeout, bool)
-            or not math.isfinite(timeout) or timeout <= 0):
+            or not math.isfinite(_seconds(timeout)) or timeout <= 0):
         raise LocalProtocolError(f"sync_weights: timeout must be a finite number of seconds "
                                  f"> 0 (the round deadline of every rank; None: "
                                  f"EngineConfig.round_timeout), got {timeout!r}")

@@ -214,6 +214,24 @@ async def test_a_tiny_round_deadline_fails_the_round_everywhere_as_a_deadline() 
 
 
 @pytest.mark.asyncio
+async def test_a_round_deadline_centuries_away_is_a_deadline() -> None:
+    async with world() as w:
+        # Beyond what a thread's wait or Gloo's clock takes: the round must still run.
+        await deliver(w, 1, timeout=1e12)
+        await deliver(w, 2, timeout=1e300)
+        with anyio.fail_after(LIMIT), pytest.raises(LocalProtocolError, match="timeout"):
+            await w.send(3, timeout=10**400)  # no float holds it: no finite deadline
+        got: dict[int, Any] = {}
+        wk = w.workers[0]
+        with anyio.fail_after(LIMIT):
+            async with anyio.create_task_group() as tg:
+                # As many seconds on the worker: no bound (not an OverflowError).
+                tg.start_soon(_outcome, lambda: wk.receive(timeout=10**400), wk.rank, got)
+                sent = await w.send(3)
+        assert sent.version == got[wk.rank].version == 3 and w.holds(3)
+
+
+@pytest.mark.asyncio
 async def test_a_timeout_on_a_trainer_other_than_0_is_checked_and_not_applied() -> None:
     async with world(trainers=2) as w:
         t1 = w.trainers[1]
