@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -469,20 +470,29 @@ async def test_a_lazy_source_that_fails_fails_the_round_everywhere_naming_the_pa
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("raised", [ValueError("progress broke"), KeyboardInterrupt()],
-                         ids=["Exception", "KeyboardInterrupt"])
-async def test_a_progress_that_raises_fails_the_round_everywhere_naming_this_rank(
-        raised: BaseException) -> None:
+@pytest.mark.parametrize("where", ["progress", "source"])
+@pytest.mark.parametrize("raised", [ValueError, KeyboardInterrupt, SystemExit])
+async def test_a_callback_that_raises_fails_the_round_everywhere_naming_this_rank(
+        where: str, raised: type[BaseException]) -> None:
+    error = raised("it broke")
     async with world(defs=TWO) as w:
         def progress(done: int, total: int) -> None:
-            raise raised
+            raise error
+
+        def source(names: list[str]) -> dict[str, torch.Tensor]:
+            if names == ["b"]:  # the second bucket: mid-round
+                raise error
+            return {n: w.shards(1)[n] for n in names}
 
         got: dict[int, Any] = {}
         caught: list[BaseException] = []
 
         async def trainer() -> None:
             try:
-                await w.send(1, progress=progress)
+                if where == "progress":
+                    await w.send(1, progress=progress)
+                else:
+                    await w.trainers[0].sync_weights(source)
             except BaseException as exc:  # the interrupt itself is what is checked
                 caught.append(exc)
 
@@ -494,13 +504,14 @@ async def test_a_progress_that_raises_fails_the_round_everywhere_naming_this_ran
         assert isinstance(exc, TransferError)
         assert (exc.rank, exc.cause, exc.round) == (0, "error", 1), exc
         [mine] = caught
-        if isinstance(raised, Exception):
+        if isinstance(error, Exception):
             assert isinstance(mine, TransferError) and str(mine) == str(exc)
-            assert "progress broke" in str(exc)
+            assert "it broke" in str(exc)
         else:
             # The interrupt itself, its context the round's error (the same as the worker's).
-            assert mine is raised and str(mine.__context__) == str(exc)
-            assert "the progress callback raised KeyboardInterrupt" in str(exc)
+            assert mine is error and str(mine.__context__) == str(exc)
+            what = "the progress callback" if where == "progress" else "the weights source"
+            assert f"{what} raised {raised.__name__}" in str(exc)
         assert all(e.state is EngineState.POISONED for e in [*w.trainers, *w.workers])
 
 
@@ -801,3 +812,27 @@ def test_blocking_lazy_source_failure_fails_the_round_on_both(
             got.result(LIMIT)
     assert str(theirs.value) == str(info.value)
     assert trainer.state is worker.state is EngineState.POISONED
+
+
+def test_blocking_call_cancelled_mid_round_aborts_it_on_every_rank(
+        pair: tuple[BlockingTrainer, BlockingWorker, World]) -> None:
+    trainer, worker, w = pair
+    pending = trainer.start_sync_weights(w.shards(1))  # the worker does not receive yet
+    for _ in range(int(LIMIT / 0.005)):  # bounded: until the trainer is in its round
+        if trainer.state is EngineState.UPDATING:
+            break
+        time.sleep(0.005)
+    assert trainer.state is EngineState.UPDATING
+    ex = ThreadPoolExecutor(1)
+    try:
+        ex.submit(pending.cancel).result(LIMIT)  # bounded: cancel waits for the abort
+    finally:
+        ex.shutdown(wait=False)  # a cancel that hangs fails the test, not the run
+    assert trainer.state is EngineState.POISONED
+    with pytest.raises(LocalProtocolError, match="cancel"):
+        pending.result(LIMIT)
+    with pytest.raises(TransferError) as info:
+        worker.receive(timeout=LIMIT)  # the round's abort record: at once, not a deadline
+    assert (info.value.rank, info.value.cause, info.value.round) == (0, "cancelled", 1)
+    assert worker.state is EngineState.POISONED and worker.version == 0
+
