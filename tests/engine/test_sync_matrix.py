@@ -1,12 +1,12 @@
 """The trainer's call API under pressure: ``sync_weights`` and ``BlockingTrainer.sync_weights``
 against what their docstrings promise.
 
-Timeout and version values that are refused (and the tiny deadline that is not), every kind
-of ``weights`` and how each fails (refused before the round with nothing sent, or failing the
-round on every rank naming the parameter), progress callbacks that raise or are no callables,
-cancellation at each point of a round, concurrent calls, calls after ``close()`` and
-``close()`` beside a running call. Every rank is a task of one event loop over a
-``MemoryStore`` (real Gloo underneath), 1 trainer + 1 worker unless a case needs more; the
+Timeout and version values that are refused (and the tiny deadline that is not), every kind of
+``weights`` and how each fails (refused before the round with nothing sent, or failing the round on
+every rank naming the parameter), progress callbacks that raise or are no callables, cancellation at
+each point of a round, concurrent calls, calls after ``close()``, ``close()`` beside a running call
+and trainer rank 0 ending the job under a waiting trainer. Every rank is a task of one event loop
+over a ``MemoryStore`` (real Gloo underneath), 1 trainer + 1 worker unless a case needs more; the
 blocking cases use the session's TCP store, for the facade runs its own loop thread.
 """
 
@@ -751,6 +751,27 @@ async def test_close_of_a_waiting_trainer_ends_its_call_and_fails_the_round_nami
         assert t1.state is EngineState.CLOSED
 
 
+@pytest.mark.asyncio
+async def test_rank_0_closing_between_rounds_ends_the_job_on_a_waiting_trainer() -> None:
+    async with world(trainers=2) as w:
+        t0, t1 = w.trainers
+        await deliver(w, 1)
+        got: dict[int, Any] = {}
+        with anyio.fail_after(LIMIT):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_outcome, lambda: w.send(2, 1), 1, got)
+                w.receive_all(tg, got)
+                await until(lambda: waiting(t1) and all(waiting(e) for e in w.workers))
+                await t0.close()
+        exc = got[1]
+        assert isinstance(exc, PeerLostError) and exc.ranks == (0,), exc
+        assert "trainer rank 0 closed the job after round 1" in str(exc)
+        assert t1.state is EngineState.POISONED and t1.version == 1
+        with pytest.raises(EnginePoisonedError) as info:
+            await w.send(2, 1)
+        assert info.value.__cause__ is exc
+
+
 # -- the blocking facade ---------------------------------------------------------------------
 
 
@@ -835,4 +856,3 @@ def test_blocking_call_cancelled_mid_round_aborts_it_on_every_rank(
         worker.receive(timeout=LIMIT)  # the round's abort record: at once, not a deadline
     assert (info.value.rank, info.value.cause, info.value.round) == (0, "cancelled", 1)
     assert worker.state is EngineState.POISONED and worker.version == 0
-
