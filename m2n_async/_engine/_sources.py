@@ -328,11 +328,12 @@ class _Sources:
             except Exception as exc:
                 missing = sorted(want - self._pending.keys())
                 raise self._failed(f"iterated for parameters {_shown(missing)}", exc) from exc
-            if not (isinstance(item, tuple) and len(item) == 2):
+            try:
+                name, tensor = item  # any pair: a tuple, a list
+            except (TypeError, ValueError):
                 raise PlanError(f"sync_weights: the weights iterator yielded a "
                                 f"{type(item).__name__}, not a (name, tensor) pair (rank "
-                                f"{self._rank})")
-            name, tensor = item
+                                f"{self._rank})") from None
             self._pending[name] = tensor
         return {n: self._pending.pop(n) for n in names}
 
