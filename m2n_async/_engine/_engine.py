@@ -484,6 +484,11 @@ class _Engine:
         """READY, and no other ``sync_weights``/``receive`` of this engine running: two would
         join the same round on one transport. Marked before the first await, so a second
         call made while the first waits for its round start is refused too."""
+        if self._busy is not None and self._state is EngineState.UPDATING:
+            # The running call is in its round: say so, not only that the state is wrong.
+            raise LocalProtocolError(f"{what}: rank {self.rank} is already in {self._busy} on "
+                                     "this engine (UPDATING: its round is in progress); one "
+                                     "round at a time per engine")
         self._require(EngineState.READY, what=what)
         if self._closing:  # close() began: READY until its teardown ends, but no new round
             raise LocalProtocolError(f"{what}: rank {self.rank} (generation "

@@ -350,6 +350,7 @@ KINDS: dict[str, Callable[[dict[str, torch.Tensor]], Any]] = {
     "module": _module,
     "callable": lambda s: (lambda names: {n: s[n] for n in names}),
     "pairs": lambda s: list(s.items()),
+    "pairs as lists": lambda s: [[n, t] for n, t in s.items()],
     "generator": lambda s: ((n, t) for n, t in s.items()),
     "lazy Mapping": _Lazy,
 }
@@ -659,7 +660,7 @@ async def test_a_second_sync_weights_is_refused_and_the_first_unaffected() -> No
                 tg.start_soon(_outcome, lambda: w.send(1, 0), 0, got)
                 await started(w, 1)
                 await until(lambda: t0.state is EngineState.UPDATING)  # waits for the worker
-                with pytest.raises(LocalProtocolError, match="is UPDATING, needs READY"):
+                with pytest.raises(LocalProtocolError, match=r"already in sync_weights.*round"):
                     await w.send(1, 0)
                 assert t0.state is EngineState.UPDATING
                 w.receive_all(tg, got)
