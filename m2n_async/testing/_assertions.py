@@ -14,11 +14,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from m2n_async._proto.handshake import Phase as PreflightPhase
 from m2n_async.testing._world import RankResult
 
 __all__ = ["assert_committed", "assert_not_committed", "assert_same_failure"]
 
 _UNSET: Any = object()
+_PHASES = tuple(p.value for p in PreflightPhase)
 
 
 def _table(results: Iterable[RankResult]) -> str:
@@ -34,7 +36,7 @@ def _table(results: Iterable[RankResult]) -> str:
 
 def assert_same_failure(results: Sequence[RankResult], exc_type: type[BaseException]
                         = Exception, *, culprit: int | tuple[int, ...] | None = _UNSET,
-                        cause: str | None = _UNSET, phase: str | None = _UNSET,
+                        cause: str | None = _UNSET, phase: str | PreflightPhase | None = _UNSET,
                         round: int | None = _UNSET,
                         ranks: Iterable[int] | None = None, same_text: bool = True
                         ) -> BaseException:
@@ -45,10 +47,16 @@ def assert_same_failure(results: Sequence[RankResult], exc_type: type[BaseExcept
     ``exc.rank``, ``exc.cause``, ``exc.phase`` and ``exc.round`` (attributes an exception
     lacks count as None) and, with ``same_text``, one message. ``culprit``, ``cause``,
     ``phase``, ``round``, when given, are what those must be (``culprit=None`` is the store's
-    failure: nobody to blame). A ``PreflightError``'s culprit is the set of ranks it names:
-    pass ``culprit=r`` for ``failures == {r: ...}`` and the sorted tuple ``culprit=(r, s)``
-    for two or more; a ``PeerLostError``'s is its ``ranks``, likewise.
+    failure: nobody to blame; ``phase`` a name or a ``PreflightPhase`` member); an exception
+    that lacks the attribute a given one checks fails, saying so. A ``PreflightError``'s
+    culprit is the set of ranks it names: pass ``culprit=r`` for ``failures == {r: ...}``
+    and the sorted tuple ``culprit=(r, s)`` for two or more; a ``PeerLostError``'s is its
+    ``ranks``, likewise.
     """
+    if isinstance(phase, PreflightPhase):  # the enum's value is the name errors carry
+        phase = phase.value
+    elif phase is not _UNSET and phase is not None and phase not in _PHASES:
+        raise ValueError(f"unknown phase {phase!r}; phases: {', '.join(_PHASES)}")
     by_rank = {r.rank: r for r in results}
     chosen = (sorted(ranks) if ranks is not None
               else [r.rank for r in results if r.status not in ("dead", "frozen")])
@@ -99,6 +107,11 @@ def assert_same_failure(results: Sequence[RankResult], exc_type: type[BaseExcept
         if want is _UNSET:
             continue
         for k, e in errors.items():
+            if not _has(e, name):
+                # "None" would read as a wrong value: the exception has no such field at all.
+                problems.append(f"rank {k}: {type(e).__name__} has no {_ATTRS[name]} "
+                                f"attribute, so its {name} cannot be {want!r}")
+                break
             got = fields[name](e)
             if got != want:
                 problems.append(f"rank {k}: {name} is {got!r}, expected {want!r}")
@@ -111,6 +124,17 @@ def assert_same_failure(results: Sequence[RankResult], exc_type: type[BaseExcept
         raise AssertionError("not the same failure on every rank:\n- " + "\n- ".join(problems)
                              + "\n" + _table(results) + where)
     return next(iter(errors.values()))
+
+
+#: The attributes each checked field is read from (the culprit: any of them).
+_ATTRS = {"culprit": "`rank`, `failures` or `ranks`", "cause": "`cause`", "phase": "`phase`",
+          "round": "`round`"}
+
+
+def _has(e: BaseException, name: str) -> bool:
+    if name == "culprit":
+        return any(hasattr(e, a) for a in ("rank", "failures", "ranks"))
+    return hasattr(e, name)
 
 
 def assert_not_committed(results: Sequence[RankResult], version: int) -> None:
