@@ -53,6 +53,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
+from m2n_async._proto.handshake import Phase
+
 __all__ = ["ENV", "Fault", "InjectedFault", "arm", "armed", "disarm", "hit", "hit_now"]
 
 ENV = "M2N_ASYNC_FAULTS"
@@ -61,6 +63,15 @@ Action = Literal["raise", "hang", "freeze", "die", "disconnect", "slow", "cancel
 POINTS = ("handshake.phase", "round.start", "round.bucket", "round.commit")
 ACTIONS = ("raise", "hang", "freeze", "die", "disconnect", "slow", "cancel")
 _WHERE = ("rank", "round", "bucket", "phase")
+#: The phases whose local step ``handshake.phase`` hits (``connected``/``failed`` have none).
+PHASES = ("hello", "source", "destination", "data_plane", "runtime_ready")
+#: The coordinates each point is hit with: one a point lacks never matches there.
+_POINT_WHERE = {"handshake.phase": ("rank", "phase"), "round.start": ("rank", "round"),
+                "round.bucket": ("rank", "round", "bucket"), "round.commit": ("rank", "round")}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # True is no rank 1
 
 
 class InjectedFault(RuntimeError):
@@ -76,7 +87,8 @@ class Fault:
     rank: int | None = None
     round: int | None = None
     bucket: int | None = None
-    phase: str | None = None
+    #: a phase's name or its ``PreflightPhase`` member (kept as the name)
+    phase: str | Phase | None = None
     #: ``slow``: how long to sleep
     seconds: float = 1.0
     #: how many times it fires in one process
@@ -91,8 +103,29 @@ class Fault:
         if self.point == "round.commit" and self.action not in ("raise", "freeze", "die",
                                                                  "disconnect"):
             raise ValueError(f"round.commit is synchronous: {self.action!r} cannot act there")
-        if self.times < 1:
-            raise ValueError(f"times must be >= 1, got {self.times}")
+        if not _is_int(self.times) or self.times < 1:
+            raise ValueError(f"times must be an int >= 1, got {self.times!r}")
+        # A fault that can never fire must fail where it is written, not pass as a test of
+        # a fault that "changes nothing".
+        lacks = [k for k in _WHERE if getattr(self, k) is not None
+                 and k not in _POINT_WHERE[self.point]]
+        if lacks:
+            raise ValueError(f"{self.point} has no coordinate {', '.join(map(repr, lacks))}: "
+                             f"such a fault never fires; its coordinates: "
+                             f"{', '.join(_POINT_WHERE[self.point])}")
+        if isinstance(self.phase, Phase):  # the enum's value is the name the point passes
+            object.__setattr__(self, "phase", self.phase.value)
+        if self.phase is not None and self.phase not in PHASES:
+            raise ValueError(f"unknown phase {self.phase!r}: handshake.phase fires in "
+                             f"{', '.join(PHASES)} (a name or a PreflightPhase member)")
+        for name, low in (("rank", 0), ("round", 1), ("bucket", 0)):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < low):
+                raise ValueError(f"{name} must be an int >= {low} (or None: any), got "
+                                 f"{value!r}: no point is hit with it")
+        if (isinstance(self.seconds, bool) or not isinstance(self.seconds, (int, float))
+                or not 0 <= self.seconds < float("inf")):
+            raise ValueError(f"seconds must be a finite number >= 0, got {self.seconds!r}")
 
     def matches(self, point: str, where: Mapping[str, Any]) -> bool:
         if point != self.point:
