@@ -62,6 +62,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_readable
 from typing import Any, Literal
 
@@ -73,11 +74,12 @@ from m2n_async._engine import _faults
 from m2n_async._engine._faults import Fault
 
 __all__ = ["LocalWorld", "RankContext", "RankEvent", "RankPool", "RankResult",
-           "WorldHangError", "WorldResult", "store_thread"]
+           "RankStartError", "WorldHangError", "WorldResult", "store_thread"]
 
 Target = str | Callable[..., Any]
 Status = Literal["ok", "error", "dead", "frozen", "killed"]
 _FRAME = struct.Struct("!Q")  # each message on a pipe: its length, then its pickle
+_SPAWN_LOCK = threading.Lock()
 _NOTES = ("commit", "fault")  # event names the pool keeps per process instead of queueing
 #: How long ``submit`` waits for new processes to have imported torch and the package.
 _READY_TIMEOUT = 120.0
@@ -291,7 +293,11 @@ def _write_tasks(out: Any) -> None:
     out.flush()
 
 
-def _child(index: int, jobs: Any, conn: Any, stacks_path: str) -> None:
+def _child(index: int, jobs: Any, conn: Any, stacks_path: str, boot_path: str,
+           outputs: Sequence[Any]) -> None:
+    # Until "ready", stdout and stderr are the boot file (see RankPool._spawn), so that a
+    # start that fails leaves its last words where the pool reads them; a traceback raised
+    # out of here goes there too, and the process exits 1.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     stacks = open(stacks_path, "w")  # lives as long as the process
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
@@ -306,6 +312,7 @@ def _child(index: int, jobs: Any, conn: Any, stacks_path: str) -> None:
 
     torch.set_num_threads(1)
     import m2n_async  # noqa: F401  - what every job imports, before the job's clock runs
+    _restore_outputs(boot_path, outputs)
     events = _Events(conn)
     # Ready: a job's phase deadlines start only now, not while a replacement imports torch.
     events._send(("ready", 0, index, "", b""))
@@ -339,6 +346,63 @@ def _child(index: int, jobs: Any, conn: Any, stacks_path: str) -> None:
             _faults.disarm()
 
 
+def _restore_outputs(boot_path: str, outputs: Sequence[Any]) -> None:
+    """Give this process back the test process's stdout and stderr, then write there what
+    it printed while starting (to the boot file): nothing printed is lost, only late."""
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    for fd, out in zip((1, 2), outputs, strict=True):
+        os.dup2(out.fileno(), fd)
+        out.close()
+    with open(boot_path, "rb") as f:
+        early = memoryview(f.read())
+    while early:
+        early = early[os.write(2, early):]
+
+
+def _tail(path: str, limit: int = 2000) -> str:
+    """The last ``limit`` characters of a file (from the last whole line), or ""."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - limit))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    if len(text) >= limit and "\n" in text:
+        text = text.split("\n", 1)[1]
+    return text.strip()
+
+
+class RankStartError(RuntimeError):
+    """A rank process ended before it was ready for a job (before any job ran on it).
+
+    ``rank``: its index; ``exitcode``: as ``multiprocessing`` gives it (``-N`` for signal
+    ``N``); ``output``: the end of what it printed to stdout and stderr while starting
+    ("" when nothing).
+    """
+
+    def __init__(self, message: str, *, rank: int, exitcode: int | None,
+                 output: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+        self.output = output
+
+
+def _refuse_in_bootstrap(what: str) -> None:
+    # multiprocessing sets _inheriting while a spawned child re-imports its parent's main
+    # module: a world started there would spawn from a process that is not running yet
+    # (and its store thread would keep that child from ever exiting).
+    if getattr(mp.current_process(), "_inheriting", False):
+        raise RuntimeError(
+            f"{what} started while a spawned process imports its parent's main module: a "
+            f"rank process runs that module's top level again, so the code that starts a "
+            f"world must sit under `if __name__ == \"__main__\":`")
+
+
 def _unpickle(body: bytes, what: str) -> Any:
     try:
         return pickle.loads(body)
@@ -356,6 +420,7 @@ class RankPool:
     """
 
     def __init__(self, size: int) -> None:
+        _refuse_in_bootstrap("RankPool")
         self.size = size
         self._ctx = mp.get_context("spawn")
         self._dir = tempfile.mkdtemp(prefix="m2n-world-")
@@ -377,6 +442,44 @@ class RankPool:
     def _stacks_path(self, i: int) -> str:
         return os.path.join(self._dir, f"stacks-{i}.txt")
 
+    def _boot_path(self, i: int) -> str:
+        return os.path.join(self._dir, f"boot-{i}.txt")
+
+    def _spawn(self, p: Any, i: int) -> None:
+        """``p.start()`` with stdout and stderr the boot file: a spawned child inherits
+        them at exec, before any code of ours runs in it, and what it prints while starting
+        (the main module's re-import, torch's) is what says why a start failed. The child
+        takes the test process's own back once it is ready (``_restore_outputs``)."""
+        import sys
+
+        for stream in (sys.stdout, sys.stderr):  # nothing of ours lands in the boot file
+            with contextlib.suppress(Exception):
+                stream.flush()
+        with _SPAWN_LOCK:  # two threads starting pools must not swap each other's fds
+            boot = os.open(self._boot_path(i), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            saved = [os.dup(1), os.dup(2)]
+            try:
+                os.dup2(boot, 1)
+                os.dup2(boot, 2)
+                p.start()
+            finally:
+                os.dup2(saved[0], 1)
+                os.dup2(saved[1], 2)
+                for fd in (boot, *saved):
+                    os.close(fd)
+
+    def _start_error(self, i: int) -> RankStartError:
+        code = self._procs[i].exitcode
+        output = _tail(self._boot_path(i))
+        how = (f"was killed by signal {-code}" if code is not None and code < 0
+               else f"exited with code {code}")
+        said = (f"; it printed last:\n{output}" if output else "; it printed nothing")
+        return RankStartError(
+            f"rank {i}'s process {how} before it was ready for a job{said}\n(a rank process "
+            f"is spawned: it imports the test's main module again, so code at that module's "
+            f"top level runs in every rank; keep it under `if __name__ == \"__main__\":`)",
+            rank=i, exitcode=code, output=output)
+
     def _start(self, i: int) -> None:
         old_reader, old_jobs = self._readers[i], self._jobs[i]
         if old_reader is not None:
@@ -386,9 +489,17 @@ class RankPool:
             old_jobs.close()
         self._jobs[i] = self._ctx.Queue()
         parent, child = self._ctx.Pipe(duplex=False)
+        # The test process's stdout and stderr, for the child to take back once ready: a
+        # Connection crosses spawn as a duplicated fd.
+        outputs = [Connection(os.dup(fd)) for fd in (1, 2)]
         p = self._ctx.Process(target=_child, args=(i, self._jobs[i], child,
-                                                    self._stacks_path(i)), daemon=True)
-        p.start()
+                                                    self._stacks_path(i), self._boot_path(i),
+                                                    outputs), daemon=True)
+        try:
+            self._spawn(p, i)
+        finally:
+            for out in outputs:
+                out.close()
         child.close()  # the child's copy is the only writer: its end is the pipe's end
         self._readers[i] = _Reader(parent)
         self._procs[i] = p
@@ -468,9 +579,14 @@ class RankPool:
         # A replaced process imports torch and the package first (seconds on a loaded
         # machine): wait for it, so that a job's short phase timeouts do not count it.
         deadline = time.monotonic() + _READY_TIMEOUT
-        while (not all(self._ready[:len(jobs)]) and time.monotonic() < deadline
-               and all(p.is_alive() for p in self._procs[:len(jobs)])):
+        while not all(self._ready[:len(jobs)]) and time.monotonic() < deadline:
             self._pump(wait=0.05)
+            for i in range(len(jobs)):
+                if not self._ready[i] and not self._procs[i].is_alive():
+                    self._pump()  # a "ready" it sent just before it ended
+                    if not self._ready[i]:  # no job could ever run there: say why, now
+                        self._procs[i].join(1)  # its exit code
+                        raise self._start_error(i)
         self._job_id += 1
         self._n = len(jobs)
         self._pending.clear()
@@ -904,6 +1020,7 @@ class LocalWorld:
 
     def __init__(self, trainers: int, workers: int, *, store_address: str | None = None,
                  token: str | None = None, job_prefix: str = "world") -> None:
+        _refuse_in_bootstrap("LocalWorld")
         if trainers < 1 or workers < 1:
             raise ValueError(f"a world needs >= 1 trainer and >= 1 worker, got {trainers} + "
                              f"{workers}")
@@ -920,7 +1037,11 @@ class LocalWorld:
         self._prefix = job_prefix
         self._runs = 0
         self._faults: tuple[Fault, ...] = ()  # the current run's (start)
-        self.pool = RankPool(self.world_size)
+        try:
+            self.pool = RankPool(self.world_size)
+        except BaseException:  # the store's thread would outlive the world that failed
+            self._close_store()
+            raise
         self.job = ""
 
     @property
@@ -935,6 +1056,10 @@ class LocalWorld:
 
     def close(self) -> None:
         self.pool.close()
+        self._close_store()
+
+    def _close_store(self) -> None:
+        """Stop the store this world started itself (if any); ``close`` does it too."""
         if self._store_cm is not None:
             self._store_cm.__exit__(None, None, None)
             self._store_cm = None

@@ -4,6 +4,9 @@ exception lacks, acting on a rank by its number."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,10 +29,68 @@ REPO = Path(__file__).resolve().parents[2]
 # -- a rank process that ends before it is ready ---------------------------------------------
 
 
+def _script(tmp_path: Path, body: str) -> subprocess.CompletedProcess[str]:
+    """Run ``body`` as a user's script (its own main module, as spawn re-imports it)."""
+    path = tmp_path / "my_script.py"
+    path.write_text(textwrap.dedent(body))
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "PYTHONWARNINGS": "ignore"}
+    # The bound only keeps a regression from stalling the suite: the world's own wait for a
+    # start is 120 s, so a run that waits for it fails here instead.
+    return subprocess.run([sys.executable, str(path)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=90)
 
 
+def test_a_rank_that_exits_while_starting_fails_the_run_at_once(tmp_path: Path) -> None:
+    # An unguarded statement at the script's top level runs again in each spawned rank.
+    proc = _script(tmp_path, """
+        import multiprocessing as mp
+        import sys
+
+        if mp.current_process().name != "MainProcess":
+            print("no config file here", file=sys.stderr)
+            sys.exit(3)
+
+        from m2n_async.testing import LocalWorld, RankStartError
+
+        async def fn(ctx):
+            return ctx.rank
+
+        with LocalWorld(1, 1) as world:
+            try:
+                world.run(fn, timeout=60)
+            except RankStartError as exc:
+                print("rank", exc.rank, "exitcode", exc.exitcode, "output", repr(exc.output))
+                print(exc)
+            else:
+                print("no error")
+        """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first = proc.stdout.splitlines()[0]
+    assert first.startswith("rank ") and "exitcode 3 output 'no config file here'" in first
+    assert "exited with code 3 before it was ready" in proc.stdout
+    assert "it printed last:\nno config file here" in proc.stdout
+    assert 'if __name__ == "__main__":' in proc.stdout
 
 
+def test_a_script_that_starts_its_world_unguarded_is_told_why(tmp_path: Path) -> None:
+    # Each rank re-imports the script, which starts a world of its own: refused there, so
+    # the rank exits at once with that reason, and the parent's run names it.
+    proc = _script(tmp_path, """
+        from m2n_async.testing import LocalWorld, RankStartError
+
+        async def fn(ctx):
+            return ctx.rank
+
+        with LocalWorld(1, 1) as world:
+            try:
+                world.run(fn, timeout=60)
+            except RankStartError as exc:
+                print("exitcode", exc.exitcode)
+                print(exc.output)
+        """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("exitcode 1\n"), proc.stdout[-3000:]
+    assert "LocalWorld started while a spawned process imports its parent's main" in proc.stdout
 
 
 # -- the world's own event names ------------------------------------------------------------
