@@ -81,6 +81,20 @@ Status = Literal["ok", "error", "dead", "frozen", "killed"]
 _FRAME = struct.Struct("!Q")  # each message on a pipe: its length, then its pickle
 _SPAWN_LOCK = threading.Lock()
 _NOTES = ("commit", "fault")  # event names the pool keeps per process instead of queueing
+
+
+def _is_index(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # True is no rank 1
+
+
+def _check_event_name(name: Any, where: str) -> None:
+    """Refuse what no ``ctx.event`` can send: a name is a non-empty ``str``."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{where}: an event name is a non-empty str, got {name!r}; valid: "
+                         f"{', '.join(map(repr, _NOTES))} (the world's own: each commit, each "
+                         f"fault that fired) or a name a rank passes to ctx.event")
+
+
 #: How long ``submit`` waits for new processes to have imported torch and the package.
 _READY_TIMEOUT = 120.0
 
@@ -434,6 +448,10 @@ class RankPool:
         self._n = 0  # its processes: slots 0 .. n-1
         self._pending: list[tuple[str, int, Any]] = []  # events not yet yielded or waited for
         self._notes: dict[int, list[tuple[str, Any]]] = {}  # slot -> commit/fault events
+        # The same notes in the order they came, for wait_event: (name, slot, payload, the
+        # note's position in its slot's list), and which of them a wait_event took.
+        self._note_log: list[tuple[str, int, Any, int]] = []
+        self._notes_taken: set[int] = set()
         self._outcomes: dict[int, tuple[str, Any]] = {}  # slot -> how it ended, as collected
         self._failed_at: float | None = None  # when the first failure was seen
         for i in range(size):
@@ -591,6 +609,8 @@ class RankPool:
         self._n = len(jobs)
         self._pending.clear()
         self._notes.clear()
+        self._note_log.clear()
+        self._notes_taken.clear()
         self._outcomes.clear()
         self._failed_at = None
         for i, (target, kwargs) in enumerate(jobs):
@@ -657,7 +677,9 @@ class RankPool:
         if tag == "event":
             payload = _unpickle(body, f"the payload of event {name!r}")
             if name in _NOTES:
-                self._notes.setdefault(index, []).append((name, payload))
+                mine = self._notes.setdefault(index, [])
+                self._note_log.append((name, index, payload, len(mine)))
+                mine.append((name, payload))
             else:
                 self._pending.append((name, index, payload))
         elif tag == "result" and i not in self._outcomes:
@@ -699,6 +721,9 @@ class RankPool:
         for i in stopped:
             self._outcomes.pop(i, None)
             del self._notes.setdefault(i, [])[notes[i]:]  # a commit it made meanwhile, say
+            # Taken, not removed: the log's positions are what _notes_taken holds.
+            self._notes_taken.update(k for k, n in enumerate(self._note_log)
+                                     if n[1] == i and n[3] >= notes[i])
         missing = [i for i in missing if i not in self._outcomes]
         for i in missing:
             if i not in stopped:  # those are killed and reaped already
@@ -779,28 +804,54 @@ class RankPool:
         return self.collect(self.submit(jobs, faults), len(jobs), timeout,
                             fail_grace=fail_grace)
 
-    def wait_event(self, name: str, timeout: float) -> tuple[int, Any]:
-        """The first ``name`` event of the current job: ``(index, payload)``. An
-        ``AssertionError`` (every process's outcome so far) after ``timeout`` seconds, or at
-        once when every process of the job ended without sending it."""
+    def wait_event(self, name: str, timeout: float, index: int | None = None
+                   ) -> tuple[int, Any]:
+        """The first ``name`` event of the current job (of process ``index`` only, when
+        given) that no earlier ``wait_event`` took: ``(index, payload)``. ``"commit"`` and
+        ``"fault"`` are the pool's own notes (``notes``): each committed version, each fault
+        that fired, in the order they came. An ``AssertionError`` (every process's outcome
+        so far) after ``timeout`` seconds, or at once when every process of the job (or
+        ``index``) ended without sending it."""
+        _check_event_name(name, "wait_event")
+        if index is not None and not (_is_index(index) and 0 <= index < self._n):
+            raise ValueError(f"wait_event(index={index!r}): the current job's processes are "
+                             f"0 .. {self._n - 1}")
         deadline = time.monotonic() + timeout
         while True:
-            for k, (ev, index, payload) in enumerate(self._pending):
-                if ev == name:
-                    del self._pending[k]
-                    return index, payload
+            found = self._take(name, index)
+            if found is not None:
+                return found
             left = deadline - time.monotonic()
             # Every process of the job ended (or froze itself): no such event can come, so
-            # fail now rather than wait out ``timeout``.
-            ended = self._n > 0 and all(i in self._outcomes or self._frozen(i)
-                                        for i in range(self._n))
+            # fail now rather than wait out ``timeout``. Results are read before events are
+            # looked at again: a process's events all come before its result.
+            whose = range(self._n) if index is None else (index,)
+            ended = self._n > 0 and all(i in self._outcomes or self._frozen(i) for i in whose)
             if left <= 0 or ended:
+                found = self._take(name, index)  # sent just before the result that ended it
+                if found is not None:
+                    return found
                 # The results read meanwhile stay for collect: a failed wait loses nothing.
-                why = ("every process of the job ended without sending it" if ended
-                       else f"within {timeout} s")
-                raise AssertionError(f"no {name!r} event: {why}; results so far:\n"
+                who = "" if index is None else f" from process {index}"
+                why = ("every process of the job ended without sending it" if index is None
+                       else f"process {index} ended without sending it") if ended else (
+                    f"within {timeout} s")
+                raise AssertionError(f"no {name!r} event{who}: {why}; results so far:\n"
                                      f"{self._describe_outcomes()}")
             self._pump(min(left, 0.2))
+
+    def _take(self, name: str, index: int | None) -> tuple[int, Any] | None:
+        if name in _NOTES:
+            for k, (ev, i, payload, _) in enumerate(self._note_log):
+                if ev == name and k not in self._notes_taken and index in (None, i):
+                    self._notes_taken.add(k)
+                    return i, payload
+            return None
+        for k, (ev, i, payload) in enumerate(self._pending):
+            if ev == name and index in (None, i):
+                del self._pending[k]
+                return i, payload
+        return None
 
     def _describe_outcomes(self) -> str:
         """One line per process of the current job (how it ended, or that it still runs),
@@ -922,6 +973,11 @@ class RankContext:
         """Tell the test process (``LocalWorld.events``, ``LocalWorld.wait_event``);
         ``payload`` must pickle. The names ``"commit"`` and ``"fault"`` are the world's own
         (``RankResult.committed``, ``RankResult.faults``)."""
+        _check_event_name(name, "ctx.event")
+        if name in _NOTES:  # it would read as a commit or a fault the engine never made
+            raise ValueError(f"ctx.event({name!r}): {', '.join(map(repr, _NOTES))} are the "
+                             f"world's own event names (RankResult.committed, .faults); "
+                             f"pick another")
         if self._events is not None:
             self._events.put((name, self.rank, payload))
 
@@ -1174,11 +1230,20 @@ class LocalWorld:
         return await anyio.to_thread.run_sync(functools.partial(self.run, fn, **kw),
                                               abandon_on_cancel=True)
 
-    def wait_event(self, name: str, timeout: float = 30.0) -> tuple[int, Any]:
-        """The first ``ctx.event(name, payload)`` of the current run: ``(rank, payload)``.
-        An ``AssertionError`` (every rank's outcome so far, the first error's traceback)
-        after ``timeout`` seconds, or at once when every rank ended without sending it."""
-        return self.pool.wait_event(name, timeout)
+    def wait_event(self, name: str, timeout: float = 30.0, *, rank: int | None = None
+                   ) -> tuple[int, Any]:
+        """The first ``ctx.event(name, payload)`` of the current run (of ``rank`` only, when
+        given) that no earlier ``wait_event`` took: ``(rank, payload)``. The world's own
+        names: ``"commit"`` (payload: the version, once per rank and round) and ``"fault"``
+        (payload: ``(point, where, action)``, each fault as it fires) — those ``events``
+        does not yield. An ``AssertionError`` (every rank's outcome so far, the first
+        error's traceback) after ``timeout`` seconds, or at once when every rank (or
+        ``rank``) ended without sending it; a name that is not a non-empty ``str``, or a
+        rank outside the world, is a ``ValueError``."""
+        if rank is not None and not (_is_index(rank) and 0 <= rank < self.world_size):
+            raise ValueError(f"wait_event(rank={rank!r}): this world's ranks are 0 .. "
+                             f"{self.world_size - 1}")
+        return self.pool.wait_event(name, timeout, index=rank)
 
     def restart(self, rank: int) -> None:
         """Replace ``rank``'s process with a fresh one now (killing it if alive)."""

@@ -16,6 +16,7 @@ from m2n_async import PreflightError, PreflightPhase
 from m2n_async.testing import (
     Fault,
     LocalWorld,
+    RankContext,
     RankResult,
     assert_same_failure,
 )
@@ -96,12 +97,38 @@ def test_a_script_that_starts_its_world_unguarded_is_told_why(tmp_path: Path) ->
 # -- the world's own event names ------------------------------------------------------------
 
 
+def test_wait_event_delivers_commits_and_faults(m2n_world: World) -> None:
+    world = m2n_world(2, 2)
+    slow = Fault("round.start", "slow", rank=2, round=1, seconds=0.0)
+    run = world.start(toy_rank, kwargs={"rounds": 1}, faults=[slow])
+    assert world.wait_event("commit", rank=3, timeout=60) == (3, 1)
+    rank, (point, where, action) = world.wait_event("fault", timeout=60)
+    assert (rank, point, where["round"], action) == (2, "round.start", 1, "slow")
+    others = sorted(world.wait_event("commit", timeout=60) for _ in range(3))
+    assert others == [(0, 1), (1, 1), (2, 1)]  # each commit once, none taken twice
+    with pytest.raises(AssertionError, match="no 'commit' event: every process"):
+        world.wait_event("commit", timeout=60)  # at once: every rank ended
+    res = world.collect(run, timeout=60)
+    assert [r.committed for r in res] == [(1,)] * 4  # waiting took nothing from the results
+    assert res[2].faults == ((point, where, action),)
 
 
+@pytest.mark.parametrize("name", ["", 3, None])
+def test_wait_event_refuses_a_name_no_rank_can_send(m2n_world: World, name: object) -> None:
+    with pytest.raises(ValueError, match="'commit', 'fault'"):
+        m2n_world(1, 1).wait_event(name, timeout=1)  # type: ignore[arg-type]
 
 
+def test_wait_event_refuses_a_rank_outside_the_world(m2n_world: World) -> None:
+    with pytest.raises(ValueError, match=r"rank=2\): this world's ranks are 0 \.\. 1"):
+        m2n_world(1, 1).wait_event("commit", timeout=1, rank=2)
 
 
+@pytest.mark.parametrize("name", ["commit", "fault"])
+def test_a_rank_cannot_send_the_worlds_own_event_names(name: str) -> None:
+    ctx = RankContext(0, 1, 2, "127.0.0.1:1", "token", "job")
+    with pytest.raises(ValueError, match="the world's own event names"):
+        ctx.event(name, 5)  # it would read as a commit the engine never made
 
 
 # -- faults that could never fire ----------------------------------------------------------
