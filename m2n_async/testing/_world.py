@@ -1131,6 +1131,9 @@ class LocalWorld:
         ``per_rank(rank)`` adds keyword arguments for one rank. A fault for a rank outside
         the world is a ``ValueError``; one that fired on no rank is a warning at ``collect``
         (a test that a fault changes nothing would pass without testing anything)."""
+        if isinstance(faults, Fault) or not all(isinstance(f, Fault) for f in faults):
+            raise TypeError(f"faults= takes a list of Fault (faults=[Fault(...)]), got "
+                            f"{faults!r}")
         for fault in faults:
             if fault.rank is not None and not 0 <= fault.rank < self.world_size:
                 raise ValueError(f"{fault!r}: rank {fault.rank} is outside this world of "
@@ -1247,15 +1250,16 @@ class LocalWorld:
 
     def restart(self, rank: int) -> None:
         """Replace ``rank``'s process with a fresh one now (killing it if alive)."""
-        self.pool.restart(rank)
+        self.pool.restart(self._rank(rank, "restart"))
 
     def kill(self, rank: int) -> None:
         """SIGKILL ``rank``'s process (it is replaced before the next run)."""
-        self.pool.kill(rank)
+        self.pool.kill(self._rank(rank, "kill"))
 
     def freeze(self, rank: int) -> None:
         """SIGSTOP ``rank``'s process: its sockets stay open, it never answers. Returns
         once it is stopped."""
+        rank = self._rank(rank, "freeze")
         pid = self.pool.pid(rank)
         os.kill(pid, signal.SIGSTOP)
         # The stop takes effect when the process next runs: on a busy machine, later than
@@ -1268,4 +1272,11 @@ class LocalWorld:
     def stacks(self, rank: int) -> str:
         """Every thread's stack of ``rank``'s process now (faulthandler), then where each
         task of its event loop waits."""
-        return self.pool.stacks(rank)
+        return self.pool.stacks(self._rank(rank, "stacks"))
+
+    def _rank(self, rank: int, what: str) -> int:
+        # A list index would take -1 as the last rank: a test acting on the wrong process.
+        if not _is_index(rank) or not 0 <= rank < self.world_size:
+            raise ValueError(f"{what}({rank!r}): this world's ranks are 0 .. "
+                             f"{self.world_size - 1}")
+        return rank

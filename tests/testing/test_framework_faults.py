@@ -162,6 +162,10 @@ def test_a_fault_for_a_rank_outside_the_world_is_refused_at_start(m2n_world: Wor
         m2n_world(1, 1).start(returns_rank, faults=[Fault("round.start", rank=2)])
 
 
+def test_faults_are_a_list(m2n_world: World) -> None:
+    # One Fault where a list goes would fail as "not iterable", far from the cause.
+    with pytest.raises(TypeError, match=r"a list of Fault"):
+        m2n_world(1, 1).start(returns_rank, faults=Fault("round.start"))  # type: ignore[arg-type]
 
 
 def test_a_preflight_phase_member_is_a_phase_name() -> None:
@@ -217,3 +221,12 @@ def test_a_field_that_is_there_but_none_is_a_value_not_a_lack() -> None:
 # -- acting on a rank by its number ----------------------------------------------------------
 
 
+@pytest.mark.parametrize("act", ["kill", "freeze", "restart", "stacks"])
+@pytest.mark.parametrize("rank", [-1, 2, True])
+def test_acting_on_a_rank_outside_the_world_is_refused(m2n_world: World, act: str,
+                                                       rank: object) -> None:
+    world = m2n_world(1, 1)
+    # -1 would have been the last rank's process, as a list index.
+    with pytest.raises(ValueError, match=r"this world's ranks are 0 \.\. 1"):
+        getattr(world, act)(rank)
+    assert world.run(returns_rank, timeout=60).values == [0, 1]  # nothing was touched
