@@ -53,7 +53,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
-from m2n_async._proto.handshake import Phase
+from m2n_async._proto.handshake import Phase as PreflightPhase
 
 __all__ = ["ENV", "Fault", "InjectedFault", "arm", "armed", "disarm", "hit", "hit_now"]
 
@@ -80,7 +80,13 @@ class InjectedFault(RuntimeError):
 
 @dataclass(frozen=True)
 class Fault:
-    """One fault: ``action`` at ``point`` when every coordinate given matches (None: any)."""
+    """One fault: ``action`` at ``point`` when every coordinate given matches (None: any).
+
+    A fault that could never fire is a ``ValueError`` here, naming the value and the valid
+    ones: an unknown point, action or ``phase`` (a name or a ``PreflightPhase`` member,
+    kept as its name), a coordinate its point is never hit with, a ``rank`` or ``bucket``
+    below 0, a ``round`` below 1.
+    """
 
     point: str
     action: Action = "raise"
@@ -88,7 +94,7 @@ class Fault:
     round: int | None = None
     bucket: int | None = None
     #: a phase's name or its ``PreflightPhase`` member (kept as the name)
-    phase: str | Phase | None = None
+    phase: str | PreflightPhase | None = None
     #: ``slow``: how long to sleep
     seconds: float = 1.0
     #: how many times it fires in one process
@@ -113,7 +119,7 @@ class Fault:
             raise ValueError(f"{self.point} has no coordinate {', '.join(map(repr, lacks))}: "
                              f"such a fault never fires; its coordinates: "
                              f"{', '.join(_POINT_WHERE[self.point])}")
-        if isinstance(self.phase, Phase):  # the enum's value is the name the point passes
+        if isinstance(self.phase, PreflightPhase):  # the enum's value is the name the point passes
             object.__setattr__(self, "phase", self.phase.value)
         if self.phase is not None and self.phase not in PHASES:
             raise ValueError(f"unknown phase {self.phase!r}: handshake.phase fires in "

@@ -1249,7 +1249,8 @@ class LocalWorld:
         return self.pool.wait_event(name, timeout, index=rank)
 
     def restart(self, rank: int) -> None:
-        """Replace ``rank``'s process with a fresh one now (killing it if alive)."""
+        """Replace ``rank``'s process with a fresh one now (killing it if alive); a rank
+        outside the world is a ``ValueError``, here and in ``kill``, ``freeze``, ``stacks``."""
         self.pool.restart(self._rank(rank, "restart"))
 
     def kill(self, rank: int) -> None:
