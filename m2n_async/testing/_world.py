@@ -972,7 +972,8 @@ class RankContext:
     def event(self, name: str, payload: Any = None) -> None:
         """Tell the test process (``LocalWorld.events``, ``LocalWorld.wait_event``);
         ``payload`` must pickle. The names ``"commit"`` and ``"fault"`` are the world's own
-        (``RankResult.committed``, ``RankResult.faults``)."""
+        (``RankResult.committed``, ``RankResult.faults``): a ``ValueError`` here, as is a
+        name that is not a non-empty ``str``."""
         _check_event_name(name, "ctx.event")
         if name in _NOTES:  # it would read as a commit or a fault the engine never made
             raise ValueError(f"ctx.event({name!r}): {', '.join(map(repr, _NOTES))} are the "

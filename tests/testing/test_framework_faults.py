@@ -94,6 +94,34 @@ def test_a_script_that_starts_its_world_unguarded_is_told_why(tmp_path: Path) ->
     assert "LocalWorld started while a spawned process imports its parent's main" in proc.stdout
 
 
+def test_what_a_rank_prints_still_reaches_the_test_process(tmp_path: Path) -> None:
+    # A start's output is held back (so that a failed start can be reported with it), then
+    # written out once the rank is ready; a job's goes straight to the test's outputs.
+    proc = _script(tmp_path, """
+        import multiprocessing as mp
+        import sys
+
+        from m2n_async.testing import LocalWorld
+
+        if mp.current_process().name != "MainProcess":
+            print("starting up", file=sys.stderr)
+
+        async def fn(ctx):
+            print(f"out of rank {ctx.rank}", flush=True)
+            print(f"err of rank {ctx.rank}", file=sys.stderr, flush=True)
+            return ctx.rank
+
+        if __name__ == "__main__":
+            with LocalWorld(1, 1) as world:
+                print(world.run(fn, timeout=60).values, flush=True)
+        """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "out of rank 0" in proc.stdout and "out of rank 1" in proc.stdout
+    assert "[0, 1]" in proc.stdout
+    assert proc.stderr.count("starting up") == 2, proc.stderr[-3000:]
+    assert "err of rank 0" in proc.stderr and "err of rank 1" in proc.stderr
+
+
 # -- the world's own event names ------------------------------------------------------------
 
 
