@@ -148,8 +148,13 @@ def assert_not_committed(results: Sequence[RankResult], version: int) -> None:
 
 def assert_committed(results: Sequence[RankResult], version: int,
                      ranks: Iterable[int] | None = None) -> None:
-    """Every rank (or each of ``ranks``) committed ``version``."""
+    """Every rank (or each of ``ranks``, all of them in the results) committed
+    ``version``."""
     chosen = set(ranks) if ranks is not None else {r.rank for r in results}
+    absent = sorted(chosen - {r.rank for r in results})
+    if absent:  # a rank the results lack would pass unchecked
+        raise AssertionError(f"ranks {absent} are not in the results (ranks "
+                             f"{sorted(r.rank for r in results)})")
     bad = {r.rank: r.committed for r in results
            if r.rank in chosen and version not in r.committed}
     if bad:

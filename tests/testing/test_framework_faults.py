@@ -18,6 +18,7 @@ from m2n_async.testing import (
     LocalWorld,
     RankContext,
     RankResult,
+    assert_committed,
     assert_same_failure,
 )
 
@@ -258,3 +259,11 @@ def test_acting_on_a_rank_outside_the_world_is_refused(m2n_world: World, act: st
     with pytest.raises(ValueError, match=r"this world's ranks are 0 \.\. 1"):
         getattr(world, act)(rank)
     assert world.run(returns_rank, timeout=60).values == [0, 1]  # nothing was touched
+
+
+def test_assert_committed_refuses_ranks_the_results_lack() -> None:
+    res = [RankResult(r, "worker", "ok", committed=(1,)) for r in range(2)]
+    assert_committed(res, 1, ranks=[0, 1])
+    with pytest.raises(AssertionError, match=r"ranks \[5\] are not in the results"):
+        assert_committed(res, 1, ranks=[1, 5])  # rank 5 would have passed unchecked
+
