@@ -229,7 +229,11 @@ def _describe(where: Mapping[str, Any]) -> str:
 def _from_env() -> None:
     raw = os.environ.get(ENV, "").strip()
     if raw:
-        arm(Fault.from_json(d) for d in json.loads(raw))
+        try:
+            faults = [Fault.from_json(d) for d in json.loads(raw)]
+        except (ValueError, TypeError) as exc:  # it fails the import: say where it came from
+            raise ValueError(f"{ENV}={raw!r}: {exc}") from exc
+        arm(faults)
 
 
 _from_env()

@@ -267,3 +267,11 @@ def test_assert_committed_refuses_ranks_the_results_lack() -> None:
     with pytest.raises(AssertionError, match=r"ranks \[5\] are not in the results"):
         assert_committed(res, 1, ranks=[1, 5])  # rank 5 would have passed unchecked
 
+
+def test_a_fault_in_the_environment_that_can_never_fire_names_the_variable() -> None:
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin",
+           "M2N_ASYNC_FAULTS": '[{"point": "round.start", "round": 0}]'}
+    proc = subprocess.run([sys.executable, "-c", "import m2n_async._engine._faults"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "M2N_ASYNC_FAULTS=" in proc.stderr and "round must be an int >= 1" in proc.stderr
