@@ -1174,6 +1174,11 @@ class LocalWorld:
         seconds. With ``fail_grace``, once a rank raised or died (as the test process saw
         it; or ``mark_failed``), the others get ``fail_grace`` seconds to end, then are
         killed and reported ``"killed"``, with their stacks — no ``WorldHangError``."""
+        return self._collect(run_id, timeout, fail_grace)
+
+    def _collect(self, run_id: int, timeout: float, fail_grace: float | None) -> WorldResult:
+        # collect and run both call this, one frame below the test: the warning of a fault
+        # that never fired (stacklevel 4) then points at the test's own line either way.
         try:
             raw = self.pool.collect(run_id, self.world_size, timeout, fail_grace=fail_grace)
         except WorldHangError as exc:
@@ -1221,8 +1226,8 @@ class LocalWorld:
             faults: Sequence[Fault] = (), timeout: float = 60.0,
             job: str | None = None, fail_grace: float | None = None) -> WorldResult:
         """``start`` then ``collect``."""
-        return self.collect(self.start(fn, kwargs=kwargs, per_rank=per_rank, faults=faults,
-                                       job=job), timeout=timeout, fail_grace=fail_grace)
+        return self._collect(self.start(fn, kwargs=kwargs, per_rank=per_rank, faults=faults,
+                                        job=job), timeout, fail_grace)
 
     async def arun(self, fn: Target, **kw: Any) -> WorldResult:
         """``run`` in a worker thread, for async tests (pytest-asyncio or anyio).

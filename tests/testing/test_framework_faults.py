@@ -275,3 +275,16 @@ def test_a_fault_in_the_environment_that_can_never_fire_names_the_variable() -> 
                           env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert "M2N_ASYNC_FAULTS=" in proc.stderr and "round must be an int >= 1" in proc.stderr
+
+
+@pytest.mark.parametrize("how", ["run", "collect"])
+def test_the_warning_of_a_fault_that_never_fired_points_at_the_test(m2n_world: World,
+                                                                    how: str) -> None:
+    world = m2n_world(1, 1)
+    never = Fault("round.start", rank=1, round=5)  # returns_rank has no rounds
+    with pytest.warns(UserWarning, match="fired on no rank") as seen:
+        if how == "run":
+            world.run(returns_rank, faults=[never], timeout=60)
+        else:
+            world.collect(world.start(returns_rank, faults=[never]), timeout=60)
+    assert [w.filename for w in seen] == [__file__]  # where -W filters and reports look
