@@ -64,7 +64,8 @@ POINTS = ("handshake.phase", "round.start", "round.bucket", "round.commit")
 ACTIONS = ("raise", "hang", "freeze", "die", "disconnect", "slow", "cancel")
 _WHERE = ("rank", "round", "bucket", "phase")
 #: The phases whose local step ``handshake.phase`` hits (``connected``/``failed`` have none).
-PHASES = ("hello", "source", "destination", "data_plane", "runtime_ready")
+PHASES = tuple(p.value for p in PreflightPhase
+               if p not in (PreflightPhase.CONNECTED, PreflightPhase.FAILED))
 #: The coordinates each point is hit with: one a point lacks never matches there.
 _POINT_WHERE = {"handshake.phase": ("rank", "phase"), "round.start": ("rank", "round"),
                 "round.bucket": ("rank", "round", "bucket"), "round.commit": ("rank", "round")}

@@ -288,3 +288,10 @@ def test_the_warning_of_a_fault_that_never_fired_points_at_the_test(m2n_world: W
         else:
             world.collect(world.start(returns_rank, faults=[never]), timeout=60)
     assert [w.filename for w in seen] == [__file__]  # where -W filters and reports look
+
+
+def test_every_phase_the_preflight_runs_is_one_a_fault_takes() -> None:
+    from m2n_async._engine._preflight import _GATHERING
+
+    for phase in _GATHERING:  # each has a local step, where handshake.phase is hit
+        assert Fault("handshake.phase", phase=phase).phase == phase.value
