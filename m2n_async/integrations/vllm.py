@@ -727,15 +727,17 @@ class VLLMWorkerBackend:
         from m2n_async._store import JobClaimedError
 
         # The engine's connect bounds this wait too; checked here first for an error that
-        # says which init_info setting bounded it and what to check.
-        bound = "connect_timeout" if info.connect_timeout is not None else "phase_timeout"
-        _await_store_answer(info.store_address, getattr(info, bound), bound)
+        # says which init_info setting bounded it and what to check. One connect_timeout
+        # bounds the probe and the connect together: the connect gets what the probe left.
+        budget = _ConnectBudget(info.connect_timeout, info.phase_timeout)
+        _await_store_answer(info.store_address, budget)
+        timeout = budget.left(f"connecting to the store at {info.store_address}")
         try:
             return BlockingWorker.connect(info.store_address, token=token, rank=self.rank,
                                           trainer_ranks=info.trainer_ranks,
                                           world_size=info.world_size, targets=targets,
                                           mesh_dims=mesh_dims, config=cfg,
-                                          timeout=info.connect_timeout)
+                                          timeout=timeout)
         except JobClaimedError as exc:
             offset = info.rank_offset if info.rank_offset is not None else info.trainer_ranks
             raise JobClaimedError(
@@ -1143,11 +1145,13 @@ class VLLMTrainerEngine:
                              f"{info.world_size}), got {offset}")
         token = _token(info.token_env, info.token)
         specs = specs_from_source(source, info.trainer_ranks, info.dtype)
+        # connect_timeout bounds this rank's whole connect: the probes, the wait for rank
+        # 0's listener, the engine's connect and its retries all draw on one deadline.
+        budget = _ConnectBudget(info.connect_timeout, info.phase_timeout)
         if info.store_address is not None:
             # Before the workers' init RPC: they would wait on the same silent address.
-            bound = "connect_timeout" if info.connect_timeout is not None else "phase_timeout"
-            _await_store_answer(info.store_address, getattr(info, bound), bound)
-        store, address = _open_store(info, token)
+            _await_store_answer(info.store_address, budget)
+        store, address = _open_store(info, token, budget)
         executor = ThreadPoolExecutor(1, thread_name_prefix="m2n-async-vllm-rpc") \
             if info.is_sender else None
         try:
@@ -1159,14 +1163,15 @@ class VLLMTrainerEngine:
             # every rank, another rank's trainer_init can reach rank 0's old store before
             # rank 0 closed it, and then loses it mid-handshake. That store is gone for
             # good, so connect again (bounded) to the one rank 0 opens next.
-            retry_until = time.monotonic() + (info.connect_timeout or info.phase_timeout) \
-                if store is None and info.store_address is None and \
-                info.store_port != 0 else 0.0
+            retry_until = budget.deadline if budget.deadline is not None else \
+                time.monotonic() + info.phase_timeout
+            if store is not None or info.store_address is not None or info.store_port == 0:
+                retry_until = 0.0
             while True:
                 pending = BlockingTrainer.start_connect(
                     address, token=token, rank=info.rank, trainer_ranks=info.trainer_ranks,
                     world_size=info.world_size, params=specs, config=cfg,
-                    timeout=info.connect_timeout)
+                    timeout=budget.left(f"connecting to the store at {address}"))
                 rpc: Future[None] | None = None
                 if executor is not None:
                     rpc = executor.submit(client.init_weight_transfer_engine,
@@ -1190,7 +1195,7 @@ class VLLMTrainerEngine:
                     log.info("m2n_async: trainer rank %d lost rank 0's store while "
                              "connecting (%s); connecting again", info.rank, exc)
                     time.sleep(0.1)
-                    _await_listener(info.store_host, info.store_port, info.phase_timeout)
+                    _await_listener(info.store_host, info.store_port, budget)
         except BaseException:
             if executor is not None:
                 executor.shutdown(wait=False, cancel_futures=True)
@@ -1305,7 +1310,8 @@ def _serve_store(host: str, port: int, token: str) -> StoreThread:
     return StoreServer(host=host, port=port, token=token).in_thread()
 
 
-def _open_store(info: TrainerInitInfo, token: str) -> tuple[StoreThread | None, str]:
+def _open_store(info: TrainerInitInfo, token: str, budget: _ConnectBudget
+                ) -> tuple[StoreThread | None, str]:
     if info.store_address is not None:
         return None, info.store_address
     if info.trainer_ranks > 1 and info.store_port == 0:
@@ -1313,24 +1319,57 @@ def _open_store(info: TrainerInitInfo, token: str) -> tuple[StoreThread | None, 
     if info.rank == 0:
         store = _serve_store(info.store_host, info.store_port, token)
         return store, store.address
-    _await_listener(info.store_host, info.store_port, info.phase_timeout)
+    _await_listener(info.store_host, info.store_port, budget)
     return None, f"{info.store_host}:{info.store_port}"
 
 
-def _await_listener(host: str, port: int, limit: float) -> None:
+class _ConnectBudget:
+    """The bound on one connect's waits (probing the store, waiting for rank 0's listener,
+    the engine's connect, its retries). With ``connect_timeout`` they share one deadline,
+    each getting what the earlier ones left; without it, each wait is bounded by
+    ``phase_timeout`` on its own (the engine bounds each handshake phase so)."""
+
+    def __init__(self, connect_timeout: float | None, phase_timeout: float) -> None:
+        self.total = connect_timeout
+        self.bound = "connect_timeout" if connect_timeout is not None else "phase_timeout"
+        self.limit = connect_timeout if connect_timeout is not None else phase_timeout
+        self.deadline = None if connect_timeout is None else time.monotonic() + connect_timeout
+
+    def wait_limit(self) -> float:
+        """Seconds the next bounded wait may take (> 0; ``TimeoutError`` if none are left)."""
+        left = self.left("waiting for the store")
+        return self.limit if left is None else left
+
+    def left(self, what: str) -> float | None:
+        """What is left of ``connect_timeout`` for the next step (None: no overall bound),
+        never <= 0: ``TimeoutError`` naming ``connect_timeout`` and ``what`` if spent."""
+        if self.deadline is None:
+            return None
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"m2n_async: connect_timeout ({self.limit:g} s) was spent "
+                               f"before {what}: raise connect_timeout, or check that the "
+                               f"store is up and reachable from here")
+        return left
+
+
+def _await_listener(host: str, port: int, budget: _ConnectBudget) -> None:
     """Wait (bounded) until rank 0's store accepts connections: the trainer ranks start
     together, and rank 0 may not be listening yet."""
     import socket
 
+    limit = budget.wait_limit()
     deadline = time.monotonic() + limit
     while True:
         try:
-            socket.create_connection((host, port), timeout=1.0).close()
+            left = max(deadline - time.monotonic(), 0.01)
+            socket.create_connection((host, port), timeout=min(1.0, left)).close()
             return
         except OSError:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"m2n_async: trainer rank 0's store at {host}:{port} "
-                                   f"did not accept connections within {limit:g} s") from None
+                                   f"did not accept connections within {budget.limit:g} s "
+                                   f"({budget.bound})") from None
             time.sleep(0.05)
 
 
@@ -1347,20 +1386,23 @@ def _share_store(info: TrainerInitInfo, token: str) -> tuple[StoreThread | None,
     return store, str(box[0])
 
 
-def _await_store_answer(address: str, limit: float, bound: str) -> None:
-    """Wait at most ``limit`` s for the store at ``address`` to accept a connection and send
-    its first bytes (the store speaks first), else ``TimeoutError`` naming the address and
-    ``bound`` (the setting ``limit`` comes from), and what to check. A refused or
-    unresolvable address returns at once; the engine's connect then raises its
+def _await_store_answer(address: str, budget: _ConnectBudget) -> None:
+    """Wait (at most what ``budget`` leaves) for the store at ``address`` to accept a
+    connection and send its first bytes (the store speaks first), else ``TimeoutError``
+    naming the address and the setting that bounded the wait, and what to check. A refused
+    or unresolvable address returns at once; the engine's connect then raises its
     ``StoreError`` naming it."""
     import socket
 
     from m2n_async._store._sockets import parse_address
 
     host, port = parse_address(address)
-    deadline = time.monotonic() + limit
+    bound = budget.bound
+    wait_for = budget.wait_limit()
+    limit = budget.limit  # the setting's value, for the error
+    deadline = time.monotonic() + wait_for
     try:
-        sock = socket.create_connection((host, port), timeout=limit)
+        sock = socket.create_connection((host, port), timeout=wait_for)
     except TimeoutError:
         raise TimeoutError(f"m2n_async: the store at {address} did not accept a connection "
                            f"within {limit:g} s ({bound}): check store_address, and that "

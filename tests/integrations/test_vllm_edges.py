@@ -1,0 +1,232 @@
+"""The ``m2n_async`` vLLM backend at its edges, as an RL framework drives it from docs/vllm.md.
+
+Bounds: ``connect_timeout`` bounds a whole connect (the store probe, the wait for rank 0's
+listener, the engine's connect and its retries share one deadline, never twice the bound).
+Same stub, model and GPU worker as ``test_vllm_backend.py`` (``_vllm_world``); every wait
+that could hang runs on a daemon thread with a generous limit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+
+from m2n_async import StoreError
+from m2n_async.integrations import vllm as backend
+
+from ._vllm_world import (
+    FanOutClient,
+    ShardedSource,
+    TinyLlama,
+    stubbed_backend,
+    vllm_config,
+)
+
+T, TP = 2, 2
+TOKEN = "vllm-edge-tests"
+GOOD = {"store_address": "127.0.0.1:1", "trainer_ranks": T, "world_size": T + TP,
+        "params": [{"name": "w", "dtype": "bfloat16", "shape": [4, 4]}]}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stub_and_token() -> Iterator[None]:
+    with stubbed_backend(TOKEN):
+        yield
+
+
+def _backend(tp_rank: int = 0) -> backend.VLLMWorkerBackend:
+    return backend.VLLMWorkerBackend(object(), vllm_config(tp_rank, TP), torch.device("cpu"),
+                                     TinyLlama(tp_rank, TP))
+
+
+def _bounded(call: Callable[[], Any], limit: float = 30) -> BaseException | None:
+    """Run ``call`` on a daemon thread for at most ``limit`` s and return its error; a call
+    still running then fails the test instead of hanging the suite."""
+    out: dict[str, BaseException] = {}
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(limit)
+    assert not thread.is_alive(), f"still waiting after {limit} s: the wait is unbounded"
+    return out.get("error")
+
+
+@contextmanager
+def _slow_store(delay: float) -> Iterator[str]:
+    """An address that accepts and sends its first byte only ``delay`` s later (a loaded
+    store host): a probe of it takes at least ``delay``."""
+    held: list[socket.socket] = []
+    stop = threading.Event()
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(16)
+        srv.settimeout(0.05)
+
+        def serve() -> None:
+            while not stop.is_set():
+                try:
+                    conn = srv.accept()[0]
+                except OSError:
+                    continue
+                held.append(conn)
+                threading.Thread(target=answer, args=(conn,), daemon=True).start()
+
+        def answer(conn: socket.socket) -> None:
+            if not stop.wait(delay):
+                try:
+                    conn.sendall(b"x")
+                except OSError:
+                    pass
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        try:
+            yield f"127.0.0.1:{srv.getsockname()[1]}"
+        finally:
+            stop.set()
+            thread.join(5)
+            for conn in held:
+                conn.close()
+
+
+class _Connected(Exception):
+    """What the spied connect raises once it recorded its timeout."""
+
+
+# -- connect_timeout: one deadline for the whole connect -------------------------------------
+
+
+def test_the_worker_connect_gets_what_the_store_probe_left_of_connect_timeout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The probe waits for the store's first byte; the engine's connect after it must get
+    # only the rest of connect_timeout, not a fresh one (init would take up to twice it).
+    limit, delay = 5.0, 1.0
+    seen: list[float | None] = []
+
+    class Worker:
+        @staticmethod
+        def connect(*args: Any, timeout: float | None = None, **kw: Any) -> Any:
+            seen.append(timeout)
+            raise _Connected
+
+    monkeypatch.setattr(backend, "BlockingWorker", Worker)
+    be = _backend()
+    with _slow_store(delay) as address:
+        info = be.parse_init_info({**GOOD, "store_address": address,
+                                   "connect_timeout": limit})
+        err = _bounded(lambda: be.init_transfer_engine(info))
+    assert isinstance(err, _Connected), err
+    assert len(seen) == 1 and seen[0] is not None, seen
+    assert 0 < seen[0] <= limit - delay, seen  # the probe took >= delay of the bound
+
+
+def test_a_worker_probe_that_spent_connect_timeout_fails_naming_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Nothing left after the probe: no connect with a bound <= 0 (or a fresh one), the
+    # TimeoutError names connect_timeout.
+    limit = 0.3
+    seen: list[float | None] = []
+
+    class Worker:
+        @staticmethod
+        def connect(*args: Any, timeout: float | None = None, **kw: Any) -> Any:
+            seen.append(timeout)
+            raise _Connected
+
+    def slow_probe(*args: Any) -> None:
+        time.sleep(limit + 0.2)  # answered, but only once the bound was spent
+
+    monkeypatch.setattr(backend, "BlockingWorker", Worker)
+    monkeypatch.setattr(backend, "_await_store_answer", slow_probe)
+    be = _backend()
+    info = be.parse_init_info({**GOOD, "connect_timeout": limit})
+    err = _bounded(lambda: be.init_transfer_engine(info))
+    assert isinstance(err, TimeoutError) and "connect_timeout" in str(err), err
+    assert seen == []
+    assert be.engine is None
+
+
+def test_the_trainer_connect_gets_what_the_store_probe_left_of_connect_timeout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    limit, delay = 5.0, 1.0
+    seen: list[float | None] = []
+
+    class Trainer:
+        @staticmethod
+        def start_connect(*args: Any, timeout: float | None = None, **kw: Any) -> Any:
+            seen.append(timeout)
+            raise _Connected
+
+    monkeypatch.setattr(backend, "BlockingTrainer", Trainer)
+    with _slow_store(delay) as address:
+        info = backend.TrainerInitInfo(rank=0, trainer_ranks=1, world_size=1 + TP,
+                                       store_address=address, connect_timeout=limit)
+        err = _bounded(lambda: backend.VLLMTrainerEngine.trainer_init(
+            info, client=FanOutClient([]), source=ShardedSource(0, 1)))
+    assert isinstance(err, _Connected), err
+    assert len(seen) == 1 and seen[0] is not None and 0 < seen[0] <= limit - delay, seen
+
+
+class _LostStore:
+    """A connect that fails ``after`` s with the ``StoreError`` of a store lost mid-connect
+    (what rank 1 sees when rank 0 closes its old store under it)."""
+
+    def __init__(self, after: float) -> None:
+        self.future: Future[Any] = Future()
+        self.after = after
+
+    def result(self, timeout: float | None = None) -> Any:
+        time.sleep(self.after)
+        self.future.set_exception(StoreError("the store closed the connection"))
+        return self.future.result()
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def cancel(self) -> None:
+        pass
+
+
+def test_a_trainer_connecting_again_stays_inside_one_connect_timeout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Rank 1 (fixed store port) loses rank 0's store mid-connect and connects again: each
+    # attempt gets what is left of connect_timeout, and the retries end inside it.
+    limit, each = 2.0, 0.4
+    seen: list[tuple[float, float | None]] = []
+
+    class Trainer:
+        @staticmethod
+        def start_connect(*args: Any, timeout: float | None = None, **kw: Any) -> Any:
+            seen.append((time.monotonic(), timeout))
+            return _LostStore(each)
+
+    monkeypatch.setattr(backend, "BlockingTrainer", Trainer)
+    with socket.socket() as listener:  # rank 0's store port, accepting
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(64)
+        info = backend.TrainerInitInfo(rank=1, trainer_ranks=T, world_size=T + TP,
+                                       store_port=listener.getsockname()[1],
+                                       connect_timeout=limit, phase_timeout=30)
+        err = _bounded(lambda: backend.VLLMTrainerEngine.trainer_init(
+            info, client=FanOutClient([]), source=ShardedSource(1, T)))
+    assert isinstance(err, StoreError | TimeoutError), err
+    timeouts = [t for _, t in seen if t is not None]
+    assert len(timeouts) == len(seen) >= 2 and all(t > 0 for t in timeouts), seen
+    assert timeouts[0] <= limit, seen
+    for before, after in itertools.pairwise(timeouts):
+        assert after <= before - each, seen  # each attempt took at least that long
