@@ -241,14 +241,21 @@ def _value_problems(cls: type, d: Mapping[str, object], none: str,
                  if k.endswith("timeout") and k not in wrong_keys and v is not None
                  and not _is_seconds(v))
     if bad:
-        problems.append(f"timeouts must be finite numbers of seconds > 0 (or {none}) {bad}")
+        problems.append(f"timeouts must be finite numbers of seconds > 0 and at most "
+                        f"{_MAX_SECONDS:.0f} (or {none}) {bad}")
     return problems
 
 
+# The longest wait a thread can make (Future.result, Event.wait): a longer one raises
+# OverflowError where it waits, after the round it bounds may already have succeeded.
+_MAX_SECONDS = threading.TIMEOUT_MAX
+
+
 def _is_seconds(v: object) -> bool:
-    """A timeout as EngineConfig and ``sync_weights(timeout=)`` take it: finite and > 0."""
+    """A timeout as EngineConfig and ``sync_weights(timeout=)`` take it: finite, > 0, and no
+    longer than a thread can wait."""
     return (isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-            and v > 0)
+            and 0 < v <= _MAX_SECONDS)
 
 
 def _parse_params(raw: Sequence[object]) -> tuple[WireParam, ...]:

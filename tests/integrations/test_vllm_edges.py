@@ -230,3 +230,32 @@ def test_a_trainer_connecting_again_stays_inside_one_connect_timeout(
     assert timeouts[0] <= limit, seen
     for before, after in itertools.pairwise(timeouts):
         assert after <= before - each, seen  # each attempt took at least that long
+
+
+# -- timeouts a thread cannot wait -----------------------------------------------------------
+
+BEYOND = threading.TIMEOUT_MAX * 2  # finite, but longer than a thread's wait can be
+
+
+@pytest.mark.parametrize("key", ["update_timeout", "connect_timeout", "phase_timeout",
+                                 "round_timeout"])
+def test_a_trainer_timeout_longer_than_a_thread_can_wait_is_refused_naming_it(key: str) -> None:
+    # Accepted, update_timeout=1e10 made a round that succeeded raise OverflowError from
+    # the wait on its RPC, the version unpublished.
+    with pytest.raises(ValueError, match=f"TrainerInitInfo.*{key}"):
+        backend.TrainerInitInfo(rank=0, world_size=3, **{key: BEYOND})
+    assert backend.TrainerInitInfo(rank=0, world_size=3, **{key: 86400 * 365}) is not None
+
+
+@pytest.mark.parametrize("key", ["receive_timeout", "connect_timeout", "phase_timeout",
+                                 "round_timeout"])
+def test_an_init_info_timeout_longer_than_a_thread_can_wait_is_refused_naming_it(
+        key: str) -> None:
+    with pytest.raises(ValueError, match=f"init_info.*{key}"):
+        _backend().parse_init_info({**GOOD, key: BEYOND})
+
+
+def test_an_update_info_timeout_longer_than_a_thread_can_wait_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"update_info.*timeout"):
+        _backend().parse_update_info({"timeout": BEYOND})
+    assert _backend().parse_update_info({"timeout": 86400.0}).timeout == 86400.0
