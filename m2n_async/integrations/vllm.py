@@ -234,8 +234,8 @@ def _value_problems(cls: type, d: Mapping[str, object], none: str,
                   and (not isinstance(v, types[k]) or isinstance(v, bool))}
     problems = []
     if wrong_keys:
-        wrong = sorted(f"{k} ({type(d[k]).__name__})" for k in wrong_keys)
-        problems.append(f"values of the wrong type {wrong}")
+        wrong = sorted(f"{k}={_shown(k, d[k])} ({type(d[k]).__name__})" for k in wrong_keys)
+        problems.append(f"values of the wrong type: {', '.join(wrong)}")
     # Seconds, as EngineConfig and sync_weights(timeout=) take them: finite and > 0.
     bad = sorted(f"{k}={v!r}" for k, v in d.items()
                  if k.endswith("timeout") and k not in wrong_keys and v is not None
@@ -244,6 +244,15 @@ def _value_problems(cls: type, d: Mapping[str, object], none: str,
         problems.append(f"timeouts must be finite numbers of seconds > 0 and at most "
                         f"{_MAX_SECONDS:.0f} (or {none}) {bad}")
     return problems
+
+
+def _shown(key: str, value: object) -> str:
+    """``value`` for an error message: its repr, shortened; a secret's never (errors reach
+    logs and HTTP replies)."""
+    if key == "token":
+        return "<redacted>"
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
 
 
 # The longest wait a thread can make (Future.result, Event.wait): a longer one raises

@@ -259,3 +259,29 @@ def test_an_update_info_timeout_longer_than_a_thread_can_wait_is_refused() -> No
     with pytest.raises(ValueError, match=r"update_info.*timeout"):
         _backend().parse_update_info({"timeout": BEYOND})
     assert _backend().parse_update_info({"timeout": 86400.0}).timeout == 86400.0
+
+
+# -- values of the wrong type: the error names the key and the value -------------------------
+
+
+@pytest.mark.parametrize(("key", "value", "shown"), [
+    ("trainer_ranks", "2", "'2'"), ("phase_timeout", None, "None"),
+    ("world_size", True, "True"), ("round_timeout", "300", "'300'"),
+])
+def test_an_init_info_value_of_the_wrong_type_is_named_with_its_value(
+        key: str, value: object, shown: str) -> None:
+    with pytest.raises(ValueError, match=f"init_info.*{key}") as err:
+        _backend().parse_init_info({**GOOD, key: value})
+    assert f"{key}={shown}" in str(err.value), err.value
+
+
+def test_a_trainer_init_info_value_of_the_wrong_type_is_named_with_its_value() -> None:
+    with pytest.raises(ValueError, match="TrainerInitInfo") as err:
+        backend.TrainerInitInfo(rank=0, world_size=3, store_port="29500")  # type: ignore[arg-type]
+    assert "store_port='29500'" in str(err.value), err.value
+
+
+def test_a_token_of_the_wrong_type_is_named_but_never_shown() -> None:
+    with pytest.raises(ValueError, match="token") as err:
+        backend.TrainerInitInfo(rank=0, world_size=3, token=b"s3cret")  # type: ignore[arg-type]
+    assert "s3cret" not in str(err.value), err.value
