@@ -1230,9 +1230,10 @@ class VLLMTrainerEngine:
         ``EnginePoisonedError`` before any RPC). A failed RPC whose round also fails (a worker's
         ``load_weights`` raised) raises the round's ``TransferError``, the RPC's error in a
         note; a round still running 5 s after its RPC failed is cancelled and the RPC's
-        error raised. A ``weight_version`` that is not a string raises ``ValueError``, and a
-        second call while one runs on this engine ``LocalProtocolError``, both before any
-        RPC."""
+        error raised. A ``start_weight_update`` that fails on rank 0 fails the round on every
+        trainer rank at once (the others' ``TransferError`` names it), not at its deadline.
+        A ``weight_version`` that is not a string raises ``ValueError``, and a second call
+        while one runs on this engine ``LocalProtocolError``, both before any RPC."""
         if weight_version is not None and not isinstance(weight_version, str):
             # vLLM's finish_weight_update takes a string; refused after the round, the
             # round's weights would land with no version published.
@@ -1270,7 +1271,11 @@ class VLLMTrainerEngine:
         try:
             if self.is_sender:
                 assert self._executor is not None
-                self.client.start_weight_update()
+                try:
+                    self.client.start_weight_update()
+                except BaseException as exc:
+                    _fail_round_now(trainer, self.rank, "start_weight_update", exc)
+                    raise
                 rpc = self._executor.submit(self.client.update_weights, {})
             shards = ((name, t.detach()) for name, t in self.source.iter_local())
             pending = trainer.start_sync_weights(shards)
@@ -1317,6 +1322,35 @@ class VLLMTrainerEngine:
                 self._executor.shutdown(wait=False, cancel_futures=True)
             if self._store is not None:
                 self._store.close()
+
+
+def _fail_round_now(trainer: BlockingTrainer, rank: int, what: str, error: BaseException
+                    ) -> None:
+    """The sender's RPC failed before its round: the other trainer ranks are already in the
+    round and would wait out its deadline for rank 0, then fail naming no cause. Start the
+    round with a source that raises at once, so it fails on every rank now, naming this
+    RPC's error (the engine is POISONED, as after any failed round). ``error`` gets a note
+    saying so."""
+
+    def refused() -> Iterator[tuple[str, Any]]:
+        raise RuntimeError(f"m2n_async: trainer rank {rank}: the workers' {what} failed "
+                           f"({error!r}); no weights were sent")
+        yield  # a generator: the round starts before it raises
+
+    try:
+        pending = trainer.start_sync_weights(refused())
+        try:
+            pending.result(timeout=_RPC_SETTLE_S)
+        except TimeoutError:
+            pending.cancel()  # still running: cancelling fails it everywhere too
+        except BaseException:
+            pass  # the round failed, as meant
+    except BaseException as exc:  # no round could start: the peers wait out its deadline
+        error.add_note(f"m2n_async: failing the round on the other trainer ranks failed "
+                       f"too ({exc!r}); they fail at the round deadline")
+        return
+    error.add_note(f"m2n_async: the round was failed on every rank (the workers' {what} "
+                   f"failed before it); shutdown() and trainer_init() to recover")
 
 
 def _serve_store(host: str, port: int, token: str) -> StoreThread:

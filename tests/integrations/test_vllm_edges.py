@@ -13,20 +13,23 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
 import pytest
 import torch
 
-from m2n_async import StoreError
+from m2n_async import EngineState, StoreError, TransferError
 from m2n_async.integrations import vllm as backend
 
 from ._vllm_world import (
     FanOutClient,
+    GPUWorker,
     ShardedSource,
     TinyLlama,
+    expected_locals,
+    free_port,
     stubbed_backend,
     vllm_config,
 )
@@ -285,3 +288,91 @@ def test_a_token_of_the_wrong_type_is_named_but_never_shown() -> None:
     with pytest.raises(ValueError, match="token") as err:
         backend.TrainerInitInfo(rank=0, world_size=3, token=b"s3cret")  # type: ignore[arg-type]
     assert "s3cret" not in str(err.value), err.value
+
+
+# -- a job: 2 trainer ranks, 2 TP workers ----------------------------------------------------
+
+
+class _Job:
+    def __init__(self, job: str, client: type[FanOutClient] = FanOutClient) -> None:
+        self.models = [TinyLlama(r, TP) for r in range(TP)]
+        self.backends = [backend.VLLMWorkerBackend(object(), vllm_config(r, TP),
+                                                   torch.device("cpu"), self.models[r])
+                         for r in range(TP)]
+        self.workers = [GPUWorker(b, r, vllm_config(r, TP)) for r, b in enumerate(self.backends)]
+        self.client = client(self.workers)
+        self.sources = [ShardedSource(r, T) for r in range(T)]
+        self.port, self.job = free_port(), job
+        self.trainers: list[backend.VLLMTrainerEngine] = []
+
+    def init(self, **kw: Any) -> None:
+        def one(r: int) -> backend.VLLMTrainerEngine:
+            info = backend.TrainerInitInfo(rank=r, trainer_ranks=T, world_size=T + TP,
+                                           store_port=self.port, job=self.job,
+                                           dtype="bfloat16", transport="gloo",
+                                           **{"phase_timeout": 10, "round_timeout": 10, **kw})
+            return backend.VLLMTrainerEngine.trainer_init(info, client=self.client,
+                                                          source=self.sources[r])
+
+        with ThreadPoolExecutor(T) as ex:
+            self.trainers = list(ex.map(one, range(T), timeout=60))
+
+    def send(self, version: int = 1) -> list[BaseException | None]:
+        for s in self.sources:
+            s.version = version
+        with ThreadPoolExecutor(T) as ex:
+            futs = [ex.submit(t.send_weights) for t in self.trainers]
+            return [f.exception(60) for f in futs]
+
+    def check(self, version: int) -> None:
+        for r, m in enumerate(self.models):
+            got = dict(m.named_parameters())
+            for name, want in expected_locals(version, r, TP).items():
+                assert torch.equal(got[name], want), (r, name, version)
+
+    def close(self) -> None:
+        for t in self.trainers:
+            t.shutdown()
+        for w in self.workers:
+            w.shutdown()
+
+
+# -- the sender's start_weight_update RPC fails ----------------------------------------------
+
+
+class _StartFailsOnce(FanOutClient):
+    """A client whose first ``start_weight_update`` fails before reaching any worker (an
+    HTTP 502 from a router, a Ray actor restarting)."""
+
+    failed = False
+
+    def start_weight_update(self) -> None:
+        if not self.failed:
+            self.failed = True
+            raise ConnectionError("502 Bad Gateway (injected)")
+        super().start_weight_update()
+
+
+def test_a_failed_start_rpc_fails_the_round_on_every_trainer_rank_at_once() -> None:
+    # Rank 0's start_weight_update fails while rank 1 is already in the round. Rank 1 must
+    # not wait out the round deadline for rank 0 and then blame a frozen rank 0: the round
+    # fails on every rank now, naming the RPC's error; every rank is POISONED (rank 0 was
+    # left READY, and its next round waited for the poisoned rank 1); shutdown + init
+    # recovers.
+    job = _Job("vllm-start-fails", _StartFailsOnce)
+    try:
+        job.init(round_timeout=3)
+        errors = job.send(1)
+        assert isinstance(errors[0], ConnectionError), errors
+        assert any("failed on every rank" in n for n in errors[0].__notes__), errors[0]
+        assert isinstance(errors[1], TransferError), errors
+        assert "start_weight_update" in str(errors[1]) and "502" in str(errors[1]), errors[1]
+        assert [t.engine.state for t in job.trainers if t.engine is not None] == [
+            EngineState.POISONED] * T
+        for t in job.trainers:
+            t.shutdown()
+        job.init()
+        assert job.send(2) == [None, None]
+        job.check(2)
+    finally:
+        job.close()
