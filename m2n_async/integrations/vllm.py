@@ -1277,8 +1277,7 @@ class VLLMTrainerEngine:
                     _fail_round_now(trainer, self.rank, "start_weight_update", exc)
                     raise
                 rpc = self._executor.submit(self.client.update_weights, {})
-            shards = ((name, t.detach()) for name, t in self.source.iter_local())
-            pending = trainer.start_sync_weights(shards)
+            pending = trainer.start_sync_weights(_local_shards(self.source))
             result: SyncResult = _wait_with_rpc(pending, rpc, "update_weights",
                                                 grace=self.init_info.update_timeout)
             if self.is_sender:
@@ -1322,6 +1321,14 @@ class VLLMTrainerEngine:
                 self._executor.shutdown(wait=False, cancel_futures=True)
             if self._store is not None:
                 self._store.close()
+
+
+def _local_shards(source: Any) -> Iterator[tuple[str, Any]]:
+    """``source.iter_local()``, detached, called only once the round runs: a source that
+    raises (even before yielding, or from a plain method) fails the round on every rank
+    at once, naming it, instead of leaving the other ranks to wait out its deadline."""
+    for name, tensor in source.iter_local():
+        yield name, tensor.detach()
 
 
 def _fail_round_now(trainer: BlockingTrainer, rank: int, what: str, error: BaseException

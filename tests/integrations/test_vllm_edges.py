@@ -376,3 +376,35 @@ def test_a_failed_start_rpc_fails_the_round_on_every_trainer_rank_at_once() -> N
         job.check(2)
     finally:
         job.close()
+
+
+class _Unreadable(ShardedSource):
+    """A ``WeightSource`` whose ``iter_local`` is a plain method that raises (a checkpoint
+    shard that cannot be read, an FSDP unshard that failed) before returning an iterator."""
+
+    def iter_local(self) -> Iterator[tuple[str, torch.Tensor]]:
+        raise OSError("shard file unreadable (injected)")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_source_that_raises_at_once_fails_the_round_on_every_rank_naming_it(rank: int) -> None:
+    # One trainer rank's iter_local raises before the round: the others must not wait out
+    # the round deadline for it; every rank's TransferError names the source's error, the
+    # workers' update RPC ends, and shutdown + init recovers.
+    job = _Job(f"vllm-source-raises-{rank}")
+    try:
+        job.init(round_timeout=3)
+        good = job.sources[rank]
+        job.sources[rank] = _Unreadable(rank, T)
+        job.trainers[rank].source = job.sources[rank]
+        errors = job.send(1)
+        for err in errors:
+            assert isinstance(err, TransferError) and "unreadable" in str(err), errors
+        for t in job.trainers:
+            t.shutdown()
+        job.sources[rank] = good
+        job.init()
+        assert job.send(2) == [None, None]
+        job.check(2)
+    finally:
+        job.close()
