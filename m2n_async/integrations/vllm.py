@@ -1199,7 +1199,8 @@ class VLLMTrainerEngine:
                     # error as a note), not another wait as long as the handshake's.
                     try:
                         trainer = _wait_with_rpc(pending, rpc, "init_weight_transfer_engine",
-                                                 settle=0.0, rpc_wait=_RPC_SETTLE_S)
+                                                 grace=info.update_timeout, settle=0.0,
+                                                 rpc_wait=_RPC_SETTLE_S)
                     except BaseException as exc:
                         _close_connected(pending)  # the RPC failed as the connect succeeded
                         _explain_missing_workers(exc, info)
@@ -1571,7 +1572,7 @@ def _wait_with_rpc(pending: Any, rpc: Future[None] | None, what: str, *,
         rpc.result(timeout=grace)
     except TimeoutError:
         raise TimeoutError(f"m2n_async: the workers' {what} did not return within {grace:g} s "
-                           f"(update_timeout) after this rank's part of the round ended"
+                           f"(update_timeout) after this rank's part of the call ended"
                            ) from None
     return result
 

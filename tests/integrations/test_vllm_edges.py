@@ -408,3 +408,56 @@ def test_a_source_that_raises_at_once_fails_the_round_on_every_rank_naming_it(ra
         job.check(2)
     finally:
         job.close()
+
+
+# -- the init RPC is bounded by update_timeout -----------------------------------------------
+
+
+class _Connected1:
+    """A connect that succeeded on this trainer rank at once (its engine closable)."""
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.future: Future[Any] = Future()
+        self.future.set_result(self)
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self
+
+    def done(self) -> bool:
+        return True
+
+    def cancel(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_an_init_rpc_that_never_returns_is_bounded_by_update_timeout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The handshake completed on the trainer, the workers' init RPC never returns (a lost
+    # reply): trainer_init fails after update_timeout, saying so, not after a fixed 300 s.
+    release = threading.Event()
+    connected = _Connected1()
+
+    class Trainer:
+        @staticmethod
+        def start_connect(*args: Any, **kw: Any) -> Any:
+            return connected
+
+    class LostReply(FanOutClient):
+        def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+            release.wait(60)
+
+    monkeypatch.setattr(backend, "BlockingTrainer", Trainer)
+    info = backend.TrainerInitInfo(rank=0, trainer_ranks=1, world_size=1 + TP,
+                                   update_timeout=0.5)
+    try:
+        err = _bounded(lambda: backend.VLLMTrainerEngine.trainer_init(
+            info, client=LostReply([]), source=ShardedSource(0, 1)))
+    finally:
+        release.set()
+    assert isinstance(err, TimeoutError), err
+    assert "init_weight_transfer_engine" in str(err) and "update_timeout" in str(err), err
+    assert connected.closed  # its claim released: the next trainer_init is not blocked
