@@ -1273,7 +1273,7 @@ class VLLMTrainerEngine:
             if self.is_sender:
                 assert self._executor is not None
                 try:
-                    self.client.start_weight_update()
+                    self._rpc("start_weight_update")
                 except BaseException as exc:
                     _fail_round_now(trainer, self.rank, "start_weight_update", exc)
                     raise
@@ -1282,7 +1282,7 @@ class VLLMTrainerEngine:
             result: SyncResult = _wait_with_rpc(pending, rpc, "update_weights",
                                                 grace=self.init_info.update_timeout)
             if self.is_sender:
-                self.client.finish_weight_update(weight_version)
+                self._rpc("finish_weight_update", weight_version)
         except BaseException as exc:
             self._failure = exc
             if isinstance(exc, TransferError):
@@ -1296,10 +1296,26 @@ class VLLMTrainerEngine:
                 # end those sessions, publishing no version, so that shutdown() and
                 # trainer_init() recover. A worker with no session open refuses; that is
                 # the one that already failed.
+                # On the RPC thread, so after any RPC of this round still running there.
                 with contextlib.suppress(Exception):
-                    self.client.finish_weight_update()
+                    self._rpc("finish_weight_update")
             raise
         return result
+
+    def _rpc(self, what: str, *args: Any) -> None:
+        """One client call on the RPC thread, bounded by ``update_timeout``: a worker that
+        never answers (a lost reply, a wedged finalize) fails this call instead of hanging
+        the trainer; calls run one at a time, in order."""
+        assert self._executor is not None
+        limit = self.init_info.update_timeout
+        call = self._executor.submit(getattr(self.client, what), *args)
+        try:
+            call.result(timeout=limit)
+        except TimeoutError:
+            if call.done():
+                raise  # the client's own TimeoutError
+            raise TimeoutError(f"m2n_async: the workers' {what} did not return within "
+                               f"{limit:g} s (update_timeout)") from None
 
     def shutdown(self) -> None:
         """Close the engine and rank 0's store; rank 0 asks the workers to release theirs

@@ -461,3 +461,41 @@ def test_an_init_rpc_that_never_returns_is_bounded_by_update_timeout(
     assert isinstance(err, TimeoutError), err
     assert "init_weight_transfer_engine" in str(err) and "update_timeout" in str(err), err
     assert connected.closed  # its claim released: the next trainer_init is not blocked
+
+
+# -- start and finish RPCs are bounded by update_timeout --------------------------------------
+
+
+@pytest.mark.parametrize("hung", ["start_weight_update", "finish_weight_update"])
+def test_a_start_or_finish_rpc_that_never_returns_is_bounded_by_update_timeout(
+        hung: str) -> None:
+    # A worker that never answers rank 0's start or finish (a lost reply, a finalize that
+    # wedged): send_weights fails after update_timeout naming the call; with start, the
+    # round is failed on every rank at once; with finish, the other rank's round committed.
+    release = threading.Event()
+
+    class Hangs(FanOutClient):
+        def start_weight_update(self) -> None:
+            if hung == "start_weight_update" and not release.is_set():
+                release.wait(20)  # before the fix: the test ends, failed, instead of hanging
+            super().start_weight_update()
+
+        def finish_weight_update(self, weight_version: str | None = None) -> None:
+            if hung == "finish_weight_update" and not release.is_set():
+                release.wait(20)
+            super().finish_weight_update(weight_version)
+
+    job = _Job(f"vllm-hung-{hung}", Hangs)
+    try:
+        job.init(update_timeout=1)
+        errors = job.send(1)
+        release.set()
+        assert isinstance(errors[0], TimeoutError), errors
+        assert hung in str(errors[0]) and "update_timeout" in str(errors[0]), errors[0]
+        if hung == "start_weight_update":
+            assert isinstance(errors[1], TransferError) and hung in str(errors[1]), errors
+        else:
+            assert errors[1] is None, errors
+    finally:
+        release.set()
+        job.close()
