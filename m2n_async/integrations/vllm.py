@@ -1330,7 +1330,7 @@ class VLLMTrainerEngine:
                 release = getattr(self.client, "shutdown_weight_transfer_engine", None)
                 if callable(release):
                     try:
-                        release()
+                        self._rpc("shutdown_weight_transfer_engine")  # bounded, as the rest
                     except Exception:
                         log.exception("m2n_async: the workers' "
                                       "shutdown_weight_transfer_engine failed")

@@ -499,3 +499,24 @@ def test_a_start_or_finish_rpc_that_never_returns_is_bounded_by_update_timeout(
     finally:
         release.set()
         job.close()
+
+
+def test_a_shutdown_rpc_that_never_returns_is_bounded_by_update_timeout() -> None:
+    release = threading.Event()
+
+    class Hangs(FanOutClient):
+        def shutdown_weight_transfer_engine(self) -> None:
+            if not release.is_set():
+                release.wait(20)  # before the fix: the test ends, failed, instead of hanging
+            super().shutdown_weight_transfer_engine()
+
+    job = _Job("vllm-hung-shutdown", Hangs)
+    try:
+        job.init(update_timeout=1)
+        assert job.send(1) == [None, None]
+        err = _bounded(job.trainers[0].shutdown, 10)  # logged, not raised: shutdown ends
+        assert err is None, err
+        assert job.trainers[0].engine is None
+    finally:
+        release.set()
+        job.close()
