@@ -1024,6 +1024,14 @@ class TrainerInitInfo:
                 dtype_name(self.dtype)
             except PlanError as exc:
                 problems.append(f"dtype: {exc}")
+        if not problems:
+            # The engine's own checks (transport, job, bucket_bytes), here where the info
+            # is built, as the workers' parse_init_info makes them: refused in trainer_init,
+            # rank 0 had served a store first, and the other ranks waited for it.
+            try:
+                self.engine_config()
+            except PlanError as exc:
+                problems.append(str(exc))
         if problems:
             raise ValueError(f"m2n_async TrainerInitInfo: {'; '.join(problems)}")
         # A trainer process is no vLLM process: vLLM never runs its general plugins there,
@@ -1036,6 +1044,12 @@ class TrainerInitInfo:
     @property
     def is_sender(self) -> bool:
         return self.rank == 0
+
+    def engine_config(self) -> EngineConfig:
+        """This trainer rank's ``EngineConfig`` (``PlanError`` naming a field it refuses)."""
+        return EngineConfig(transport=self.transport, bucket_bytes=self.bucket_bytes,
+                            phase_timeout=self.phase_timeout, round_timeout=self.round_timeout,
+                            device=self.device, host=self.host, job=self.job)
 
 
 def _placement(meta_name: str, p: Any, ndim: int) -> int:
@@ -1171,10 +1185,7 @@ class VLLMTrainerEngine:
         executor = ThreadPoolExecutor(1, thread_name_prefix="m2n-async-vllm-rpc") \
             if info.is_sender else None
         try:
-            cfg = EngineConfig(transport=info.transport, bucket_bytes=info.bucket_bytes,
-                               phase_timeout=info.phase_timeout,
-                               round_timeout=info.round_timeout, device=info.device,
-                               host=info.host, job=info.job)
+            cfg = info.engine_config()
             # Rank 0 serves a store per trainer_init on a fixed port: after shutdown() on
             # every rank, another rank's trainer_init can reach rank 0's old store before
             # rank 0 closed it, and then loses it mid-handshake. That store is gone for

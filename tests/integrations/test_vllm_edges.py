@@ -520,3 +520,19 @@ def test_a_shutdown_rpc_that_never_returns_is_bounded_by_update_timeout() -> Non
     finally:
         release.set()
         job.close()
+
+
+# -- TrainerInitInfo refuses what the engine would, where it is built --------------------------
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("transport", "ncl"), ("job", ""), ("job", "a/b"), ("bucket_bytes", 0),
+    ("bucket_bytes", -1),
+])
+def test_a_trainer_init_info_engine_setting_out_of_range_is_refused_where_built(
+        key: str, value: object) -> None:
+    # As the workers' parse_init_info refuses the same values: not later in trainer_init,
+    # after rank 0 served a store and the other ranks waited for it.
+    with pytest.raises(ValueError, match=f"TrainerInitInfo.*{key}") as err:
+        backend.TrainerInitInfo(rank=0, world_size=3, **{key: value})
+    assert repr(value) in str(err.value), err.value
