@@ -692,7 +692,7 @@ class VLLMWorkerBackend:
                                    "initialized; call shutdown_weight_transfer_engine() "
                                    "before initializing again")
             if not isinstance(init_info, WorkerInitInfo):
-                init_info = self.parse_init_info(dict(init_info))
+                init_info = self.parse_init_info(init_info)  # refuses a non-object too
             token = _token(init_info.token_env)
             self._info = init_info
             try:

@@ -536,3 +536,18 @@ def test_a_trainer_init_info_engine_setting_out_of_range_is_refused_where_built(
     with pytest.raises(ValueError, match=f"TrainerInitInfo.*{key}") as err:
         backend.TrainerInitInfo(rank=0, world_size=3, **{key: value})
     assert repr(value) in str(err.value), err.value
+
+
+# -- init_info that is not a JSON object ------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [[1, 2], "{}", None, 3])
+def test_an_init_info_that_is_no_object_is_refused_naming_it_by_parse_and_by_init(
+        value: object) -> None:
+    # Called with the raw value (a framework driving the backend itself): the same
+    # ValueError as parse_init_info's, not dict()'s TypeError about update sequences.
+    be = _backend()
+    for call in (be.parse_init_info, be.init_transfer_engine):
+        with pytest.raises(ValueError, match="init_info must be a JSON object"):
+            call(value)  # type: ignore[arg-type]
+    assert be.engine is None
