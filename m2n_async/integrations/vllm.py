@@ -1465,10 +1465,32 @@ def _share_store(info: TrainerInitInfo, token: str) -> tuple[StoreThread | None,
         raise ValueError("m2n_async: with trainer_ranks > 1 and no store_address, give a "
                          "fixed store_port (or initialize torch.distributed so rank 0 can "
                          "share the address it picked)")
+    import torch
+
     store = _serve_store(info.store_host, 0, token) if info.rank == 0 else None
-    box: list[object] = [store.address if store is not None else None]
-    dist.broadcast_object_list(box, src=0)
-    return store, str(box[0])
+    # The address as UTF-8 bytes in a tensor, not broadcast_object_list: that pickles, and
+    # every other rank would unpickle what arrives (nothing on the wire is unpickled).
+    nccl = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    buf = torch.zeros(_ADDRESS_BYTES, dtype=torch.uint8)  # NUL-padded: no address has a NUL
+    if store is not None:
+        raw = store.address.encode()
+        buf[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    try:
+        buf = buf.to(device)
+        dist.broadcast(buf, src=0)
+    except BaseException:
+        if store is not None:
+            store.close()
+        raise
+    address = bytes(buf.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
+    if store is None and not address:
+        raise ValueError("m2n_async: trainer rank 0 shared no store address through the "
+                         "default torch.distributed group")
+    return store, address if store is None else store.address
+
+
+_ADDRESS_BYTES = 512  # "host:port": a DNS name (at most 253 bytes) and a port fit
 
 
 def _await_store_answer(address: str, budget: _ConnectBudget) -> None:

@@ -551,3 +551,59 @@ def test_an_init_info_that_is_no_object_is_refused_naming_it_by_parse_and_by_ini
         with pytest.raises(ValueError, match="init_info must be a JSON object"):
             call(value)  # type: ignore[arg-type]
     assert be.engine is None
+
+
+# -- rank 0 shares its store address without pickle ------------------------------------------
+
+_SHARE = """
+import sys
+import torch.distributed as dist
+
+def refuse(*args, **kwargs):
+    raise AssertionError("broadcast_object_list pickles: not on the wire")
+
+dist.broadcast_object_list = refuse
+rank, port = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                        world_size=2)
+from m2n_async.integrations import vllm as backend
+
+info = backend.TrainerInitInfo(rank=rank, trainer_ranks=2, world_size=3)
+store, address = backend._share_store(info, "tok")
+print("ADDRESS", address, flush=True)
+dist.barrier()
+if store is not None:
+    store.close()
+dist.destroy_process_group()
+"""
+
+
+def test_trainer_rank_0_shares_its_store_address_without_pickle() -> None:
+    # trainer_ranks > 1, store_port 0: rank 0 picks the port and tells the others through
+    # the default torch.distributed group, as bytes in a tensor (broadcast_object_list
+    # would make every other rank unpickle what arrives).
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", _SHARE, str(r), port], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=60)
+            assert p.returncode == 0, err[-2000:]
+            outs.append([line.split()[1] for line in out.splitlines()
+                         if line.startswith("ADDRESS")])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert outs[0] == outs[1] and len(outs[0]) == 1 and outs[0][0].startswith("127.0.0.1:")
