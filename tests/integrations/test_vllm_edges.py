@@ -607,3 +607,80 @@ def test_trainer_rank_0_shares_its_store_address_without_pickle() -> None:
                 p.kill()
                 p.wait()
     assert outs[0] == outs[1] and len(outs[0]) == 1 and outs[0][0].startswith("127.0.0.1:")
+
+
+# -- the trainer process dies mid-update -----------------------------------------------------
+
+_TRAINER = """
+import sys, time
+from tests.integrations._vllm_world import ShardedSource, stub_vllm
+with stub_vllm():
+    from m2n_async import BlockingTrainer, EngineConfig, StoreServer
+    from m2n_async.integrations import vllm as backend
+
+    served = StoreServer(token=sys.argv[1]).in_thread()  # rank 0 serves the store
+    print(served.address, flush=True)
+    specs = backend.specs_from_source(ShardedSource(0, 1), 1, "bfloat16")
+    cfg = EngineConfig(transport="gloo", phase_timeout=10, round_timeout=60, job="vllm-dies")
+    trainer = BlockingTrainer.connect(served.address, token=sys.argv[1], rank=0,
+                                      trainer_ranks=1, world_size=2, params=specs, config=cfg)
+
+    def first_then_hang():
+        for name, shard in ShardedSource(0, 1).iter_local():
+            yield name, shard
+            print("mid-round", flush=True)
+            time.sleep(600)  # killed here
+
+    trainer.sync_weights(first_then_hang())
+"""
+
+
+def test_a_trainer_killed_mid_update_ends_the_workers_update_rpc_with_a_clear_error() -> None:
+    # SIGKILL of trainer rank 0 (which serves the store) while the round runs: the worker's
+    # update_weights ends at once with the round's TransferError, long before round_timeout,
+    # the backend poisoned, and shutdown then works.
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from m2n_async.integrations.vllm import TrainerInitInfo
+
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": root}
+    proc = subprocess.Popen([sys.executable, "-c", _TRAINER, TOKEN], env=env, cwd=root,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        address = proc.stdout.readline().strip()
+        assert address, "the trainer did not start"
+        specs = backend.specs_from_source(ShardedSource(0, 1), 1, "bfloat16")
+        info = TrainerInitInfo(rank=0, trainer_ranks=1, world_size=2, job="vllm-dies",
+                               transport="gloo", phase_timeout=10, round_timeout=60)
+        be = backend.VLLMWorkerBackend(object(), vllm_config(0, 1), torch.device("cpu"),
+                                       TinyLlama(0, 1))
+        worker = GPUWorker(be, 0, vllm_config(0, 1))
+        assert _bounded(lambda: worker.init_weight_transfer_engine(
+            backend._worker_payload(info, address, specs)), 60) is None
+        worker.start_weight_update()
+        out: dict[str, BaseException] = {}
+
+        def update() -> None:
+            try:
+                worker.update_weights({})
+            except BaseException as exc:
+                out["error"] = exc
+
+        thread = threading.Thread(target=update, daemon=True)
+        thread.start()
+        assert proc.stdout.readline().strip() == "mid-round"
+        proc.kill()
+        thread.join(30)  # round_timeout is 60: ending before it is the point
+        assert not thread.is_alive(), "update_weights still waits for a dead trainer"
+        assert isinstance(out.get("error"), TransferError), out
+        with pytest.raises(RuntimeError, match="poisoned"):
+            be.start_weight_update()
+        assert _bounded(worker.shutdown, 30) is None and be.engine is None
+    finally:
+        proc.kill()
+        proc.wait(30)
