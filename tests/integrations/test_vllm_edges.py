@@ -1,7 +1,17 @@
 """The ``m2n_async`` vLLM backend at its edges, as an RL framework drives it from docs/vllm.md.
 
-Bounds: ``connect_timeout`` bounds a whole connect (the store probe, the wait for rank 0's
-listener, the engine's connect and its retries share one deadline, never twice the bound).
+- ``connect_timeout`` bounds a whole connect: the store probe, the wait for rank 0's
+  listener, the engine's connect and its retries share one deadline, never twice the bound.
+- Timeouts a thread cannot wait (above ``threading.TIMEOUT_MAX``) are refused naming the key;
+  values of the wrong type are named with the value (a token's never shown); engine settings
+  out of range are refused where ``TrainerInitInfo`` is built; an ``init_info`` that is no
+  JSON object is refused by ``init_transfer_engine`` as by ``parse_init_info``.
+- Every client RPC of the trainer (init, start, update, finish, shutdown) is bounded by
+  ``update_timeout``; a failed start RPC or a source that raises at once fails the round on
+  every trainer rank now, naming it, not at the round deadline.
+- Rank 0 shares its store address without pickle; a trainer killed mid-round ends the
+  worker's ``update_weights`` at once.
+
 Same stub, model and GPU worker as ``test_vllm_backend.py`` (``_vllm_world``); every wait
 that could hang runs on a daemon thread with a generous limit.
 """
