@@ -80,7 +80,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -1108,6 +1108,47 @@ def specs_from_source(source: Any, trainer_ranks: int, dtype: Any = None) -> lis
     return specs
 
 
+class _RPCThread:
+    """One daemon thread running trainer rank 0's client calls, in order. Not a
+    ``ThreadPoolExecutor``: its worker is joined at interpreter exit, so an RPC that never
+    returns (given up on after ``update_timeout``) would keep the process from exiting."""
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]
+                                       | None] = queue.SimpleQueue()
+        self._closed = False
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any) -> Future[Any]:
+        if self._closed:
+            raise RuntimeError("m2n_async: the trainer engine's RPC thread is shut down")
+        call: Future[Any] = Future()
+        self._calls.put((call, fn, args))
+        return call
+
+    def shutdown(self) -> None:
+        """Cancel the calls not started; the thread ends after the one it runs, if any."""
+        self._closed = True
+        while True:
+            try:
+                item = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].cancel()
+        self._calls.put(None)
+
+    def _run(self) -> None:
+        while (item := self._calls.get()) is not None:
+            call, fn, args = item
+            if not call.set_running_or_notify_cancel():
+                continue
+            try:
+                call.set_result(fn(*args))
+            except BaseException as exc:
+                call.set_exception(exc)
+
+
 # vLLM's VLLMWeightSyncClient protocol: what trainer rank 0 calls on the workers.
 _CLIENT_METHODS = ("init_weight_transfer_engine", "start_weight_update", "update_weights",
                    "finish_weight_update")
@@ -1125,7 +1166,7 @@ class VLLMTrainerEngine:
     init_info_cls = TrainerInitInfo
 
     def __init__(self, *, info: TrainerInitInfo, client: Any, source: Any,
-                 trainer: BlockingTrainer, store: Any, executor: ThreadPoolExecutor | None
+                 trainer: BlockingTrainer, store: Any, executor: _RPCThread | None
                  ) -> None:
         self.init_info = info
         self.client = client
@@ -1182,8 +1223,7 @@ class VLLMTrainerEngine:
             # Before the workers' init RPC: they would wait on the same silent address.
             _await_store_answer(info.store_address, budget)
         store, address = _open_store(info, token, budget)
-        executor = ThreadPoolExecutor(1, thread_name_prefix="m2n-async-vllm-rpc") \
-            if info.is_sender else None
+        executor = _RPCThread("m2n-async-vllm-rpc") if info.is_sender else None
         try:
             cfg = info.engine_config()
             # Rank 0 serves a store per trainer_init on a fixed port: after shutdown() on
@@ -1226,7 +1266,7 @@ class VLLMTrainerEngine:
                     _await_listener(info.store_host, info.store_port, budget)
         except BaseException:
             if executor is not None:
-                executor.shutdown(wait=False, cancel_futures=True)
+                executor.shutdown()
             if store is not None:
                 store.close()
             raise
@@ -1346,7 +1386,7 @@ class VLLMTrainerEngine:
                         log.exception("m2n_async: the workers' "
                                       "shutdown_weight_transfer_engine failed")
             if self._executor is not None:
-                self._executor.shutdown(wait=False, cancel_futures=True)
+                self._executor.shutdown()
             if self._store is not None:
                 self._store.close()
 

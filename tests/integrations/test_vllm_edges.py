@@ -694,3 +694,46 @@ def test_a_trainer_killed_mid_update_ends_the_workers_update_rpc_with_a_clear_er
     finally:
         proc.kill()
         proc.wait(30)
+
+
+# -- an RPC that never returns does not hold the process at exit ------------------------------
+
+_HUNG_EXIT = """
+import os, sys, threading
+from tests.integrations._vllm_world import stubbed_backend
+with stubbed_backend("tok"):
+    from tests.integrations import test_vllm_edges as edges
+
+    class Hangs(edges.FanOutClient):
+        def start_weight_update(self):
+            threading.Event().wait()  # a worker that never answers
+
+    job = edges._Job("vllm-hung-exit", Hangs)
+    job.init(update_timeout=0.5)
+    errors = job.send(1)
+    print("ERRORS", [type(e).__name__ for e in errors], flush=True)
+    job.close()
+print("EXITING", flush=True)
+"""
+
+
+def test_an_rpc_that_never_returns_does_not_hold_the_trainer_process_at_exit() -> None:
+    # send_weights gave up on the RPC after update_timeout and shutdown() returned; the
+    # thread still inside the client's call must not keep the interpreter from exiting.
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    proc = subprocess.Popen([sys.executable, "-c", _HUNG_EXIT], cwd=root,
+                            env={**os.environ, "PYTHONPATH": root},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"the process did not exit: {out[-2000:]}") from None
+    assert "EXITING" in out and "TimeoutError" in out, (out, err[-3000:])
+    assert proc.returncode == 0, err[-3000:]
