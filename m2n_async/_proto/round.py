@@ -20,6 +20,11 @@ raises ``Round.start_taken``'s failure when its round lost.)
   was waiting on as ``suspects``) and never written as the abort record.
 - **Departure rule** (``Round.lost_matters``): a rank lost or gone after it reported is not
   the round's problem (its part moved); one that had not reported is the culprit.
+- **A cancel while waiting for the start** (``Round.cancelled_waiting``): a rank other than
+  trainer rank 0 whose caller cancels its wait looks once at what the round holds. Its start
+  there means the round began on the ranks that read it: the cancel is a cancel in the round
+  (the record names this rank, ``cancelled``). No start: the round began nowhere and this
+  rank declines nothing (its next call may join the round).
 - **Deadline** (``Round.deadline_verdict``): at the round deadline a rank posts its own report,
   waits a short window for its peers' reports (their deadlines fall within milliseconds of its
   own), and then blames, in this order: a rank with no report (frozen, hung before reporting,
@@ -68,7 +73,7 @@ class Cause(enum.Enum):
     """Why a round failed; ``TransferError.cause`` is its value."""
 
     ERROR = "error"  # the rank's own step failed (a bad shard, a load callback raised, ...)
-    CANCELLED = "cancelled"  # the rank's caller cancelled it mid-round
+    CANCELLED = "cancelled"  # the rank's caller cancelled it in a round that had started
     LOST = "lost"  # its store session ended: the process died or was disconnected
     LEFT = "left"  # it closed its engine (a clean leave) before the round was decided
     DEADLINE = "deadline"  # it did not report by the round deadline: frozen, hung, too late
@@ -219,6 +224,42 @@ class Round:
                                 f"holding another start (generation {found.generation} round "
                                 f"{found.round} version {found.version}{closing}), written by "
                                 f"another process as trainer rank 0"), True
+
+    def read_start(self, raw: bytes) -> RoundStart | Failure:
+        """The ``start`` record read from the store, or the protocol failure (naming rank 0)
+        of one that does not decode or names another generation or round."""
+        try:
+            start = decode_as(raw, RoundStart)
+        except M2NError as exc:
+            return self.protocol(0, f"its round start is invalid: {exc}")
+        return self.check_start(start) or start
+
+    def cancelled_waiting(self, found: Mapping[str, bytes]) -> Failure | None:
+        """This rank's caller cancelled its wait for the round's start; ``found``: what the
+        round's prefix held when it looked (after the cancel). The failure it posts
+        (compare-and-set: a record there first wins) and raises on nothing, its engine
+        poisoned with the winning record — or None: nothing is posted, the engine stays
+        as it was.
+
+        A start of this round means the round began on the ranks that read it: this rank's
+        cancel is then a cancel in the round (``cancelled``), so the peers fail at once
+        rather than at the deadline. An ``abort`` record means the round failed already (it
+        is the failure). No start yet: the round began nowhere, and this rank may still
+        join it with its next call (as a rank whose call refused its arguments may), so it
+        declines nothing — if it neither calls again nor closes its engine, the peers it
+        leaves in the round fail at the round deadline naming it. The job's closing start:
+        there is no round to fail (a record beside it would make the ranks that read the
+        key later raise it instead of ending). A start that is invalid fails the round as
+        it fails a rank that reads it."""
+        if self.keys.abort in found:
+            return self.failure_of(found[self.keys.abort])
+        raw = found.get(self.keys.start)
+        if raw is None:
+            return None
+        start = self.read_start(raw)
+        if isinstance(start, Failure):
+            return start
+        return None if start.closing else self.cancelled()
 
     def start_missed(self, timeout: float, refusal: str | None = None) -> Failure:
         """A trainer waited the round deadline for rank 0 to start the round. ``refusal``:

@@ -166,6 +166,45 @@ def test_a_taken_start_key_is_the_job_closed_or_a_recorded_protocol_failure() ->
     assert "already holding another start (generation 7 round 3 version 9)" in other.reason
 
 
+def test_a_cancel_while_waiting_fails_a_started_round_and_declines_nothing_before() -> None:
+    c = _core(1)  # a trainer other than rank 0
+    keys = c.keys
+    start = encode(RoundStart(PROTO_VERSION, 7, 3, 5, 10.0, False))
+    # No start: the round began nowhere; this rank's next call may still join it.
+    assert c.cancelled_waiting({}) is None
+    assert c.cancelled_waiting({keys.refused(2): b"a note"}) is None
+    # A start of this round: the cancel is a cancel in the round, naming this rank.
+    got = c.cancelled_waiting({keys.start: start})
+    assert got == c.cancelled() and (got.cause, got.rank) == (Cause.CANCELLED, 1)
+    assert c.cancelled_waiting({keys.start: start, keys.done(0): b"x"}) == c.cancelled()
+    # A record there already (with a start or without): it is the round's failure.
+    lost = encode(_core(0).abort_record(_core(0).lost(3)))
+    for found in ({keys.abort: lost}, {keys.start: start, keys.abort: lost}):
+        got = c.cancelled_waiting(found)
+        assert got is not None and (got.cause, got.rank) == (Cause.LOST, 3), found
+    # The job's closing start: no round to fail, nothing to record beside it.
+    closing = encode(RoundStart(PROTO_VERSION, 7, 3, 5, 10.0, True))
+    assert c.cancelled_waiting({keys.start: closing}) is None
+    # A start that is invalid or of another round fails the round as it fails its readers.
+    for bad in (b"\x00junk", encode(RoundStart(PROTO_VERSION, 7, 4, 5, 10.0, False))):
+        got = c.cancelled_waiting({keys.start: bad})
+        assert got is not None and (got.cause, got.rank) == (Cause.PROTOCOL, 0), bad
+    # A worker decides alike.
+    assert _core(3).cancelled_waiting({keys.start: start}) == _core(3).cancelled()
+
+
+def test_read_start() -> None:
+    c = _core(2)
+    ok = RoundStart(PROTO_VERSION, 7, 3, 5, 10.0, False)
+    assert c.read_start(encode(ok)) == ok
+    bad = c.read_start(b"\x00junk")
+    assert isinstance(bad, Failure) and (bad.cause, bad.rank) == (Cause.PROTOCOL, 0)
+    assert "round start is invalid" in bad.reason
+    other = c.read_start(encode(RoundStart(PROTO_VERSION, 6, 3, 5, 10.0, False)))
+    assert isinstance(other, Failure) and other == c.check_start(
+        RoundStart(PROTO_VERSION, 6, 3, 5, 10.0, False))
+
+
 def test_rejects_impossible_rounds() -> None:
     with pytest.raises(ValueError):
         Round(namespace="j/1", generation=1, round=0, rank=0, world_size=2, trainer_ranks=1)
