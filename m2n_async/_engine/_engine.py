@@ -526,7 +526,13 @@ class _Engine:
         (another task's, or another thread's through the blocking facade), which would
         otherwise leave the wait running on a released engine, or fail it as a store loss
         when the engine's own store closes: then ``LocalProtocolError``, as any call on a
-        closed engine raises; nothing was written."""
+        closed engine raises; nothing was written.
+
+        Cancelled by its caller (a cancel that ``close()`` did not make): the round's keys
+        are read once, shielded and bounded by ``abort_grace``
+        (``RoundDriver.cancelled_waiting``). If round ``k`` had started, the cancel is posted
+        as its abort record, as a cancel in the round is, and the engine is POISONED with
+        the record that won; if not, nothing is written and the engine stays READY."""
         assert self._rounds is not None
         scope = anyio.CancelScope()
         self._start_wait = scope
@@ -537,6 +543,17 @@ class _Engine:
         except TransferError:
             if not self._closing:
                 raise
+        except anyio.get_cancelled_exc_class():
+            # close()'s own cancel ends in ``with scope`` above and never gets here; a close
+            # that began meanwhile ends the round itself (its leave), so it is left to it.
+            if not self._closing:
+                # Shielded: peers that read round k's start are in it and wait for this rank;
+                # they must hear of this cancel now, not at the round deadline.
+                with anyio.CancelScope(shield=True):
+                    failure = await self._rounds.cancelled_waiting(k)
+                if failure is not None:
+                    self._poison_with(self._rounds.core(k).error(failure))
+            raise
         finally:
             self._start_wait = None
         raise LocalProtocolError(f"{what} on rank {self.rank}: the engine was closed while "

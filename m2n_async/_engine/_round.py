@@ -269,7 +269,8 @@ class RoundDriver:
         — ``missed_is_failure`` (a trainer: the round cannot happen without it) — the
         round's ``TransferError`` naming rank 0, recorded for every rank.
 
-        Cancellation: nothing was written; the engine stays as it was.
+        Cancellation: nothing was written; the caller, if its own caller cancelled it
+        (not its ``close()``), asks ``cancelled_waiting`` whether the round had started.
         """
         core = self.core(round_)
         keys = core.keys
@@ -300,21 +301,40 @@ class RoundDriver:
             raise core.error(core.store_lost()) from exc
         if keys.abort in got:
             raise core.error(core.failure_of(got[keys.abort]))
-        bad: Failure | None
-        try:
-            start = decode_as(got[keys.start], RoundStart)
-            bad = core.check_start(start)
-        except M2NError as exc:
-            bad = core.protocol(0, f"its round start is invalid: {exc}")
-        if bad is not None:
+        start = core.read_start(got[keys.start])
+        if isinstance(start, Failure):
             with anyio.CancelScope(shield=True):  # so that rank 0 does not wait it out
-                bad = await self.post(core, bad)
+                bad = await self.post(core, start)
             raise core.error(bad)
         if start.closing:
             how = "" if start.error is None else f" on an error ({start.error})"
             raise JobEnded(f"trainer rank 0 closed the job{how} after round {round_ - 1} of "
                            f"generation {self.generation}", error=start.error)
         return start
+
+    async def cancelled_waiting(self, round_: int) -> Failure | None:
+        """The caller's cancel ended this rank's ``wait_start`` of ``round_``: one read of
+        the round's keys (bounded by ``abort_grace``), and ``Round.cancelled_waiting``
+        decides. A round that had started (or failed): the cancel is posted as the round's
+        abort record, compare-and-set, as a cancel in the round is, and the record that won
+        is returned (the engine is poisoned with it). None: the round started nowhere yet
+        (nothing posted; the engine stays as it was), or the job ended in this generation
+        (the next call says so). A store that fails or does not answer within the bound: a
+        store loss (this rank cannot tell whether its peers are in the round without it).
+
+        Cancellation: the caller shields it."""
+        core = self.core(round_)
+        try:
+            with anyio.fail_after(self.abort_grace):
+                found = await self.store.gather(core.keys.prefix, 0)
+        except StaleGenerationError:
+            return None
+        except (TimeoutError, M2NError) as exc:
+            log.warning("rank %d could not tell whether %s had started when its wait was "
+                        "cancelled: %r", self.rank, core.where, exc)
+            return core.store_lost()
+        failure = core.cancelled_waiting(found)
+        return None if failure is None else await self.post(core, failure)
 
     # -- the round -----------------------------------------------------------------------
 

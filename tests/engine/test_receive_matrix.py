@@ -188,6 +188,62 @@ async def test_cancelled_while_waiting_then_the_next_receive_takes_that_round() 
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("when", ["published", "publishing"])
+async def test_cancelled_waiting_once_the_round_started_fails_it_at_once_naming_this_worker(
+        when: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    far, prompt = 60, 15  # the round deadline, and the generous bound its failure is held to
+    async with world() as w:
+        wk = w.workers[0]
+        scope = anyio.CancelScope()
+        if when == "published":
+            wait_start = RoundDriver.wait_start
+
+            async def cancelled_wait(self: RoundDriver, k: int, **kw: Any) -> Any:
+                if self.rank != wk.rank:
+                    return await wait_start(self, k, **kw)
+                await started(w, k)  # the trainer published round k; the wait has not seen it
+                scope.cancel()
+                await anyio.sleep_forever()  # the cancel lands here, in the wait
+            monkeypatch.setattr(RoundDriver, "wait_start", cancelled_wait)
+        else:
+            looked = RoundDriver.cancelled_waiting
+
+            async def late_look(self: RoundDriver, k: int) -> Any:
+                await started(w, k)  # the start lands between the cancel and the look
+                return await looked(self, k)
+            monkeypatch.setattr(RoundDriver, "cancelled_waiting", late_look)
+        errors: list[BaseException] = []
+
+        async def trainer() -> None:
+            try:
+                await w.send(1, timeout=far)
+            except TransferError as exc:
+                errors.append(exc)
+
+        with anyio.fail_after(prompt):
+            async with anyio.create_task_group() as tg:
+                if when == "publishing":
+                    async def cancel_then_publish() -> None:
+                        await until(lambda: waiting(wk))
+                        scope.cancel()  # no start yet: it is published while this is cancelled
+                        tg.start_soon(trainer)
+                    tg.start_soon(cancel_then_publish)
+                else:
+                    tg.start_soon(trainer)
+                with scope:
+                    await wk.receive()
+        assert scope.cancelled_caught
+        assert wk.state is EngineState.POISONED and wk.version == 0
+        [exc] = errors
+        assert isinstance(exc, TransferError)
+        assert (exc.rank, exc.cause, exc.round) == (wk.rank, "cancelled", 1), exc
+        assert w.trainers[0].state is EngineState.POISONED and w.trainers[0].version == 0
+        with pytest.raises(EnginePoisonedError) as info:
+            await wk.receive()
+        assert str(info.value.__cause__) == str(exc)  # the record that every rank raised
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("where", ["start", "mid"])
 async def test_cancelled_in_the_round_fails_it_everywhere_naming_this_worker(
         where: str, monkeypatch: pytest.MonkeyPatch) -> None:

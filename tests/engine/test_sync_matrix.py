@@ -613,6 +613,110 @@ async def test_cancelled_in_the_round_fails_it_everywhere_naming_this_rank(
         assert info.value.__cause__ is not None
 
 
+#: a round deadline far beyond every bound here: a round these tests see fail failed at once,
+#: not at its deadline
+FAR = 60
+#: how long the peers of a rank cancelled in a started round may take to fail (generous: they
+#: fail within milliseconds; the deadline is FAR)
+PROMPT = 15
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("when", ["published", "publishing"])
+async def test_cancelled_waiting_once_the_round_started_fails_it_at_once_naming_this_rank(
+        when: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with world(trainers=2) as w:
+        t1 = w.trainers[1]
+        scope = anyio.CancelScope()
+        if when == "published":
+            wait_start = RoundDriver.wait_start
+
+            async def cancelled_wait(self: RoundDriver, k: int, **kw: Any) -> Any:
+                if self.rank != t1.rank:
+                    return await wait_start(self, k, **kw)
+                await started(w, k)  # rank 0 published round k; the wait has not seen it
+                scope.cancel()
+                await anyio.sleep_forever()  # the cancel lands here, in the wait
+            monkeypatch.setattr(RoundDriver, "wait_start", cancelled_wait)
+        else:
+            looked = RoundDriver.cancelled_waiting
+
+            async def late_look(self: RoundDriver, k: int) -> Any:
+                await started(w, k)  # the start lands between the cancel and the look
+                return await looked(self, k)
+            monkeypatch.setattr(RoundDriver, "cancelled_waiting", late_look)
+        got: dict[int, Any] = {}
+
+        async def cancelled() -> None:
+            with scope:
+                await w.send(1, 1)
+
+        with anyio.fail_after(PROMPT):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(cancelled)
+                await until(lambda: waiting(t1))
+                if when == "publishing":
+                    scope.cancel()  # no start yet: rank 0 publishes while rank 1 is cancelled
+                w.receive_all(tg, got)
+                tg.start_soon(_outcome, lambda: w.send(1, 0, timeout=FAR), 0, got)
+        assert scope.cancelled_caught
+        exc = one_failure(got)  # rank 0 and the worker, at once
+        assert (exc.rank, exc.cause, exc.round) == (1, "cancelled", 1), exc
+        assert t1.state is EngineState.POISONED
+        assert all(e.version == 0 and e.state is EngineState.POISONED
+                   for e in [*w.trainers, *w.workers])
+        with pytest.raises(EnginePoisonedError) as info:
+            await w.send(2, 1)
+        assert info.value.__cause__ is not None
+        assert str(info.value.__cause__) == str(exc)  # the record that every rank raised
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("then", ["call", "close", "nothing"])
+async def test_cancelled_waiting_before_the_start_declines_nothing(
+        then: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The look finds no start, and rank 0 publishes just after: this rank is READY with
+    nothing posted, and the round waits for it — its next call joins the round, a close
+    fails it at once (``left``), and otherwise the round deadline fails it naming this rank."""
+    async with world(trainers=2) as w:
+        t1 = w.trainers[1]
+        looked = RoundDriver.cancelled_waiting
+        seen: list[Any] = []
+
+        async def look(self: RoundDriver, k: int) -> Any:
+            seen.append(await looked(self, k))
+            return seen[-1]
+        monkeypatch.setattr(RoundDriver, "cancelled_waiting", look)
+        got: dict[int, Any] = {}
+        deadline = 2 if then == "nothing" else FAR  # "nothing": the deadline is the end
+        with anyio.fail_after(PROMPT):
+            async with anyio.create_task_group() as tg:
+                with anyio.CancelScope() as scope:
+                    async def cancel_when_waiting() -> None:
+                        await until(lambda: waiting(t1))
+                        scope.cancel()
+                    tg.start_soon(cancel_when_waiting)
+                    await w.send(1, 1)
+                assert scope.cancelled_caught and seen == [None]
+                assert t1.state is EngineState.READY and t1._busy is None
+                keys = t1._rounds.core(1).keys  # type: ignore[union-attr]
+                assert await w.store.get(keys.abort) is None  # nothing posted
+                w.receive_all(tg, got)
+                tg.start_soon(_outcome, lambda: w.send(1, 0, timeout=deadline), 0, got)
+                await started(w, 1)  # the race's other half: the start lands after the look
+                if then == "call":
+                    tg.start_soon(_outcome, lambda: w.send(1, 1), 1, got)
+                elif then == "close":
+                    await t1.close()
+        if then == "call":
+            assert all(isinstance(g, SyncResult) and g.version == 1 for g in got.values()), got
+            assert w.holds(1)
+            return
+        exc = one_failure(got)
+        cause = "left" if then == "close" else "deadline"
+        assert (exc.rank, exc.cause, exc.round) == (1, cause, 1), exc
+
+
 @pytest.mark.asyncio
 async def test_cancelled_once_its_part_is_done_commits_and_loses_no_round(
         monkeypatch: pytest.MonkeyPatch) -> None:
