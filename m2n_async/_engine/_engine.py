@@ -906,14 +906,26 @@ class TrainerEngine(_Engine):
         above, or a second ``sync_weights`` while one runs on this engine; ``PlanError``
         (likewise) for a shard refused before the round (above).
 
-        Cancellation: if cancelled before rank 0 publishes the round, nothing happened and
-        the engine stays READY. Rank 0's publish itself is shielded (bounded by the round
-        deadline, at least ``abort_grace``): a cancel that lands during it takes effect
-        just after, once the round has started. Once the round started and until this
-        rank's part of it is done, this rank posts the round's abort record (peers fail fast
-        with a ``TransferError`` naming this rank, ``cause="cancelled"``), aborts its
-        transport (shielded, bounded), and the engine is POISONED; the version does not
-        advance anywhere. Connect again for a new generation. Once its part is done, the
+        Cancellation: on rank 0, if cancelled before it publishes the round, nothing
+        happened and the engine stays READY. Rank 0's publish itself is shielded (bounded by
+        the round deadline, at least ``abort_grace``): a cancel that lands during it takes
+        effect just after, once the round has started. A trainer other than 0 cancelled
+        while it waits for rank 0's start looks once, shielded and bounded by
+        ``abort_grace``, whether the start is there: if it is (rank 0 published the round
+        before the look), the cancel is one in the round, as below; if not, nothing was
+        posted, the engine stays READY and the round is not refused: rank 0 may publish it
+        the next moment, and the other ranks then wait in it for this rank — a later call
+        of this one joins it, a ``close()`` of this engine fails it at once
+        (``cause="left"``), and otherwise its deadline fails it on every rank naming this
+        rank (``cause="deadline"``), as after a refusal (above). A look the store does not
+        answer within that bound leaves the engine POISONED (``cause="store"``): whether
+        its peers are in the round cannot be told. Once the round started and until this
+        rank's part of it is done, this rank posts the round's abort record by
+        compare-and-set (peers fail fast with a ``TransferError`` naming this rank,
+        ``cause="cancelled"``, unless a record of another failure landed first), aborts its
+        transport (shielded, bounded), and the engine is POISONED with the record that won;
+        the version does not advance anywhere. Connect again for a new generation. Once its
+        part is done, the
         outcome is gathered and committed shielded (bounded by the round deadline), so the
         round ends here as on every other rank; the cancel takes effect after. To bound a
         round, pass ``timeout=`` on rank 0 (or set ``EngineConfig.round_timeout``) rather
@@ -1222,12 +1234,21 @@ class WorkerEngine(_Engine):
         ``LocalProtocolError`` (the running one is unaffected); so does this one when a ``close()``
         of this engine ends its wait for the round.
 
-        Cancellation: while waiting for the round to start, nothing happened: the engine
-        stays READY. During the round, until its part is done, this rank posts the round's
-        abort record (peers fail fast naming this rank), aborts its transport, and is
-        POISONED; targets may be partially written and the version does not advance. Once its
+        Cancellation: while waiting for the round to start, this rank looks once, shielded
+        and bounded by ``abort_grace``, whether trainer rank 0's start is there. If not,
+        nothing happened: the engine stays READY, and the next ``receive`` takes that round
+        (if the trainers start it and no ``receive`` comes, its deadline fails it on every
+        rank naming this worker, ``cause="deadline"``; a ``close()`` fails it at once,
+        ``cause="left"``). If it is (the round started before the look), the cancel is one
+        in the round, as below; a look the store does not answer within that bound leaves
+        the engine POISONED (``cause="store"``). During the round, until its part is done,
+        this rank posts the round's abort record by compare-and-set (peers fail fast with a
+        ``TransferError`` naming this rank, ``cause="cancelled"``, unless a record of another
+        failure landed first), aborts its transport, and is POISONED with the record that
+        won; targets may be partially written and the version does not advance. Once its
         part is done, the round's outcome is gathered and committed shielded (bounded), as on
-        every other rank; the cancel takes effect after.
+        every other rank; the cancel takes effect after. ``receive(timeout=)`` running out is
+        no cancel: it raises ``TimeoutError`` and the engine stays READY.
         """
         limit = _wait_bound(timeout)
         _check_progress(progress, "receive")

@@ -7,7 +7,9 @@ Theory of operation: the I/O loop around the sans-IO ``_proto.round.Round``, the
 trainer rank 0's ``start`` or an ``abort`` record exists (watching every peer's liveness), so a
 rank waiting for a round hears of a failure that happened while it waited — a peer lost, a
 trainer that gave up on rank 0 — and raises the same ``TransferError`` as the ranks that were
-in the round.
+in the round. A wait its caller cancels is followed by ``cancelled_waiting``: one bounded read
+of the round's keys, after which a round that had started gets the cancel as its ``abort``
+record (the core's ``Round.cancelled_waiting`` decides).
 
 ``run``, in two parts, next to one watchdog task:
 
