@@ -718,6 +718,34 @@ async def test_cancelled_waiting_before_the_start_declines_nothing(
 
 
 @pytest.mark.asyncio
+async def test_cancelled_waiting_with_a_store_that_does_not_answer_the_look_is_poisoned(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    async with world(trainers=2) as w:
+        t1 = w.trainers[1]
+        store = t1._rounds.store  # type: ignore[union-attr]
+        gather = store.gather
+
+        async def mute_look(prefix: str, count: int, **kw: Any) -> Any:
+            if count == 0:  # the look after the cancel (the wait gathers one key or more)
+                await anyio.sleep_forever()
+            return await gather(prefix, count, **kw)
+        monkeypatch.setattr(store, "gather", mute_look)
+        with anyio.fail_after(PROMPT):  # the look is bounded by abort_grace
+            async with anyio.create_task_group() as tg:
+                with anyio.CancelScope() as scope:
+                    async def cancel_when_waiting() -> None:
+                        await until(lambda: waiting(t1))
+                        scope.cancel()
+                    tg.start_soon(cancel_when_waiting)
+                    await w.send(1, 1)
+        assert scope.cancelled_caught and t1.state is EngineState.POISONED
+        with pytest.raises(EnginePoisonedError) as info:
+            await w.send(1, 1)
+        cause = info.value.__cause__
+        assert isinstance(cause, TransferError) and (cause.rank, cause.cause) == (None, "store")
+
+
+@pytest.mark.asyncio
 async def test_cancelled_once_its_part_is_done_commits_and_loses_no_round(
         monkeypatch: pytest.MonkeyPatch) -> None:
     async with world() as w:
