@@ -73,13 +73,14 @@ import anyio.lowlevel
 from m2n_async._engine import _faults
 from m2n_async._engine._faults import Fault
 
-__all__ = ["LocalWorld", "RankContext", "RankEvent", "RankPool", "RankResult",
-           "RankStartError", "WorldHangError", "WorldResult", "store_thread"]
+__all__ = ["LocalWorld", "RankContext", "RankEvent", "RankExitedError", "RankPool",
+           "RankResult", "RankStartError", "RankStartTimeout", "WorldHangError", "WorldResult",
+           "store_thread"]
 
 Target = str | Callable[..., Any]
 Status = Literal["ok", "error", "dead", "frozen", "killed"]
 _FRAME = struct.Struct("!Q")  # each message on a pipe: its length, then its pickle
-_SPAWN_LOCK = threading.Lock()
+_SPAWN_LOCK = threading.RLock()  # _start holds it around _spawn, which takes it too
 _NOTES = ("commit", "fault")  # event names the pool keeps per process instead of queueing
 
 
@@ -95,8 +96,10 @@ def _check_event_name(name: Any, where: str) -> None:
                          f"fault that fired) or a name a rank passes to ctx.event")
 
 
-#: How long ``submit`` waits for new processes to have imported torch and the package.
+#: How long ``submit`` waits, by default, for new processes to have imported torch and the
+#: package (``RankPool(ready_timeout=)``, ``LocalWorld(ready_timeout=)``).
 _READY_TIMEOUT = 120.0
+_ABORT_MARK = "Fatal Python error: Aborted"  # where faulthandler's dump starts, on SIGABRT
 
 
 class WorldHangError(AssertionError):
@@ -313,10 +316,13 @@ def _child(index: int, jobs: Any, conn: Any, stacks_path: str, boot_path: str,
     # start that fails leaves its last words where the pool reads them; a traceback raised
     # out of here goes there too, and the process exits 1.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    stacks = open(stacks_path, "w")  # lives as long as the process
+    stacks = open(stacks_path + ".part", "w")  # lives as long as the process
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     signal.signal(signal.SIGUSR2, functools.partial(_dump_tasks, stacks))
     signal.siginterrupt(signal.SIGUSR2, False)  # as faulthandler's: restart interrupted calls
+    # The file under its own name says the handlers are in place: before, SIGUSR1 and
+    # SIGUSR2 would end this process (their default action), so the parent sends none.
+    os.replace(stacks_path + ".part", stacks_path)
     with warnings.catch_warnings():
         # torch warns at import where NumPy is absent (a lean env, such as the demo's);
         # the pool imports it on every rank's behalf, so the warning would be every rank's.
@@ -385,9 +391,53 @@ def _tail(path: str, limit: int = 2000) -> str:
             text = f.read().decode(errors="replace")
     except OSError:
         return ""
-    if len(text) >= limit and "\n" in text:
-        text = text.split("\n", 1)[1]
+    return _last(text, limit)
+
+
+def _last(text: str, limit: int = 2000) -> str:
+    """The last ``limit`` characters of ``text``, from the first whole line among them."""
+    if len(text) >= limit:
+        text = text[-limit:]
+        if "\n" in text:
+            text = text.split("\n", 1)[1]
     return text.strip()
+
+
+def _fill_closed_outputs() -> list[tuple[int, os.stat_result]]:
+    """Open /dev/null as fd 1 and 2 where the test process closed them: the toolkit hands
+    fds 1 and 2 to each rank (``_spawn``), and while one is closed, the next fd opened (a
+    pipe, the store's socket) takes its number and a rank's prints would go there. What a
+    rank writes is then lost, as the test process's own writes would be. Returns what
+    ``_reclose`` undoes."""
+    filled = []
+    for fd in (1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_WRONLY)  # the lowest free fd: maybe ``fd``
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+            filled.append((fd, os.fstat(fd)))
+    return filled
+
+
+def _reclose(filled: Sequence[tuple[int, os.stat_result]]) -> None:
+    """Close again the fds ``_fill_closed_outputs`` filled, where they are still its."""
+    for fd, st in filled:
+        with contextlib.suppress(OSError):
+            if os.path.samestat(os.fstat(fd), st):  # not one the test process put there
+                os.close(fd)
+
+
+@contextmanager
+def _std_outputs_open() -> Iterator[None]:
+    """fds 1 and 2 open for the block (see ``_fill_closed_outputs``), as they were after."""
+    filled = _fill_closed_outputs()
+    try:
+        yield
+    finally:
+        _reclose(filled)
 
 
 class RankStartError(RuntimeError):
@@ -404,6 +454,44 @@ class RankStartError(RuntimeError):
         self.rank = rank
         self.exitcode = exitcode
         self.output = output
+
+
+class RankStartTimeout(RankStartError):
+    """Rank processes still alive, yet not ready for a job ``ready_timeout`` seconds after
+    the run asked for them: hung while starting (most often code at the top level of the
+    main module, which every spawned rank runs again, that waits). They were killed, and are
+    replaced before the next run.
+
+    ``ranks``: those ranks, in order; ``waited``: the seconds waited (``ready_timeout``);
+    ``outputs``: rank -> the end of what it printed while starting; ``stacks``: rank -> every
+    thread's stack from just before it was killed ("" where it left none). ``rank`` and
+    ``output`` are the first such rank's; ``exitcode`` is None (it did not end by itself).
+    """
+
+    def __init__(self, message: str, *, ranks: Sequence[int], waited: float,
+                 outputs: Mapping[int, str], stacks: Mapping[int, str]) -> None:
+        super().__init__(message, rank=ranks[0], exitcode=None,
+                         output=outputs.get(ranks[0], ""))
+        self.ranks = tuple(ranks)
+        self.waited = waited
+        self.outputs = dict(outputs)
+        self.stacks = dict(stacks)
+
+
+class RankExitedError(RuntimeError):
+    """``LocalWorld.freeze`` or ``LocalWorld.stacks`` on a rank whose process already
+    ended: ``rank``, ``exitcode`` (``-N`` for signal ``N``). It is replaced before the next
+    run; ``restart`` replaces it now."""
+
+    def __init__(self, message: str, *, rank: int, exitcode: int | None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+
+
+def _how_it_ended(code: int | None) -> str:
+    return (f"killed by signal {-code}" if code is not None and code < 0
+            else f"exit code {code}")
 
 
 def _refuse_in_bootstrap(what: str) -> None:
@@ -431,11 +519,20 @@ class RankPool:
     ``"module:name"``; it is called with ``kwargs`` plus ``_events`` (``.put((name, index,
     payload))`` tells the parent, see ``wait_event`` and ``events``) and ``_index`` (the
     process's slot). One job runs at a time: ``submit`` makes it the current one.
+
+    ``submit`` waits up to ``ready_timeout`` seconds for processes still starting: one that
+    ends meanwhile is a ``RankStartError`` at once, those still starting at the deadline are
+    killed and a ``RankStartTimeout``. A pool that fails to start a process stops those it
+    started before the error propagates.
     """
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, *, ready_timeout: float = _READY_TIMEOUT) -> None:
         _refuse_in_bootstrap("RankPool")
+        if not ready_timeout > 0:  # NaN too: it would never time out
+            raise ValueError(f"ready_timeout is seconds > 0, got {ready_timeout!r}")
+        self._filled = _fill_closed_outputs()  # before this pool opens any fd (close undoes)
         self.size = size
+        self.ready_timeout = float(ready_timeout)
         self._ctx = mp.get_context("spawn")
         self._dir = tempfile.mkdtemp(prefix="m2n-world-")
         self._procs: list[Any] = [None] * size
@@ -454,8 +551,15 @@ class RankPool:
         self._notes_taken: set[int] = set()
         self._outcomes: dict[int, tuple[str, Any]] = {}  # slot -> how it ended, as collected
         self._failed_at: float | None = None  # when the first failure was seen
-        for i in range(size):
-            self._start(i)
+        try:
+            for i in range(size):
+                self._start(i)
+        except BaseException:  # those started would run on, unowned, until the test ends
+            for i, p in enumerate(self._procs):
+                if p is not None:
+                    self.kill(i)
+            self.close()
+            raise
 
     def _stacks_path(self, i: int) -> str:
         return os.path.join(self._dir, f"stacks-{i}.txt")
@@ -473,14 +577,24 @@ class RankPool:
         for stream in (sys.stdout, sys.stderr):  # nothing of ours lands in the boot file
             with contextlib.suppress(Exception):
                 stream.flush()
-        with _SPAWN_LOCK:  # two threads starting pools must not swap each other's fds
+        # Two threads starting pools must not swap each other's fds (or options).
+        with _SPAWN_LOCK, _std_outputs_open():
             boot = os.open(self._boot_path(i), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             saved = [os.dup(1), os.dup(2)]
+            # -X faulthandler for the child (spawn passes on the parent's -X options): a
+            # start that hangs before the child's own handlers are in place (in the main
+            # module's import, say) can still show its stacks — on SIGABRT faulthandler
+            # writes every thread's to fd 2, the boot file, before the process dies.
+            added = "faulthandler" not in sys._xoptions
+            if added:
+                sys._xoptions["faulthandler"] = True
             try:
                 os.dup2(boot, 1)
                 os.dup2(boot, 2)
                 p.start()
             finally:
+                if added:
+                    sys._xoptions.pop("faulthandler", None)
                 os.dup2(saved[0], 1)
                 os.dup2(saved[1], 2)
                 for fd in (boot, *saved):
@@ -498,6 +612,43 @@ class RankPool:
             f"top level runs in every rank; keep it under `if __name__ == \"__main__\":`)",
             rank=i, exitcode=code, output=output)
 
+    def _start_timeout(self, hung: Sequence[int]) -> RankStartTimeout:
+        """Kill the ``hung`` processes, each asked for its stacks first; the error that says
+        so, with what each printed and its stacks."""
+        import resource
+
+        for i in hung:
+            pid = self.pid(i)
+            with contextlib.suppress(OSError, ValueError):  # no core file of a test's rank
+                resource.prlimit(pid, resource.RLIMIT_CORE,
+                                 (0, resource.prlimit(pid, resource.RLIMIT_CORE)[1]))
+            with contextlib.suppress(ProcessLookupError):
+                # faulthandler's fatal handler (-X faulthandler, see _spawn) dumps every
+                # thread to the boot file, then the process dies of the signal.
+                os.kill(pid, signal.SIGABRT)
+                os.kill(pid, signal.SIGCONT)  # a stopped one must run to dump
+        deadline = time.monotonic() + 5.0  # a dump takes milliseconds; then SIGKILL
+        for i in hung:
+            self._procs[i].join(max(0.0, deadline - time.monotonic()))
+            self.kill(i)
+            self._busy[i] = 0
+        outputs, stacks = {}, {}
+        for i in hung:
+            text = _tail(self._boot_path(i), 1 << 16)
+            said, mark, dump = text.partition(_ABORT_MARK)
+            outputs[i] = _last(said)
+            stacks[i] = (mark + dump).strip()
+        parts = "".join(f"\n--- rank {i} ---\nit printed last:\n{outputs[i] or '(nothing)'}"
+                        f"\nits stacks:\n{stacks[i] or '(none written)'}" for i in hung)
+        return RankStartTimeout(
+            f"ranks {list(hung)} were not ready for a job within {self.ready_timeout} s "
+            f"(alive, yet still starting: hung?), and were killed (replaced before the next "
+            f"run){parts}\n(a rank process is spawned: it imports the test's main module "
+            f"again, so code at that module's top level runs in every rank; keep it under "
+            f"`if __name__ == \"__main__\":`; a start slower than that, say on a loaded "
+            f"machine, needs a longer ready_timeout)",
+            ranks=hung, waited=self.ready_timeout, outputs=outputs, stacks=stacks)
+
     def _start(self, i: int) -> None:
         old_reader, old_jobs = self._readers[i], self._jobs[i]
         if old_reader is not None:
@@ -505,19 +656,31 @@ class RankPool:
         if old_jobs is not None:  # its reader is gone: nothing in it will be read
             old_jobs.cancel_join_thread()
             old_jobs.close()
-        self._jobs[i] = self._ctx.Queue()
-        parent, child = self._ctx.Pipe(duplex=False)
-        # The test process's stdout and stderr, for the child to take back once ready: a
-        # Connection crosses spawn as a duplicated fd.
-        outputs = [Connection(os.dup(fd)) for fd in (1, 2)]
-        p = self._ctx.Process(target=_child, args=(i, self._jobs[i], child,
-                                                    self._stacks_path(i), self._boot_path(i),
-                                                    outputs), daemon=True)
-        try:
-            self._spawn(p, i)
-        finally:
-            for out in outputs:
-                out.close()
+        self._jobs[i] = None
+        for path in (self._stacks_path(i), self._stacks_path(i) + ".part"):
+            with contextlib.suppress(FileNotFoundError):  # the old process's: not this one's
+                os.remove(path)
+        # Before any fd is opened: one the test process closed since would be taken.
+        with _SPAWN_LOCK, _std_outputs_open():
+            jobs = self._ctx.Queue()
+            parent, child = self._ctx.Pipe(duplex=False)
+            # The test process's stdout and stderr, for the child to take back once ready:
+            # a Connection crosses spawn as a duplicated fd.
+            outputs = [Connection(os.dup(fd)) for fd in (1, 2)]
+            p = self._ctx.Process(target=_child, args=(i, jobs, child, self._stacks_path(i),
+                                                        self._boot_path(i), outputs),
+                                  daemon=True)
+            try:
+                self._spawn(p, i)
+            except BaseException:  # no process: its pipe and queue would only leak fds
+                parent.close()
+                child.close()
+                jobs.close()
+                raise
+            finally:
+                for out in outputs:
+                    out.close()
+        self._jobs[i] = jobs
         child.close()  # the child's copy is the only writer: its end is the pipe's end
         self._readers[i] = _Reader(parent)
         self._procs[i] = p
@@ -530,13 +693,20 @@ class RankPool:
     def alive(self, i: int) -> bool:
         return bool(self._procs[i].is_alive())
 
+    def exitcode(self, i: int) -> int | None:
+        """How process ``i`` ended (``-N``: signal ``N``); None while it runs."""
+        code = self._procs[i].exitcode
+        return None if code is None else int(code)
+
     def kill(self, i: int) -> None:
-        """SIGKILL process ``i`` (a stopped one too) and reap it."""
-        try:
-            os.kill(self.pid(i), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self._procs[i].join(10)
+        """SIGKILL process ``i`` (a stopped one too) and reap it; nothing for one that
+        already ended."""
+        p = self._procs[i]
+        if p is None or p.exitcode is not None:  # reaped: its pid may be another's by now
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.pid, signal.SIGKILL)
+        p.join(10)
 
     def restart(self, i: int) -> None:
         """Replace process ``i`` with a fresh one (killing it first if it is alive)."""
@@ -555,6 +725,11 @@ class RankPool:
         A stopped (frozen) process runs for the moment it takes to write them, then is
         stopped again."""
         path = self._stacks_path(i)
+        if not self.alive(i):  # reaped: a signal to its pid could reach another process
+            return f"(no stacks: its process ended, {_how_it_ended(self.exitcode(i))})"
+        if not os.path.exists(path):  # SIGUSR1 and SIGUSR2 would end it (see _child)
+            return ("(no stacks: its process is still starting, before its stack dump "
+                    "handlers are in place)")
         try:
             before = os.path.getsize(path)
             stopped = _is_stopped(self.pid(i))
@@ -596,7 +771,7 @@ class RankPool:
         self.ensure_alive()
         # A replaced process imports torch and the package first (seconds on a loaded
         # machine): wait for it, so that a job's short phase timeouts do not count it.
-        deadline = time.monotonic() + _READY_TIMEOUT
+        deadline = time.monotonic() + self.ready_timeout
         while not all(self._ready[:len(jobs)]) and time.monotonic() < deadline:
             self._pump(wait=0.05)
             for i in range(len(jobs)):
@@ -605,6 +780,9 @@ class RankPool:
                     if not self._ready[i]:  # no job could ever run there: say why, now
                         self._procs[i].join(1)  # its exit code
                         raise self._start_error(i)
+        hung = [i for i in range(len(jobs)) if not self._ready[i]]
+        if hung:  # alive all along, yet no job could start there: the run would wait forever
+            raise self._start_timeout(hung)
         self._job_id += 1
         self._n = len(jobs)
         self._pending.clear()
@@ -892,11 +1070,16 @@ class RankPool:
                 r.close()
         for p, q in zip(self._procs, self._jobs, strict=True):
             if q is not None:  # its feeder thread and pipe
+                # Every process has ended: a job one never took (killed while it was being
+                # written) has no reader, and join_thread would wait for it forever.
+                q.cancel_join_thread()
                 q.close()
                 q.join_thread()
             if p is not None and not p.is_alive():
                 p.close()  # the spawn pipes' fds
         shutil.rmtree(self._dir, ignore_errors=True)
+        _reclose(self._filled)
+        self._filled = []
 
 def _is_stopped(pid: int) -> bool:
     """Is process ``pid`` stopped (SIGSTOP: ``T`` or ``t`` in /proc/<pid>/stat)?"""
@@ -1071,12 +1254,18 @@ class LocalWorld:
     ``events``) fails fast: once a rank raised or died, the others get that many seconds,
     then are killed and come back ``"killed"`` with their stacks.
 
+    A run first waits up to ``ready_timeout`` seconds for rank processes that are still
+    starting (each imports torch); one that ends meanwhile is a ``RankStartError`` at once,
+    and those still not ready at the deadline are a ``RankStartTimeout`` (killed, with
+    their stacks).
+
     Use as a context manager (or call ``close``). Blocking; from an async test use
     ``await world.arun(...)``, which runs it in a worker thread.
     """
 
     def __init__(self, trainers: int, workers: int, *, store_address: str | None = None,
-                 token: str | None = None, job_prefix: str = "world") -> None:
+                 token: str | None = None, job_prefix: str = "world",
+                 ready_timeout: float = _READY_TIMEOUT) -> None:
         _refuse_in_bootstrap("LocalWorld")
         if trainers < 1 or workers < 1:
             raise ValueError(f"a world needs >= 1 trainer and >= 1 worker, got {trainers} + "
@@ -1084,6 +1273,7 @@ class LocalWorld:
         if store_address is not None and not token:
             raise ValueError("LocalWorld(store_address=...) needs that store's token: a "
                              "made-up one would be refused by it")
+        self._filled = _fill_closed_outputs()  # before the store's sockets (close undoes)
         self.trainers, self.workers = trainers, workers
         self.token = token or secrets.token_hex(16)
         self._store_cm = None
@@ -1095,9 +1285,10 @@ class LocalWorld:
         self._runs = 0
         self._faults: tuple[Fault, ...] = ()  # the current run's (start)
         try:
-            self.pool = RankPool(self.world_size)
+            self.pool = RankPool(self.world_size, ready_timeout=ready_timeout)
         except BaseException:  # the store's thread would outlive the world that failed
             self._close_store()
+            _reclose(self._filled)
             raise
         self.job = ""
 
@@ -1114,6 +1305,8 @@ class LocalWorld:
     def close(self) -> None:
         self.pool.close()
         self._close_store()
+        _reclose(self._filled)
+        self._filled = []
 
     def _close_store(self) -> None:
         """Stop the store this world started itself (if any); ``close`` does it too."""
@@ -1255,31 +1448,48 @@ class LocalWorld:
         return self.pool.wait_event(name, timeout, index=rank)
 
     def restart(self, rank: int) -> None:
-        """Replace ``rank``'s process with a fresh one now (killing it if alive); a rank
-        outside the world is a ``ValueError``, here and in ``kill``, ``freeze``, ``stacks``."""
+        """Replace ``rank``'s process with a fresh one now (killing it if alive; one that
+        already ended is just replaced); a rank outside the world is a ``ValueError``, here
+        and in ``kill``, ``freeze``, ``stacks``."""
         self.pool.restart(self._rank(rank, "restart"))
 
     def kill(self, rank: int) -> None:
-        """SIGKILL ``rank``'s process (it is replaced before the next run)."""
+        """SIGKILL ``rank``'s process (it is replaced before the next run); nothing for one
+        that already ended (it is dead as asked, and its pid may be another process's)."""
         self.pool.kill(self._rank(rank, "kill"))
 
     def freeze(self, rank: int) -> None:
         """SIGSTOP ``rank``'s process: its sockets stay open, it never answers. Returns
-        once it is stopped."""
+        once it is stopped. ``RankExitedError`` (with its exit code) where the process
+        already ended, or ends before it stopped: there is nothing to freeze."""
         rank = self._rank(rank, "freeze")
+        self._refuse_ended(rank, "freeze")
         pid = self.pool.pid(rank)
-        os.kill(pid, signal.SIGSTOP)
+        os.kill(pid, signal.SIGSTOP)  # not reaped yet (only we reap it): still its pid
         # The stop takes effect when the process next runs: on a busy machine, later than
         # the next run's check for a stopped process (which then sends it a job).
         deadline = time.monotonic() + 5.0
         while (not _is_stopped(pid) and self.pool.alive(rank)
                and time.monotonic() < deadline):
             time.sleep(0.005)
+        self._refuse_ended(rank, "freeze")
 
     def stacks(self, rank: int) -> str:
         """Every thread's stack of ``rank``'s process now (faulthandler), then where each
-        task of its event loop waits."""
-        return self.pool.stacks(self._rank(rank, "stacks"))
+        task of its event loop waits; for a process still starting (its handlers not in
+        place yet), a line saying so. ``RankExitedError`` (with its exit code) where the
+        process already ended: it has no stacks."""
+        rank = self._rank(rank, "stacks")
+        self._refuse_ended(rank, "stacks")
+        return self.pool.stacks(rank)
+
+    def _refuse_ended(self, rank: int, what: str) -> None:
+        if not self.pool.alive(rank):
+            code = self.pool.exitcode(rank)
+            raise RankExitedError(
+                f"{what}({rank}): rank {rank}'s process exited ({_how_it_ended(code)}); it "
+                f"is replaced before the next run, or now by restart({rank})",
+                rank=rank, exitcode=code)
 
     def _rank(self, rank: int, what: str) -> int:
         # A list index would take -1 as the last rank: a test acting on the wrong process.
