@@ -551,6 +551,7 @@ class RankPool:
         self._notes_taken: set[int] = set()
         self._outcomes: dict[int, tuple[str, Any]] = {}  # slot -> how it ended, as collected
         self._failed_at: float | None = None  # when the first failure was seen
+        self._closed = False
         try:
             for i in range(size):
                 self._start(i)
@@ -687,14 +688,24 @@ class RankPool:
         self._ready[i] = False
         self._busy[i] = 0
 
+    def _check_open(self, what: str) -> None:
+        # A closed pool's process objects are closed too: any use of one is a ValueError
+        # about a "process object" that says nothing of the pool.
+        if self._closed:
+            raise RuntimeError(f"{what}: this pool is closed (close(), or the LocalWorld's "
+                               f"close or with-block ended it); start a new one")
+
     def pid(self, i: int) -> int:
+        self._check_open("pid")
         return int(self._procs[i].pid)
 
     def alive(self, i: int) -> bool:
+        self._check_open("alive")
         return bool(self._procs[i].is_alive())
 
     def exitcode(self, i: int) -> int | None:
         """How process ``i`` ended (``-N``: signal ``N``); None while it runs."""
+        self._check_open("exitcode")
         code = self._procs[i].exitcode
         return None if code is None else int(code)
 
@@ -710,11 +721,13 @@ class RankPool:
 
     def restart(self, i: int) -> None:
         """Replace process ``i`` with a fresh one (killing it first if it is alive)."""
+        self._check_open("restart")
         if self._procs[i] is not None and self._procs[i].is_alive():
             self.kill(i)
         self._start(i)
 
     def ensure_alive(self) -> None:
+        self._check_open("ensure_alive")
         for i, p in enumerate(self._procs):
             if not p.is_alive():
                 self._start(i)
@@ -724,6 +737,7 @@ class RankPool:
         event loop waits (when the loop's thread gets to run Python), or why there is none.
         A stopped (frozen) process runs for the moment it takes to write them, then is
         stopped again."""
+        self._check_open("stacks")
         path = self._stacks_path(i)
         if not self.alive(i):  # reaped: a signal to its pid could reach another process
             return f"(no stacks: its process ended, {_how_it_ended(self.exitcode(i))})"
@@ -758,6 +772,7 @@ class RankPool:
     def submit(self, jobs: Sequence[tuple[Target, Mapping[str, Any]]],
                faults: Sequence[Fault] = ()) -> int:
         """Start one job per process (job k on process k); return the job's id."""
+        self._check_open("submit")
         if len(jobs) > self.size:
             raise ValueError(f"{len(jobs)} jobs for a pool of {self.size} processes")
         self._pump()  # what earlier jobs left: a dead process's last words, late answers
@@ -1051,7 +1066,10 @@ class RankPool:
 
     def close(self) -> None:
         """End every process: an idle one is told to stop, one still in a job is killed
-        (its answer would go unread); 5 s in all, then the rest are killed too."""
+        (its answer would go unread); 5 s in all, then the rest are killed too. A second
+        call does nothing; any other use of a closed pool is a ``RuntimeError``."""
+        if self._closed:
+            return
         self._pump()
         for i, p in enumerate(self._procs):
             if p is not None and p.is_alive():
@@ -1080,6 +1098,7 @@ class RankPool:
         shutil.rmtree(self._dir, ignore_errors=True)
         _reclose(self._filled)
         self._filled = []
+        self._closed = True
 
 def _is_stopped(pid: int) -> bool:
     """Is process ``pid`` stopped (SIGSTOP: ``T`` or ``t`` in /proc/<pid>/stat)?"""
@@ -1277,20 +1296,21 @@ class LocalWorld:
         self.trainers, self.workers = trainers, workers
         self.token = token or secrets.token_hex(16)
         self._store_cm = None
-        if store_address is None:
-            self._store_cm = store_thread(self.token)
-            store_address = self._store_cm.__enter__()
-        self.address = store_address
         self._prefix = job_prefix
         self._runs = 0
         self._faults: tuple[Fault, ...] = ()  # the current run's (start)
+        self.job = ""
         try:
+            if store_address is None:
+                cm = store_thread(self.token)
+                store_address = cm.__enter__()
+                self._store_cm = cm
+            self.address = store_address
             self.pool = RankPool(self.world_size, ready_timeout=ready_timeout)
         except BaseException:  # the store's thread would outlive the world that failed
             self._close_store()
             _reclose(self._filled)
             raise
-        self.job = ""
 
     @property
     def world_size(self) -> int:
@@ -1303,6 +1323,8 @@ class LocalWorld:
         self.close()
 
     def close(self) -> None:
+        """End the rank processes and the store this world started; a second call does
+        nothing, and a run after it is a ``RuntimeError``."""
         self.pool.close()
         self._close_store()
         _reclose(self._filled)
