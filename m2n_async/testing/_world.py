@@ -96,6 +96,15 @@ def _check_event_name(name: Any, where: str) -> None:
                          f"fault that fired) or a name a rank passes to ctx.event")
 
 
+def _check_seconds(what: str, value: Any, *, positive: bool = False) -> None:
+    """Refuse a wait that could never end or means nothing: NaN compares false with every
+    deadline (the wait would spin forever), a negative one is no wait, nor is a bool."""
+    if (isinstance(value, bool) or not isinstance(value, int | float) or value != value
+            or value < 0 or (positive and value == 0)):
+        bound = "> 0" if positive else ">= 0"
+        raise ValueError(f"{what} is seconds {bound} (math.inf: no bound), got {value!r}")
+
+
 #: How long ``submit`` waits, by default, for new processes to have imported torch and the
 #: package (``RankPool(ready_timeout=)``, ``LocalWorld(ready_timeout=)``).
 _READY_TIMEOUT = 120.0
@@ -528,8 +537,7 @@ class RankPool:
 
     def __init__(self, size: int, *, ready_timeout: float = _READY_TIMEOUT) -> None:
         _refuse_in_bootstrap("RankPool")
-        if not ready_timeout > 0:  # NaN too: it would never time out
-            raise ValueError(f"ready_timeout is seconds > 0, got {ready_timeout!r}")
+        _check_seconds("ready_timeout", ready_timeout, positive=True)
         self._filled = _fill_closed_outputs()  # before this pool opens any fd (close undoes)
         self.size = size
         self.ready_timeout = float(ready_timeout)
@@ -936,6 +944,7 @@ class RankPool:
         first failure, or ``timeout`` seconds passed. It ends nothing: ``collect`` then
         says how the job ended (and kills what still runs)."""
         self._check(job_id)
+        _check_waits(timeout, fail_grace)
         deadline = time.monotonic() + timeout
         while True:
             while self._pending:
@@ -961,6 +970,7 @@ class RankPool:
         ``timeout`` seconds.
         """
         self._check(job_id)
+        _check_waits(timeout, fail_grace)
         expect = set(expect_dead)
         deadline = time.monotonic() + timeout
         while True:
@@ -994,6 +1004,7 @@ class RankPool:
     def run(self, jobs: Sequence[tuple[Target, Mapping[str, Any]]], timeout: float = 60.0,
             faults: Sequence[Fault] = (), fail_grace: float | None = None
             ) -> list[tuple[str, Any]]:
+        _check_waits(timeout, fail_grace)  # before the job starts, not once it runs
         return self.collect(self.submit(jobs, faults), len(jobs), timeout,
                             fail_grace=fail_grace)
 
@@ -1006,6 +1017,7 @@ class RankPool:
         so far) after ``timeout`` seconds, or at once when every process of the job (or
         ``index``) ended without sending it."""
         _check_event_name(name, "wait_event")
+        _check_seconds("timeout", timeout)
         if index is not None and not (_is_index(index) and 0 <= index < self._n):
             raise ValueError(f"wait_event(index={index!r}): the current job's processes are "
                              f"0 .. {self._n - 1}")
@@ -1099,6 +1111,12 @@ class RankPool:
         _reclose(self._filled)
         self._filled = []
         self._closed = True
+
+def _check_waits(timeout: Any, fail_grace: Any) -> None:
+    _check_seconds("timeout", timeout)
+    if fail_grace is not None:
+        _check_seconds("fail_grace", fail_grace)
+
 
 def _is_stopped(pid: int) -> bool:
     """Is process ``pid`` stopped (SIGSTOP: ``T`` or ``t`` in /proc/<pid>/stat)?"""
@@ -1440,7 +1458,10 @@ class LocalWorld:
             per_rank: Callable[[int], Mapping[str, Any]] | None = None,
             faults: Sequence[Fault] = (), timeout: float = 60.0,
             job: str | None = None, fail_grace: float | None = None) -> WorldResult:
-        """``start`` then ``collect``."""
+        """``start`` then ``collect``; a ``timeout`` or ``fail_grace`` that is NaN or
+        negative is a ``ValueError`` before anything starts (here, and in ``collect``,
+        ``events``, ``wait_event``)."""
+        _check_waits(timeout, fail_grace)
         return self._collect(self.start(fn, kwargs=kwargs, per_rank=per_rank, faults=faults,
                                         job=job), timeout, fail_grace)
 

@@ -5,6 +5,7 @@ was still being written to it."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -247,3 +248,35 @@ def test_a_closed_world_closes_again_quietly_and_refuses_to_run() -> None:
         world.run(returns_rank, timeout=60)
     with pytest.raises(RuntimeError, match="this pool is closed"):
         world.stacks(0)
+
+
+# -- a wait that could never end -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("call", [
+    lambda w: w.run(returns_rank, timeout=math.nan),
+    lambda w: w.run(returns_rank, timeout=-1.0),
+    lambda w: w.run(returns_rank, fail_grace=math.nan),
+    lambda w: w.collect(w.start(returns_rank), timeout=math.nan),
+    lambda w: list(w.events(w.start(returns_rank), timeout=math.nan)),
+    lambda w: w.wait_event("never", timeout=math.nan),
+], ids=["run", "run-negative", "fail_grace", "collect", "events", "wait_event"])
+def test_a_timeout_that_is_nan_or_negative_is_refused(m2n_world: World,
+                                                      call: Callable[[LocalWorld], Any]) -> None:
+    world = m2n_world(1, 1)
+    failure: list[BaseException] = []
+
+    def attempt() -> None:
+        try:
+            call(world)
+        except BaseException as exc:
+            failure.append(exc)
+
+    # NaN compares false with every deadline: a regression spins forever, in this thread.
+    waiting = threading.Thread(target=attempt, daemon=True)
+    waiting.start()
+    waiting.join(30)
+    assert not waiting.is_alive(), "the wait never ends"
+    assert len(failure) == 1 and isinstance(failure[0], ValueError), failure
+    assert "is seconds >= 0" in str(failure[0])
+    assert world.run(returns_rank, timeout=60).values == [0, 1]
