@@ -32,6 +32,14 @@ same way and reported as ``"killed"``, with their stacks. A rank that froze itse
 ``freeze`` fault is not a hang: once every other rank reported, it is killed and reported as
 ``"frozen"``.
 
+Starting: a run first waits (``ready_timeout``) for processes still importing torch and the
+package; one that ends meanwhile is a ``RankStartError`` at once, one still alive at the
+deadline is asked for its stacks and killed (``RankStartTimeout``). Its stack dump handlers
+come late in its start (after the spawn's import of the main module), so a start gets
+``-X faulthandler``: on ``SIGABRT`` every thread's stack goes to fd 2, which until "ready" is
+the boot file the pool reads. Before "ready", fds 1 and 2 are that boot file; the test
+process's own (``/dev/null`` where it closed one) are handed back then.
+
 Pickling: jobs cross through each process's own ``multiprocessing`` queue; events and
 results as plain pickles (by value: a tensor is copied, not shared). Exceptions cross as
 themselves, each of a chain (``__cause__``/``__context__``, up to 8) pickled apart: one that
@@ -1077,15 +1085,16 @@ class RankPool:
         return "\n".join(lines) + (f"\nthe first error's traceback:\n{tb}" if tb else "")
 
     def close(self) -> None:
-        """End every process: an idle one is told to stop, one still in a job is killed
-        (its answer would go unread); 5 s in all, then the rest are killed too. A second
-        call does nothing; any other use of a closed pool is a ``RuntimeError``."""
+        """End every process: an idle one is told to stop; one still in a job (its answer
+        would go unread), still starting or stopped (it would take the stop late or never)
+        is killed; 5 s in all, then the rest are killed too. A second call does nothing;
+        any other use of a closed pool is a ``RuntimeError``."""
         if self._closed:
             return
         self._pump()
         for i, p in enumerate(self._procs):
             if p is not None and p.is_alive():
-                if self._busy[i]:
+                if self._busy[i] or not self._ready[i] or _is_stopped(p.pid):
                     self.kill(i)
                 else:
                     self._jobs[i].put(None)

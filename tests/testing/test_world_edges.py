@@ -280,3 +280,18 @@ def test_a_timeout_that_is_nan_or_negative_is_refused(m2n_world: World,
     assert len(failure) == 1 and isinstance(failure[0], ValueError), failure
     assert "is seconds >= 0" in str(failure[0])
     assert world.run(returns_rank, timeout=60).values == [0, 1]
+
+
+def test_closing_a_pool_kills_a_process_still_starting_rather_than_wait_for_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = RankPool(1)  # its process imports torch for a while yet: it would stop only then
+    killed: list[int] = []
+    real_kill = RankPool.kill
+
+    def recording_kill(self: RankPool, i: int) -> None:
+        killed.append(i)
+        real_kill(self, i)
+
+    monkeypatch.setattr(RankPool, "kill", recording_kill)
+    pool.close()
+    assert killed == [0]
