@@ -728,6 +728,7 @@ class RankPool:
     def kill(self, i: int) -> None:
         """SIGKILL process ``i`` (a stopped one too) and reap it; nothing for one that
         already ended."""
+        self._check_open("kill")
         p = self._procs[i]
         if p is None or p.exitcode is not None:  # reaped: its pid may be another's by now
             return
@@ -736,10 +737,22 @@ class RankPool:
         p.join(10)
 
     def restart(self, i: int) -> None:
-        """Replace process ``i`` with a fresh one (killing it first if it is alive)."""
+        """Replace process ``i`` with a fresh one (killing it first if it is alive). One
+        killed in the middle of the current job is ``("dead", exitcode)`` in its results, as
+        if killed with ``kill``."""
         self._check_open("restart")
         if self._procs[i] is not None and self._procs[i].is_alive():
             self.kill(i)
+        if self._procs[i] is not None and i < self._n and i not in self._outcomes:
+            # The fresh process never gets this job: without an outcome now, collect would
+            # wait for one until its timeout. What it wrote before it died counts first.
+            r = self._readers[i]
+            if r is not None and not r.closed:
+                self._read(i, r)
+            if i not in self._outcomes:
+                self._outcomes[i] = ("dead", self._procs[i].exitcode)
+                self._busy[i] = 0
+                self.mark_failed()
         self._start(i)
 
     def ensure_alive(self) -> None:
@@ -831,6 +844,7 @@ class RankPool:
     def notes(self, i: int) -> list[tuple[str, Any]]:
         """``("commit", version)`` and ``("fault", (point, where, action))`` of process ``i``
         in the current job, in order."""
+        self._check_open("notes")
         self._pump()
         return list(self._notes.get(i, ()))
 
@@ -951,6 +965,7 @@ class RankPool:
         raised, died, or froze through a fault), ``fail_grace`` seconds passed since the
         first failure, or ``timeout`` seconds passed. It ends nothing: ``collect`` then
         says how the job ended (and kills what still runs)."""
+        self._check_open("events")
         self._check(job_id)
         _check_waits(timeout, fail_grace)
         deadline = time.monotonic() + timeout
@@ -977,6 +992,7 @@ class RankPool:
         ``results`` as above, the missing ones ``"killed"``) if some did not finish within
         ``timeout`` seconds.
         """
+        self._check_open("collect")
         self._check(job_id)
         _check_waits(timeout, fail_grace)
         expect = set(expect_dead)
@@ -1024,6 +1040,7 @@ class RankPool:
         that fired, in the order they came. An ``AssertionError`` (every process's outcome
         so far) after ``timeout`` seconds, or at once when every process of the job (or
         ``index``) ended without sending it."""
+        self._check_open("wait_event")
         _check_event_name(name, "wait_event")
         _check_seconds("timeout", timeout)
         if index is not None and not (_is_index(index) and 0 <= index < self._n):

@@ -20,7 +20,7 @@ import pytest
 
 from m2n_async.testing import LocalWorld, RankExitedError, RankPool
 
-from ._ranks import returns_rank
+from ._ranks import hangs_on, returns_rank
 
 World = Callable[[int, int], LocalWorld]
 REPO = Path(__file__).resolve().parents[2]
@@ -121,6 +121,18 @@ def test_killing_a_rank_whose_process_is_gone_signals_nothing(
     world.kill(0)
     monkeypatch.undo()
     assert sent == []
+    assert world.run(returns_rank, timeout=60).values == [0, 1]
+
+
+def test_a_rank_restarted_in_the_middle_of_a_run_is_dead_in_its_results(
+        m2n_world: World) -> None:
+    world = m2n_world(1, 1)
+    run = world.start(hangs_on, kwargs={"rank": 1})
+    world.restart(1)
+    # Its fresh process never gets this run's job: collect must not wait for its result.
+    res = world.collect(run, timeout=30)
+    assert [r.status for r in res] == ["ok", "dead"], res
+    assert res[1].exitcode == -signal.SIGKILL
     assert world.run(returns_rank, timeout=60).values == [0, 1]
 
 
@@ -242,12 +254,14 @@ def test_closing_a_pool_whose_process_died_before_taking_its_job_returns() -> No
 
 def test_a_closed_world_closes_again_quietly_and_refuses_to_run() -> None:
     world = LocalWorld(1, 1)
+    run = world.start(returns_rank)
     world.close()
     world.close()  # as a with-block's end after an explicit close
-    with pytest.raises(RuntimeError, match="this pool is closed"):
-        world.run(returns_rank, timeout=60)
-    with pytest.raises(RuntimeError, match="this pool is closed"):
-        world.stacks(0)
+    for call in (lambda: world.run(returns_rank, timeout=60), lambda: world.stacks(0),
+                 lambda: world.collect(run, timeout=60), lambda: world.kill(0),
+                 lambda: world.wait_event("x", timeout=60), lambda: list(world.events(run))):
+        with pytest.raises(RuntimeError, match="this pool is closed"):
+            call()
 
 
 # -- a wait that could never end -------------------------------------------------------------
