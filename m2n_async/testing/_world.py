@@ -636,6 +636,8 @@ class RankPool:
 
         for i in hung:
             pid = self.pid(i)
+            if self._procs[i].exitcode is not None:  # reaped: its pid may be another's now
+                continue
             with contextlib.suppress(OSError, ValueError):  # no core file of a test's rank
                 resource.prlimit(pid, resource.RLIMIT_CORE,
                                  (0, resource.prlimit(pid, resource.RLIMIT_CORE)[1]))
@@ -824,7 +826,12 @@ class RankPool:
                     if not self._ready[i]:  # no job could ever run there: say why, now
                         self._procs[i].join(1)  # its exit code
                         raise self._start_error(i)
+        self._pump()  # a "ready" that came with the deadline
         hung = [i for i in range(len(jobs)) if not self._ready[i]]
+        for i in hung:
+            if not self._procs[i].is_alive():  # it ended just now: that is its error
+                self._procs[i].join(1)
+                raise self._start_error(i)
         if hung:  # alive all along, yet no job could start there: the run would wait forever
             raise self._start_timeout(hung)
         self._job_id += 1
