@@ -432,6 +432,12 @@ class _Blocking(Generic[E]):
         return self._engine.version
 
     @property
+    def last_began(self) -> int:
+        """The last round this rank's part of began (``WorkerEngine.last_began``): a call
+        that failed with a ``TransferError`` of a later ``round`` wrote nothing here."""
+        return self._engine.last_began
+
+    @property
     def generation(self) -> int:
         """The store generation this engine joined."""
         return self._engine.generation

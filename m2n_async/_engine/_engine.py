@@ -143,6 +143,7 @@ class _Engine:
         self._rounds: RoundDriver | None = None
         self._claim: Claim | None = None  # this rank of the job, held from connect to close
         self._round = 0
+        self._began = 0  # the last round this rank's part of began (its first write may follow)
         self._version = 0
         self._job_closed = False
         self._job_end = "trainer rank 0 closed the job"
@@ -170,6 +171,14 @@ class _Engine:
         """The last version committed on every rank (0 before the first round of this
         engine: the count restarts with every connect, see ``sync_weights(version=)``)."""
         return self._version
+
+    @property
+    def last_began(self) -> int:
+        """The last round this rank's part of began (0 before any; the count restarts with
+        every connect). A call that failed with a ``TransferError`` whose ``round`` is later
+        failed before its part began: it wrote nothing (read or sent nothing) of that round
+        here, and its targets hold what they held before the call."""
+        return self._began
 
     @property
     def generation(self) -> int:
@@ -572,6 +581,7 @@ class _Engine:
             with anyio.CancelScope(shield=True):
                 failure = await self._rounds.post(core, core.closed(self.rank))
             raise core.error(failure)
+        self._began = start.round  # before any write: a later round's failure wrote nothing
         self._state = EngineState.UPDATING
         self._interrupts.take()  # none of an earlier call's is this round's
         try:

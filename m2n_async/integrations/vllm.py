@@ -53,8 +53,10 @@ Calls out of order (update before start, a second update in one session, a secon
 raise ``RuntimeError`` before anything is received or changed; so does, as ``ValueError``
 at init, a declared shape that a parameter with a known-safe loader contradicts (that loader
 would fail mid-round, or cut a slab of the wrong tensor). A ``load_weights`` failure names
-the tensor it took last, and every failed round's error says the model may be partly
-updated.
+the tensor it took last, and a failed round's error says the model may be partly updated,
+unless the round failed before this rank's part of it began (the trainer ended or was lost
+between rounds): then it says nothing was received and the model is untouched, and still
+poisons (that connection takes no more rounds).
 
 Trainer side (``VLLMTrainerEngine``): ``trainer_init`` on every trainer rank maps the
 ``WeightSource``'s ``ParamMeta`` (``owners``, ``mesh_shape``, ``placements``; vLLM's
@@ -90,6 +92,7 @@ from m2n_async._proto.errors import (
     AuthenticationError,
     EnginePoisonedError,
     LocalProtocolError,
+    PeerLostError,
     PhaseTimeoutError,
     PlanError,
     StoreError,
@@ -611,6 +614,8 @@ class VLLMWorkerBackend:
         self._received = False
         self._reloading = False
         self._poison: BaseException | None = None
+        self._poison_untouched: str | None = None  # why the failed round never began here
+        self._updates = 0  # rounds received since init: the version the model holds
         self._lock = threading.Lock()
 
     # -- what vLLM reads -------------------------------------------------------------------
@@ -702,6 +707,8 @@ class VLLMWorkerBackend:
                 self._loaded = ()
                 raise
             self._poison = None
+            self._poison_untouched = None
+            self._updates = 0
 
     def _connect(self, info: WorkerInitInfo, token: str) -> BlockingWorker:
         import torch
@@ -818,9 +825,26 @@ class VLLMWorkerBackend:
             raise TimeoutError(f"m2n_async: {exc}; the model keeps its previous weights")\
                 from exc
         except BaseException as exc:
-            self._fail(exc)
+            self._fail(exc, self._unstarted(exc))
             raise
         self._received = True
+        self._updates += 1
+
+    def _unstarted(self, exc: BaseException) -> str | None:
+        """Why the round ``exc`` failed before this rank's part of it began (then nothing of
+        it was written here), or None: it began, and the model may be partly updated."""
+        worker = self._worker
+        if worker is None:
+            return None
+        if isinstance(exc, PeerLostError):
+            # receive raises it only for a job that has no more rounds (nothing began).
+            return f"the trainer job ended ({exc})"
+        if not isinstance(exc, TransferError) or exc.round is None \
+                or exc.round <= worker.last_began:
+            return None
+        if exc.cause in ("lost", "left", "store"):
+            return f"the trainer was lost ({exc})"
+        return f"the round failed before this worker's part of it began ({exc})"
 
     def _receive(self, worker: BlockingWorker, timeout: float | None) -> SyncResult:
         import torch
@@ -917,6 +941,8 @@ class VLLMWorkerBackend:
             self._feed = None
             self._loaded = ()
             self._poison = None
+            self._poison_untouched = None
+            self._updates = 0
             if worker is not None:
                 worker.close()
 
@@ -933,23 +959,45 @@ class VLLMWorkerBackend:
             if hooks is not None:
                 hooks[1](self.model, self.model_config)
 
-    def _fail(self, exc: BaseException) -> None:
-        """A round failed: the model may mix two versions. Close the reload, poison."""
+    def _fail(self, exc: BaseException, unstarted: str | None = None) -> None:
+        """A round failed: close the reload, poison. ``unstarted``: why it failed before this
+        rank's part began (nothing was written: the model is untouched, but this connection
+        takes no more rounds); None: the model may mix two versions."""
         # Said on the error itself: vLLM hands it to the caller (an RPC, an HTTP reply),
         # which may never see this process's log.
-        exc.add_note(f"m2n_async: worker rank {self.rank}: the model may be partly updated "
-                     f"(some parameters hold this round's weights, others the previous "
-                     f"ones); start_weight_update is refused until "
-                     f"shutdown_weight_transfer_engine(), init_weight_transfer_engine() and "
-                     f"a full update")
+        if unstarted is None:
+            exc.add_note(f"m2n_async: worker rank {self.rank}: the model may be partly "
+                         f"updated (some parameters hold this round's weights, others the "
+                         f"previous ones); start_weight_update is refused until "
+                         f"shutdown_weight_transfer_engine(), init_weight_transfer_engine() "
+                         f"and a full update")
+        else:
+            exc.add_note(f"m2n_async: worker rank {self.rank}: {self._untouched(unstarted)}")
         self._poison = exc
+        self._poison_untouched = unstarted
         self._session = self._received = False
         try:
             self._finalize_reload()
         except Exception:
             log.exception("m2n_async: finalizing the layerwise reload after a failed round")
-        log.error("m2n_async: weight update failed; the model's weights may mix the previous "
-                  "and the new version until a round succeeds after shutdown and init: %r", exc)
+        if unstarted is None:
+            log.error("m2n_async: weight update failed; the model's weights may mix the "
+                      "previous and the new version until a round succeeds after shutdown "
+                      "and init: %r", exc)
+        else:
+            log.error("m2n_async: weight update failed before it started: %s",
+                      self._untouched(unstarted))
+
+    def _untouched(self, why: str) -> str:
+        """What a round that failed before this rank's part began left, and what to do."""
+        n = self._updates
+        held = (f"the weights of its update {n} since init" if n else
+                "the weights it held at init (no update completed since)")
+        return (f"{why} before this update started: nothing was received in this call, and "
+                f"the model holds version {n} ({held}), untouched by this call. No update can "
+                f"arrive on this connection: call shutdown_weight_transfer_engine(), then "
+                f"init_weight_transfer_engine() against a restarted trainer (its trainer_init "
+                f"sends it)")
 
     def _require_init(self, what: str) -> WorkerInitInfo:
         if self._info is None:
@@ -958,6 +1006,10 @@ class VLLMWorkerBackend:
 
     def _require_ready(self, what: str) -> None:
         self._require_init(what)
+        if self._poison is not None and self._poison_untouched is not None:
+            raise RuntimeError(f"m2n_async: {what} refused: an earlier weight update failed "
+                               f"({self._poison!r}): {self._untouched(self._poison_untouched)}"
+                               ) from self._poison
         if self._poison is not None:
             raise RuntimeError(
                 f"m2n_async: {what} refused: an earlier weight update failed ({self._poison!r})"

@@ -641,6 +641,10 @@ with stub_vllm():
             print("mid-round", flush=True)
             time.sleep(600)  # killed here
 
+    if sys.argv[2] == "between":  # one whole round, then killed before the next
+        trainer.sync_weights(ShardedSource(0, 1).iter_local())
+        print("between", flush=True)
+        time.sleep(600)
     trainer.sync_weights(first_then_hang())
 """
 
@@ -658,8 +662,8 @@ def test_a_trainer_killed_mid_update_ends_the_workers_update_rpc_with_a_clear_er
 
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": root}
-    proc = subprocess.Popen([sys.executable, "-c", _TRAINER, TOKEN], env=env, cwd=root,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", _TRAINER, TOKEN, "mid"], env=env,
+                            cwd=root, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         address = proc.stdout.readline().strip()
@@ -688,6 +692,9 @@ def test_a_trainer_killed_mid_update_ends_the_workers_update_rpc_with_a_clear_er
         thread.join(30)  # round_timeout is 60: ending before it is the point
         assert not thread.is_alive(), "update_weights still waits for a dead trainer"
         assert isinstance(out.get("error"), TransferError), out
+        # Its part of the round began: the partial-update warning is the right one.
+        notes = " ".join(getattr(out["error"], "__notes__", ()))
+        assert "partly updated" in notes and "untouched" not in notes, notes
         with pytest.raises(RuntimeError, match="poisoned"):
             be.start_weight_update()
         assert _bounded(worker.shutdown, 30) is None and be.engine is None
@@ -737,3 +744,103 @@ def test_an_rpc_that_never_returns_does_not_hold_the_trainer_process_at_exit() -
         raise AssertionError(f"the process did not exit: {out[-2000:]}") from None
     assert "EXITING" in out and "TimeoutError" in out, (out, err[-3000:])
     assert proc.returncode == 0, err[-3000:]
+
+
+# -- the trainer ends between rounds -----------------------------------------------------------
+
+
+class _FourMethods(FanOutClient):
+    """vLLM's four-method ``VLLMWeightSyncClient``: the trainer's ``shutdown()`` leaves the
+    workers' engines up (no ``shutdown_weight_transfer_engine``)."""
+
+    shutdown_weight_transfer_engine = None
+
+
+def _assert_untouched(error: BaseException | None, why: str, version: int) -> None:
+    notes = " ".join(getattr(error, "__notes__", ()))
+    assert why in notes and "before this update started" in notes, notes
+    assert "nothing was received in this call" in notes, notes
+    assert f"holds version {version}" in notes and "untouched by this call" in notes, notes
+    assert "restarted trainer" in notes and "shutdown_weight_transfer_engine()" in notes, notes
+    assert "partly updated" not in notes, notes
+
+
+@pytest.mark.parametrize("store", ["rank 0's", "external"])
+def test_a_trainer_that_closed_between_rounds_says_the_model_is_untouched(store: str) -> None:
+    # The trainer's shutdown() ran (its client could not shut the workers down): the next
+    # update_weights receives nothing, so its error says the trainer ended before the update
+    # started and the model still holds the last update, not that it may be partly updated.
+    from m2n_async import StoreServer
+
+    served = StoreServer(token=TOKEN).in_thread() if store == "external" else None
+    job = _Job(f"vllm-closed-{store[:3]}", _FourMethods)
+    try:
+        kw = {} if served is None else {"store_address": served.address}
+        job.init(**kw)
+        assert job.send(1) == [None, None]
+        for t in job.trainers:
+            t.shutdown()
+        errors: list[BaseException | None] = []
+        for w in job.workers:
+            w.start_weight_update()
+            errors.append(_bounded(lambda w=w: w.update_weights({}), 30))
+        why = "the trainer job ended" if served is not None else "the trainer was lost"
+        for err in errors:
+            _assert_untouched(err, why, 1)
+        job.check(1)  # untouched indeed
+        with pytest.raises(RuntimeError, match="untouched by this call") as refused:
+            job.backends[0].start_weight_update()
+        assert "may mix" not in str(refused.value)
+        # What the error says to do recovers: shut down, init against a restarted trainer.
+        for w in job.workers:
+            assert _bounded(w.shutdown, 30) is None
+        job.init(**kw)
+        assert job.send(2) == [None, None]
+        job.check(2)
+    finally:
+        job.close()
+        if served is not None:
+            served.close()
+
+
+def test_a_trainer_killed_between_rounds_says_the_model_is_untouched() -> None:
+    # SIGKILL of trainer rank 0 (which serves the store) after a completed round: the next
+    # update_weights fails at once, saying the trainer was lost before it started and the
+    # model holds the round it completed.
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from m2n_async.integrations.vllm import TrainerInitInfo
+
+    root = str(Path(__file__).resolve().parents[2])
+    proc = subprocess.Popen([sys.executable, "-c", _TRAINER, TOKEN, "between"],
+                            env={**os.environ, "PYTHONPATH": root}, cwd=root,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        address = proc.stdout.readline().strip()
+        assert address, "the trainer did not start"
+        specs = backend.specs_from_source(ShardedSource(0, 1), 1, "bfloat16")
+        info = TrainerInitInfo(rank=0, trainer_ranks=1, world_size=2, job="vllm-dies",
+                               transport="gloo", phase_timeout=10, round_timeout=60)
+        be = backend.VLLMWorkerBackend(object(), vllm_config(0, 1), torch.device("cpu"),
+                                       TinyLlama(0, 1))
+        worker = GPUWorker(be, 0, vllm_config(0, 1))
+        assert _bounded(lambda: worker.init_weight_transfer_engine(
+            backend._worker_payload(info, address, specs)), 60) is None
+        worker.start_weight_update()
+        assert _bounded(lambda: worker.update_weights({}), 60) is None
+        worker.finish_weight_update()
+        assert proc.stdout.readline().strip() == "between"
+        proc.kill()
+        proc.wait(30)
+        worker.start_weight_update()
+        err = _bounded(lambda: worker.update_weights({}), 30)
+        assert isinstance(err, TransferError), err
+        _assert_untouched(err, "the trainer was lost", 1)
+        assert _bounded(worker.shutdown, 30) is None and be.engine is None
+    finally:
+        proc.kill()
+        proc.wait(30)
