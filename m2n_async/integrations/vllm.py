@@ -1036,6 +1036,10 @@ class TrainerInitInfo:
     dtype for floating-point parameters (the serving dtype, e.g. ``"bfloat16"``, when the
     trainer keeps fp32 masters; in-place destinations need it to equal vLLM's). The rest
     configure the engine (``EngineConfig``) and bound the RPCs (``update_timeout``).
+    ``ValueError`` naming the field and its value, where it is built, for what
+    ``trainer_init`` would refuse: a wrong type, ranks outside ``0 <= rank < trainer_ranks <
+    world_size``, a ``worker_rank_offset`` outside ``[trainer_ranks, world_size)``, engine
+    settings ``EngineConfig`` refuses.
     """
 
     backend: ClassVar[str] = BACKEND
@@ -1071,6 +1075,8 @@ class TrainerInitInfo:
         port = self.store_port
         if isinstance(port, int) and not isinstance(port, bool) and not 0 <= port <= 65535:
             problems.append(f"store_port must be in [0, 65535], got {port}")
+        if not problems:
+            problems += self._rank_problems()
         if self.dtype is not None:
             try:
                 dtype_name(self.dtype)
@@ -1092,6 +1098,25 @@ class TrainerInitInfo:
         # the caller must call register() first (docs/vllm.md).
         if "vllm.distributed.weight_transfer" in sys.modules:
             register()
+
+    def _rank_problems(self) -> list[str]:
+        """The ranks ``TrainerEngine.connect`` would refuse (``0 <= rank < trainer_ranks <
+        world_size``) and a ``worker_rank_offset`` the workers would, each naming its field:
+        refused in ``trainer_init``, rank 0 may have served a store and the other ranks
+        waited for it, and a worker's init only later."""
+        t, w, offset = self.trainer_ranks, self.world_size, self.worker_rank_offset
+        out = []
+        if t < 1:
+            out.append(f"trainer_ranks must be >= 1, got {t}")
+        elif not 0 <= self.rank < t:
+            out.append(f"rank must be in [0, trainer_ranks) = [0, {t}), got {self.rank}")
+        if w <= t:
+            out.append(f"world_size (trainer_ranks + every worker rank) must be > "
+                       f"trainer_ranks = {t}, got {w}")
+        elif offset is not None and not t <= offset < w:
+            out.append(f"worker_rank_offset (the workers' first rank) must be in "
+                       f"[trainer_ranks, world_size) = [{t}, {w}), got {offset}")
+        return out
 
     @property
     def is_sender(self) -> bool:

@@ -668,10 +668,11 @@ def test_trainer_init_rejects_what_it_cannot_send() -> None:
         backend.VLLMTrainerEngine.trainer_init(info, client=job.client)
     with pytest.raises(ValueError, match=r"VLLMWeightSyncClient.*'update_weights'"):
         backend.VLLMTrainerEngine.trainer_init(info, client=object(), source=job.sources[0])
+    changed = backend.TrainerInitInfo(rank=1, trainer_ranks=T, world_size=T + TP)
+    changed.rank = 2  # refused where built; trainer_init checks again
     with pytest.raises(ValueError, match="rank < trainer_ranks"):
-        backend.VLLMTrainerEngine.trainer_init(
-            backend.TrainerInitInfo(rank=2, trainer_ranks=T, world_size=T + TP),
-            client=job.client, source=job.sources[0])
+        backend.VLLMTrainerEngine.trainer_init(changed, client=job.client,
+                                               source=job.sources[0])
     specs = backend.specs_from_source(job.sources[0], T, "bfloat16")
     assert specs[0].dtype == "bfloat16" and specs[0].layout.placements == (0, -1)
     assert specs[0].layout.mesh.dims == (T, 1)

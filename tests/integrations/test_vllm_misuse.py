@@ -371,9 +371,29 @@ def test_trainer_init_info_dtype_is_checked_where_it_is_given() -> None:
     assert backend.TrainerInitInfo(rank=0, world_size=3, dtype=torch.bfloat16).dtype is not None
 
 
-def test_a_worker_rank_offset_inside_the_trainer_ranks_is_refused_by_trainer_init() -> None:
-    info = backend.TrainerInitInfo(rank=0, trainer_ranks=T, world_size=T + TP,
-                                   worker_rank_offset=1)
+@pytest.mark.parametrize(("kw", "named"), [
+    ({"rank": -1}, "rank must be in [0, trainer_ranks) = [0, 2), got -1"),
+    ({"rank": 2}, "rank must be in [0, trainer_ranks) = [0, 2), got 2"),
+    ({"trainer_ranks": 0}, "trainer_ranks must be >= 1, got 0"),
+    ({"world_size": 1}, "must be > trainer_ranks = 2, got 1"),
+    ({"world_size": 2}, "must be > trainer_ranks = 2, got 2"),
+    ({"worker_rank_offset": 1}, "worker_rank_offset (the workers' first rank) must be in "
+                                "[trainer_ranks, world_size) = [2, 4), got 1"),
+    ({"worker_rank_offset": 4}, "[trainer_ranks, world_size) = [2, 4), got 4"),
+])
+def test_trainer_init_info_ranks_the_engine_refuses_are_refused_where_built(
+        kw: dict[str, int], named: str) -> None:
+    # TrainerEngine.connect's rule (0 <= rank < trainer_ranks < world_size) and the workers'
+    # rank_offset range, checked when the info is built, naming the field and its value.
+    args = {"rank": 0, "trainer_ranks": T, "world_size": T + TP, **kw}
+    with pytest.raises(ValueError, match="TrainerInitInfo") as err:
+        backend.TrainerInitInfo(**args)
+    assert named in str(err.value), err.value
+
+
+def test_a_worker_rank_offset_changed_after_build_is_refused_by_trainer_init() -> None:
+    info = backend.TrainerInitInfo(rank=0, trainer_ranks=T, world_size=T + TP)
+    info.worker_rank_offset = 1  # the info is a plain dataclass: trainer_init checks again
     with pytest.raises(ValueError, match=r"worker_rank_offset"):
         backend.VLLMTrainerEngine.trainer_init(info, client=FanOutClient([]),
                                                source=ShardedSource(0, T))
