@@ -688,6 +688,12 @@ def test_a_trainer_killed_mid_update_ends_the_workers_update_rpc_with_a_clear_er
         thread = threading.Thread(target=update, daemon=True)
         thread.start()
         assert proc.stdout.readline().strip() == "mid-round"
+        engine = be.engine
+        assert engine is not None
+        deadline = time.monotonic() + 30
+        while engine.last_began < 1:  # the worker's part began: the kill is mid-round here
+            assert time.monotonic() < deadline, "the worker never began its part"
+            time.sleep(0.01)
         proc.kill()
         thread.join(30)  # round_timeout is 60: ending before it is the point
         assert not thread.is_alive(), "update_weights still waits for a dead trainer"
