@@ -321,11 +321,17 @@ def _engine_config(info: WorkerInitInfo, device: str | None) -> EngineConfig:
 
 
 def _token(env: str, explicit: str | None = None) -> str:
-    token = explicit if explicit is not None else os.environ.get(env)
+    if explicit is not None:
+        if not explicit:  # never the environment's fault: the caller gave this one
+            raise ValueError("m2n_async: TrainerInitInfo.token is empty: give the store's "
+                             "shared secret, or leave token None to read it from token_env")
+        return explicit
+    token = os.environ.get(env)
     if not token:
-        raise ValueError(f"m2n_async: no store token: set the environment variable {env} to "
-                         f"the job's shared secret on every trainer and worker process (it "
-                         f"is never sent in init_info)")
+        how = "is not set" if token is None else "is empty"
+        raise ValueError(f"m2n_async: no store token: the environment variable {env} {how}; "
+                         f"set it to the job's shared secret on every trainer and worker "
+                         f"process (it is never sent in init_info)")
     return token
 
 
@@ -656,6 +662,15 @@ class VLLMWorkerBackend:
 
         d = _parse(WorkerInitInfo, "init_info", init_dict)
         d["params"] = _parse_params(d["params"])
+        if not d["params"]:
+            raise ValueError("m2n_async init_info: params is empty: the trainer declared no "
+                             "parameters (its WeightSource's metadata), so no round could "
+                             "update any")
+        if d.get("host") == "":
+            # No meaning of its own: Gloo would bind whatever the host name resolves to.
+            raise ValueError("m2n_async init_info: host (the address this worker's CPU data "
+                             "plane binds) must be a host name or address, or left out for "
+                             "the default, got ''")
         if not 0 < d["trainer_ranks"] < d["world_size"]:
             raise ValueError(f"m2n_async init_info: need 0 < trainer_ranks < world_size, got "
                              f"trainer_ranks={d['trainer_ranks']}, world_size="
@@ -1077,6 +1092,17 @@ class TrainerInitInfo:
             problems.append(f"store_port must be in [0, 65535], got {port}")
         if not problems:
             problems += self._rank_problems()
+        if self.token == "":
+            # Said as what it is: falling back to token_env would blame the environment.
+            problems.append("token is empty: give the store's shared secret, or leave token "
+                            "None to read it from the environment variable token_env")
+        if self.token_env == "":
+            problems.append("token_env must name an environment variable, got ''")
+        for name in ("store_host", "host", "worker_host"):
+            if getattr(self, name) == "":
+                # No meaning of its own: Gloo would bind whatever the host name resolves to,
+                # and the store's peers could not connect to ":port".
+                problems.append(f"{name} must be a host name or address, got ''")
         if self.dtype is not None:
             try:
                 dtype_name(self.dtype)
@@ -1293,6 +1319,9 @@ class VLLMTrainerEngine:
                              f"{info.world_size}), got {offset}")
         token = _token(info.token_env, info.token)
         specs = specs_from_source(source, info.trainer_ranks, info.dtype)
+        if not specs:  # the workers refuse an empty params list: refused before any store
+            raise ValueError("m2n_async trainer_init: the WeightSource declares no parameters "
+                             "(its metadata is empty)")
         # connect_timeout bounds this rank's whole connect: the probes, the wait for rank
         # 0's listener, the engine's connect and its retries all draw on one deadline.
         budget = _ConnectBudget(info.connect_timeout, info.phase_timeout)

@@ -118,6 +118,7 @@ def _silent_store() -> Iterator[str]:
     ("bucket_bytes", -1), ("bucket_bytes", 0), ("transport", "ncl"), ("job", ""),
     ("job", "a/b"), ("store_address", "localhost"), ("store_address", "host:http"),
     ("store_address", "127.0.0.1:70000"), ("token_env", ""), ("rank_offset", -1),
+    ("host", ""), ("params", []),
 ])
 def test_init_info_values_out_of_range_are_refused_by_parse(key: str, value: object) -> None:
     # vLLM runs parse_init_info first: a value that cannot work fails there, naming the key,
@@ -389,6 +390,51 @@ def test_trainer_init_info_ranks_the_engine_refuses_are_refused_where_built(
     with pytest.raises(ValueError, match="TrainerInitInfo") as err:
         backend.TrainerInitInfo(**args)
     assert named in str(err.value), err.value
+
+
+@pytest.mark.parametrize(("key", "named"), [
+    ("token", "token is empty"), ("token_env", "token_env must name an environment variable"),
+    ("store_host", "store_host must be a host name or address, got ''"),
+    ("host", "host must be a host name or address, got ''"),
+    ("worker_host", "worker_host must be a host name or address, got ''"),
+])
+def test_trainer_init_info_empty_strings_are_refused_naming_the_field(key: str,
+                                                                      named: str) -> None:
+    # An empty token is the caller's, not a missing environment variable's; the hosts have no
+    # meaning for "" (the workers refuse an empty host and token_env too).
+    with pytest.raises(ValueError, match="TrainerInitInfo") as err:
+        backend.TrainerInitInfo(rank=0, world_size=3, **{key: ""})
+    assert named in str(err.value) and "environment variable M2N" not in str(err.value)
+
+
+def test_an_empty_token_reaching_trainer_init_names_the_token_not_the_environment() -> None:
+    info = backend.TrainerInitInfo(rank=0, trainer_ranks=T, world_size=T + TP, token="x")
+    info.token = ""  # changed after it was built: trainer_init says what it is
+    with pytest.raises(ValueError, match=r"TrainerInitInfo\.token is empty") as err:
+        backend.VLLMTrainerEngine.trainer_init(info, client=FanOutClient([]),
+                                               source=ShardedSource(0, T))
+    assert backend.TOKEN_ENV not in str(err.value)
+
+
+def test_an_empty_token_variable_is_said_to_be_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(backend.TOKEN_ENV, "")
+    with pytest.raises(ValueError, match=f"{backend.TOKEN_ENV} is empty"):
+        backend.VLLMTrainerEngine.trainer_init(
+            backend.TrainerInitInfo(rank=0, trainer_ranks=T, world_size=T + TP),
+            client=FanOutClient([]), source=ShardedSource(0, T))
+    monkeypatch.delenv(backend.TOKEN_ENV)
+    with pytest.raises(ValueError, match=f"{backend.TOKEN_ENV} is not set"):
+        _backend().init_transfer_engine(_backend().parse_init_info(GOOD))
+
+
+def test_a_source_that_declares_no_parameters_is_refused_by_trainer_init() -> None:
+    class Empty(ShardedSource):
+        metadata: list[Any] = []  # noqa: RUF012 - one empty list, never changed
+
+    with pytest.raises(ValueError, match="declares no parameters"):
+        backend.VLLMTrainerEngine.trainer_init(
+            backend.TrainerInitInfo(rank=0, trainer_ranks=T, world_size=T + TP),
+            client=FanOutClient([]), source=Empty(0, T))
 
 
 def test_a_worker_rank_offset_changed_after_build_is_refused_by_trainer_init() -> None:
