@@ -1220,14 +1220,21 @@ class _RPCThread:
         self._calls: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]
                                        | None] = queue.SimpleQueue()
         self._closed = False
+        self._last: Future[Any] | None = None  # the call submitted last (calls run in order)
         threading.Thread(target=self._run, name=name, daemon=True).start()
 
     def submit(self, fn: Callable[..., Any], /, *args: Any) -> Future[Any]:
         if self._closed:
             raise RuntimeError("m2n_async: the trainer engine's RPC thread is shut down")
         call: Future[Any] = Future()
+        self._last = call
         self._calls.put((call, fn, args))
         return call
+
+    @property
+    def busy(self) -> bool:
+        """A call submitted earlier has not ended: the next one waits behind it."""
+        return self._last is not None and not self._last.done()
 
     def shutdown(self) -> None:
         """Cancel the calls not started; the thread ends after the one it runs, if any."""
@@ -1391,7 +1398,10 @@ class VLLMTrainerEngine:
         error raised. A ``start_weight_update`` that fails on rank 0 fails the round on every
         trainer rank at once (the others' ``TransferError`` names it), not at its deadline.
         A ``weight_version`` that is not a string raises ``ValueError``, and a second call
-        while one runs on this engine ``LocalProtocolError``, both before any RPC."""
+        while one runs on this engine ``LocalProtocolError``, both before any RPC. A failure
+        raises within ``update_timeout`` + 5 s of the start of the step that failed (the
+        start RPC, the round and update RPC, the finish RPC): the cleanup
+        ``finish_weight_update()`` is waited for only what that leaves."""
         if weight_version is not None and not isinstance(weight_version, str):
             # vLLM's finish_weight_update takes a string; refused after the round, the
             # round's weights would land with no version published.
@@ -1426,6 +1436,14 @@ class VLLMTrainerEngine:
                                      f"{state.value.upper()}, needs READY (one send_weights "
                                      f"at a time)")
         rpc: Future[None] | None = None
+        # When the step under way began (the start RPC, the first of the round and the update
+        # RPC to end, the finish RPC): a failure raises within update_timeout + the grace of
+        # it, the cleanup finish drawing on what is left (it must not add a second bound).
+        step = [time.monotonic()]
+
+        def step_began() -> None:
+            step[0] = time.monotonic()
+
         try:
             if self.is_sender:
                 assert self._executor is not None
@@ -1437,8 +1455,10 @@ class VLLMTrainerEngine:
                 rpc = self._executor.submit(self.client.update_weights, {})
             pending = trainer.start_sync_weights(_local_shards(self.source))
             result: SyncResult = _wait_with_rpc(pending, rpc, "update_weights",
-                                                grace=self.init_info.update_timeout)
+                                                grace=self.init_info.update_timeout,
+                                                first_ended=step_began)
             if self.is_sender:
+                step_began()
                 self._rpc("finish_weight_update", weight_version)
         except BaseException as exc:
             self._failure = exc
@@ -1454,17 +1474,37 @@ class VLLMTrainerEngine:
                 # trainer_init() recover. A worker with no session open refuses; that is
                 # the one that already failed.
                 # On the RPC thread, so after any RPC of this round still running there.
-                with contextlib.suppress(Exception):
-                    self._rpc("finish_weight_update")
+                self._end_sessions(exc, step[0])
             raise
         return result
 
-    def _rpc(self, what: str, *args: Any) -> None:
-        """One client call on the RPC thread, bounded by ``update_timeout``: a worker that
-        never answers (a lost reply, a wedged finalize) fails this call instead of hanging
-        the trainer; calls run one at a time, in order."""
+    def _end_sessions(self, error: BaseException, step_began: float) -> None:
+        """The cleanup ``finish_weight_update()`` after a failed round, waited for at most
+        what is left of ``update_timeout`` + ``_FAILURE_GRACE_S`` since the failing step
+        began, and at most ``_FAILURE_GRACE_S`` behind a call given up on (waiting longer
+        would wait for that call a second time). Not waited for, it stays queued: it runs
+        when that call returns, before anything sent later (``shutdown()``'s release)."""
         assert self._executor is not None
-        limit = self.init_info.update_timeout
+        left = step_began + self.init_info.update_timeout + _FAILURE_GRACE_S - time.monotonic()
+        if self._executor.busy:
+            left = min(left, _FAILURE_GRACE_S)
+        try:
+            self._rpc("finish_weight_update", limit=max(left, 0.0))
+        except TimeoutError:
+            error.add_note(f"m2n_async: the cleanup finish_weight_update() (it ends the "
+                           f"workers' update sessions) had not returned within "
+                           f"{max(left, 0.0):.3g} s; it stays queued behind the calls "
+                           f"before it, and shutdown() waits for it")
+        except Exception:
+            pass  # a worker with no session open refuses: the one that already failed
+
+    def _rpc(self, what: str, *args: Any, limit: float | None = None) -> None:
+        """One client call on the RPC thread, bounded by ``update_timeout`` (or ``limit``):
+        a worker that never answers (a lost reply, a wedged finalize) fails this call instead
+        of hanging the trainer; calls run one at a time, in order."""
+        assert self._executor is not None
+        bound = "update_timeout" if limit is None else "what the failure left"
+        limit = self.init_info.update_timeout if limit is None else limit
         call = self._executor.submit(getattr(self.client, what), *args)
         try:
             call.result(timeout=limit)
@@ -1472,7 +1512,7 @@ class VLLMTrainerEngine:
             if call.done():
                 raise  # the client's own TimeoutError
             raise TimeoutError(f"m2n_async: the workers' {what} did not return within "
-                               f"{limit:g} s (update_timeout)") from None
+                               f"{limit:g} s ({bound})") from None
 
     def shutdown(self) -> None:
         """Close the engine and rank 0's store; rank 0 asks the workers to release theirs
@@ -1704,6 +1744,9 @@ def _close_connected(pending: Any) -> None:
 
 
 _RPC_SETTLE_S = 5.0  # how long a failed RPC waits for the round to report the same failure
+# What a failed send_weights may take beyond update_timeout from the failing step's start:
+# the round failed on every rank (_RPC_SETTLE_S at most) and the cleanup finish.
+_FAILURE_GRACE_S = 5.0
 # How long a failed round waits for its update RPC (the workers fail with the same round):
 # the sender's cleanup finish_weight_update must not run beside a worker's update_weights.
 _RPC_AFTER_FAILURE_S = 30.0
@@ -1711,7 +1754,8 @@ _RPC_AFTER_FAILURE_S = 30.0
 
 def _wait_with_rpc(pending: Any, rpc: Future[None] | None, what: str, *,
                    grace: float = 300.0, settle: float = _RPC_SETTLE_S,
-                   rpc_wait: float = _RPC_AFTER_FAILURE_S) -> Any:
+                   rpc_wait: float = _RPC_AFTER_FAILURE_S,
+                   first_ended: Callable[[], None] | None = None) -> Any:
     """Wait for an engine call and, on the sender, for the RPC that runs beside it.
 
     An RPC that fails first gives the engine call ``settle`` seconds to end: a worker whose
@@ -1720,11 +1764,14 @@ def _wait_with_rpc(pending: Any, rpc: Future[None] | None, what: str, *,
     added as a note. An engine call still running after ``settle`` is cancelled (its
     cancellation semantics apply) and the RPC's error is raised. An engine call that fails
     first is what this rank raises, once the RPC ended (at most ``rpc_wait`` more seconds),
-    its error, or that it had not returned, added as a note."""
+    its error, or that it had not returned, added as a note. ``first_ended()`` is called
+    when the first of the two ended."""
     if rpc is None:
         return pending.result()
     try:
         done, _ = wait([pending.future, rpc], return_when=FIRST_COMPLETED)
+        if first_ended is not None:
+            first_ended()
         if rpc in done and rpc.exception() is None:
             wait([pending.future])  # the RPC returned first: the round bounds itself
         elif rpc in done:

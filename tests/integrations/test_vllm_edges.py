@@ -511,6 +511,54 @@ def test_a_start_or_finish_rpc_that_never_returns_is_bounded_by_update_timeout(
         job.close()
 
 
+@pytest.mark.parametrize("hung", ["start_weight_update", "update_weights",
+                                  "finish_weight_update"])
+def test_a_failed_send_is_bounded_by_one_update_timeout_plus_the_grace(
+        hung: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A call that never answers is given up on after update_timeout; the cleanup finish,
+    # queued behind it, is waited for only what the failure's grace leaves (before: another
+    # whole update_timeout), then runs once the hung call returns, before shutdown's release.
+    limit, grace = 3.0, 0.2
+    monkeypatch.setattr(backend, "_FAILURE_GRACE_S", grace, raising=False)
+    release = threading.Event()
+
+    class Hangs(FanOutClient):
+        def start_weight_update(self) -> None:
+            if hung == "start_weight_update" and not release.is_set():
+                release.wait(30)
+            super().start_weight_update()
+
+        def update_weights(self, update_info: Any) -> None:
+            super().update_weights(update_info)
+            if hung == "update_weights" and not release.is_set():
+                release.wait(30)  # the workers received: a lost reply
+
+        def finish_weight_update(self, weight_version: str | None = None) -> None:
+            if hung == "finish_weight_update" and not release.is_set():
+                release.wait(30)
+            super().finish_weight_update(weight_version)
+
+    job = _Job(f"vllm-bound-{hung[:6]}", Hangs)
+    try:
+        job.init(update_timeout=limit)
+        began = time.monotonic()
+        errors = job.send(1)
+        took = time.monotonic() - began
+        release.set()
+        assert isinstance(errors[0], TimeoutError) and hung in str(errors[0]), errors
+        notes = " ".join(getattr(errors[0], "__notes__", ()))
+        assert "cleanup finish_weight_update()" in notes and "had not returned" in notes, notes
+        assert took < 2 * limit - 1, f"{took:.1f} s: the cleanup waited a second bound"
+        deadline = time.monotonic() + 30
+        while job.client.calls[-1] != "finish_weight_update" or any(
+                w._weight_update_active for w in job.workers):  # the queued cleanup ran
+            assert time.monotonic() < deadline, job.client.calls
+            time.sleep(0.01)
+    finally:
+        release.set()
+        job.close()
+
+
 def test_a_shutdown_rpc_that_never_returns_is_bounded_by_update_timeout() -> None:
     release = threading.Event()
 
