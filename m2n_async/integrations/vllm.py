@@ -1105,9 +1105,17 @@ class TrainerInitInfo:
                 problems.append(f"{name} must be a host name or address, got ''")
         if self.dtype is not None:
             try:
-                dtype_name(self.dtype)
+                wire = dtype_name(self.dtype)
             except PlanError as exc:
                 problems.append(f"dtype: {exc}")
+            else:
+                if not wire.startswith(("float", "bfloat")):
+                    # It applies to floating-point parameters only, and no float source is
+                    # sent as this: every round would fail at its first parameter.
+                    problems.append(f"dtype (the wire dtype of floating-point parameters) "
+                                    f"must be a floating-point dtype, got {wire}")
+        if self.device is not None:
+            problems += _device_problems(self.device)
         if not problems:
             # The engine's own checks (transport, job, bucket_bytes), here where the info
             # is built, as the workers' parse_init_info makes them: refused in trainer_init,
@@ -1153,6 +1161,34 @@ class TrainerInitInfo:
         return EngineConfig(transport=self.transport, bucket_bytes=self.bucket_bytes,
                             phase_timeout=self.phase_timeout, round_timeout=self.round_timeout,
                             device=self.device, host=self.host, job=self.job)
+
+
+def _device_problems(device: Any) -> list[str]:
+    """``TrainerInitInfo.device`` that ``torch.device`` refuses (the engine would, at
+    connect, after rank 0 served a store)."""
+    import torch
+
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        return [f"device must be a torch device (\"cpu\", \"cuda\", \"cuda:N\") or None, "
+                f"got {device!r} ({exc})"]
+    return []
+
+
+def _wire_problems(source: Any, specs: Sequence[ParamSpec], dtype: Any) -> list[str]:
+    """The parameters whose dtype ``TrainerInitInfo.dtype`` cannot be cast from while
+    packing (an fp8 or int master to bfloat16, say): each round would fail at it."""
+    if dtype is None:
+        return []
+    from m2n_async._proto.plan import cast_problem
+
+    out = []
+    for m, spec in zip(source.metadata, specs, strict=True):
+        why = cast_problem(dtype_name(m.dtype), spec.dtype)
+        if why is not None:
+            out.append(f"{m.name!r} ({dtype_name(m.dtype)}): {why}")
+    return out
 
 
 def _placement(meta_name: str, p: Any, ndim: int) -> int:
@@ -1329,6 +1365,11 @@ class VLLMTrainerEngine:
         if not specs:  # the workers refuse an empty params list: refused before any store
             raise ValueError("m2n_async trainer_init: the WeightSource declares no parameters "
                              "(its metadata is empty)")
+        wire = _wire_problems(source, specs, info.dtype)
+        if wire:  # every round would fail at the first of them, after the workers' init
+            raise ValueError(f"m2n_async trainer_init: TrainerInitInfo.dtype "
+                             f"{dtype_name(info.dtype)} cannot be the wire dtype of "
+                             f"{'; '.join(wire[:3])}{' ...' if len(wire) > 3 else ''}")
         # connect_timeout bounds this rank's whole connect: the probes, the wait for rank
         # 0's listener, the engine's connect and its retries all draw on one deadline.
         budget = _ConnectBudget(info.connect_timeout, info.phase_timeout)

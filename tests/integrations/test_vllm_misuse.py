@@ -427,6 +427,39 @@ def test_an_empty_token_variable_is_said_to_be_empty(monkeypatch: pytest.MonkeyP
         _backend().init_transfer_engine(_backend().parse_init_info(GOOD))
 
 
+@pytest.mark.parametrize(("kw", "named"), [
+    ({"dtype": "int32"}, "dtype (the wire dtype of floating-point parameters) must be a "
+                         "floating-point dtype, got int32"),
+    ({"dtype": torch.bool}, "must be a floating-point dtype, got bool"),
+    ({"device": "cdua"}, "device must be a torch device"),
+])
+def test_trainer_init_info_dtype_and_device_that_cannot_work_are_refused_where_built(
+        kw: dict[str, Any], named: str) -> None:
+    # Accepted, they failed late: a float master is never sent as int32 (every round fails
+    # at its first parameter), and a device torch cannot parse failed the connect.
+    with pytest.raises(ValueError, match="TrainerInitInfo") as err:
+        backend.TrainerInitInfo(rank=0, world_size=3, **kw)
+    assert named in str(err.value), err.value
+
+
+def test_a_wire_dtype_a_master_cannot_be_cast_to_is_refused_by_trainer_init() -> None:
+    # fp8 masters, bf16 on the wire: the packing cast is refused mid-round (the engine
+    # POISONED after the workers' init); trainer_init refuses it first, naming the parameter.
+    class Fp8(ShardedSource):
+        @cached_property
+        def metadata(self) -> list[Any]:
+            first, *rest = super().metadata
+            return [ParamMeta(first.name, torch.float8_e4m3fn, first.shape, first.owners,
+                              first.mesh_shape, first.placements), *rest]
+
+    info = backend.TrainerInitInfo(rank=0, trainer_ranks=T, world_size=T + TP,
+                                   dtype="bfloat16", phase_timeout=2, connect_timeout=2)
+    with pytest.raises(ValueError, match=r"TrainerInitInfo\.dtype bfloat16 cannot") as err:
+        backend.VLLMTrainerEngine.trainer_init(info, client=FanOutClient([]),
+                                               source=Fp8(0, T))
+    assert "'model.embed_tokens.weight' (float8_e4m3fn)" in str(err.value), err.value
+
+
 def test_a_source_that_declares_no_parameters_is_refused_by_trainer_init() -> None:
     class Empty(ShardedSource):
         metadata: list[Any] = []  # noqa: RUF012 - one empty list, never changed
