@@ -1503,7 +1503,13 @@ class VLLMTrainerEngine:
                 self._rpc("finish_weight_update", weight_version)
         except BaseException as exc:
             self._failure = exc
-            if isinstance(exc, TransferError):
+            if isinstance(exc, TransferError) and _NOTHING_SENT in str(exc):
+                # Rank 0 failed the round because its start RPC failed: no worker had an
+                # update session, so none received anything (the same text on every rank).
+                exc.add_note("m2n_async: the workers' models are untouched (trainer rank 0's "
+                             "start_weight_update failed, so no worker was updating): "
+                             "shutdown() and trainer_init() on every trainer rank to recover")
+            elif isinstance(exc, TransferError):
                 exc.add_note("m2n_async: the workers' models may be partly updated (some "
                              "parameters hold this round's weights, others the previous "
                              "ones): shutdown() and trainer_init() on every trainer rank, "
@@ -1596,7 +1602,7 @@ def _fail_round_now(trainer: BlockingTrainer, rank: int, what: str, error: BaseE
 
     def refused() -> Iterator[tuple[str, Any]]:
         raise RuntimeError(f"m2n_async: trainer rank {rank}: the workers' {what} failed "
-                           f"({error!r}); no weights were sent")
+                           f"({error!r}); {_NOTHING_SENT}")
         yield  # a generator: the round starts before it raises
 
     try:
@@ -1784,6 +1790,8 @@ def _close_connected(pending: Any) -> None:
             pending.future.result().close()
 
 
+# What the round's error says on every trainer rank when rank 0's start RPC failed it.
+_NOTHING_SENT = "no weights were sent to any worker"
 _RPC_SETTLE_S = 5.0  # how long a failed RPC waits for the round to report the same failure
 # What a failed send_weights may take beyond update_timeout from the failing step's start:
 # the round failed on every rank (_RPC_SETTLE_S at most) and the cleanup finish.

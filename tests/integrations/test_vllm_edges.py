@@ -372,11 +372,16 @@ def test_a_failed_start_rpc_fails_the_round_on_every_trainer_rank_at_once() -> N
     job = _Job("vllm-start-fails", _StartFailsOnce)
     try:
         job.init(round_timeout=3)
+        before = [{n: p.clone() for n, p in m.named_parameters()} for m in job.models]
         errors = job.send(1)
         assert isinstance(errors[0], ConnectionError), errors
         assert any("failed on every rank" in n for n in errors[0].__notes__), errors[0]
         assert isinstance(errors[1], TransferError), errors
         assert "start_weight_update" in str(errors[1]) and "502" in str(errors[1]), errors[1]
+        notes = " ".join(errors[1].__notes__)  # no worker was updating: none received
+        assert "models are untouched" in notes and "partly updated" not in notes, notes
+        for m, held in zip(job.models, before, strict=True):
+            assert all(torch.equal(p, held[n]) for n, p in m.named_parameters())
         assert [t.engine.state for t in job.trainers if t.engine is not None] == [
             EngineState.POISONED] * T
         for t in job.trainers:
