@@ -18,6 +18,7 @@ from m2n_async import (
     EnginePoisonedError,
     LoadTarget,
     LocalProtocolError,
+    PeerLostError,
     TrainerEngine,
     TransferError,
     WorkerEngine,
@@ -130,6 +131,7 @@ async def test_rounds_versions_and_lifecycle() -> None:
             assert res[0].efficiency is not None and res[0].efficiency > 0
             _check(plan, workers, v)
             assert {r.version for r in res} == {v}
+            assert {e.last_began for e in [*trainers, *workers]} == {res[0].round}
             assert [r.bytes for r in res[:2]] == [plan.send_bytes(0), plan.send_bytes(1)]
             assert res[2].bytes == plan.recv_bytes(2) > 0
             assert all(r.peak_extra_bytes <= CFG.max_inflight * 4096 for r in res)
@@ -224,6 +226,8 @@ async def test_bad_source_fails_every_rank_identically() -> None:
         err = errors[0]
         assert isinstance(err, TransferError) and err.rank == 1 and err.round == 1
         assert "'rep'" in str(err) and "int16" in str(err) and "float16" in str(err)
+        # Found inside the round: every rank's part of it had begun (it may have written).
+        assert {e.last_began for e in [*trainers, *workers]} == {err.round}
         for e in [*trainers, *workers]:
             assert e.state.value == "poisoned" and e.version == 0
             with pytest.raises(EnginePoisonedError) as info:
@@ -681,5 +685,23 @@ async def test_a_rank_that_reported_then_died_does_not_fail_the_round() -> None:
         assert results[slow_rank].version == 1, results[slow_rank]
         want = expected_shards(plan, slow_rank, 1)[p.spec.name]
         assert _same(got[p.spec.name], want)
+    finally:
+        await _close(*trainers, *workers)
+
+
+@pytest.mark.asyncio
+async def test_last_began_says_a_failed_receive_never_began_its_round() -> None:
+    # The trainers close the job between rounds: the worker's next receive fails before
+    # its part of round 2 began (last_began stays 1), so it wrote nothing of it.
+    plan = make_plan(DEFS[:2], (1, 1), (1, 1))
+    store = MemoryStore()
+    trainers, workers = await _connect_all(store, plan)
+    try:
+        await _round(trainers, workers, lambda e: e.sync_weights(source_shards(plan, e.rank, 1)))
+        await _close(*trainers)
+        with anyio.fail_after(30), pytest.raises(PeerLostError):
+            await workers[0].receive()
+        assert workers[0].last_began == 1
+        _check(plan, workers, 1)
     finally:
         await _close(*trainers, *workers)
