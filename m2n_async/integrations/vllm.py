@@ -930,7 +930,10 @@ class VLLMWorkerBackend:
             # return): a second finish after a failed one lets it close, so that
             # shutdown_weight_transfer_engine() is allowed again. The engine stays poisoned.
             log.warning("m2n_async: finish_weight_update after a failed update: the session "
-                        "ends, the model stays poisoned until shutdown and init")
+                        "ends; %s", "the model stays poisoned until shutdown and init"
+                        if self._poison_untouched is None else
+                        "the model is untouched, and this connection takes no more rounds "
+                        "until shutdown and init")
             return
         self._require_ready("finish_weight_update")
         if not self._session:

@@ -825,7 +825,8 @@ def _assert_untouched(error: BaseException | None, why: str, version: int) -> No
 
 
 @pytest.mark.parametrize("store", ["rank 0's", "external"])
-def test_a_trainer_that_closed_between_rounds_says_the_model_is_untouched(store: str) -> None:
+def test_a_trainer_that_closed_between_rounds_says_the_model_is_untouched(
+        store: str, caplog: pytest.LogCaptureFixture) -> None:
     # The trainer's shutdown() ran (its client could not shut the workers down): the next
     # update_weights receives nothing, so its error says the trainer ended before the update
     # started and the model still holds the last update, not that it may be partly updated.
@@ -850,6 +851,9 @@ def test_a_trainer_that_closed_between_rounds_says_the_model_is_untouched(store:
         with pytest.raises(RuntimeError, match="untouched by this call") as refused:
             job.backends[0].start_weight_update()
         assert "may mix" not in str(refused.value)
+        with caplog.at_level("WARNING", logger="m2n_async.vllm"):
+            job.backends[0].finish_weight_update()  # a finish after the failure: it says so
+        assert "the model is untouched" in caplog.text, caplog.text
         # What the error says to do recovers: shut down, init against a restarted trainer.
         for w in job.workers:
             assert _bounded(w.shutdown, 30) is None
