@@ -849,10 +849,12 @@ class TrainerEngine(_Engine):
         ``weights``: name -> local shard (a dict, ``module_shards(...)`` or any Mapping), a
         ``torch.nn.Module``, a callable ``f(names) -> Mapping`` called once per bucket, or an
         iterable of ``(name, tensor)`` pairs — lazy sources are materialized bucket by bucket.
-        Each shard is checked against the plan (present, dtype, local shape, contiguity,
-        device): a dict (or ``MappingProxyType``) of tensors whole, before the round; a
-        module and ``module_shards(...)`` for their dtypes before the round and the rest
-        when each bucket is staged; any other source when its bucket is staged. Keep the
+        A module's tensors, or an iterable's names, that the plan does not carry are skipped
+        (not sent, not held) with one warning per engine naming them. Each shard is checked
+        against the plan (present, dtype, local shape, contiguity, device): a dict (or
+        ``MappingProxyType``) of tensors whole, before the round; a module and
+        ``module_shards(...)`` for their dtypes before the round and the rest when each
+        bucket is staged; any other source when its bucket is staged. Keep the
         tensors unchanged until this returns.
 
         Dtypes: a shard may have its parameter's planned (wire) dtype, or another float
@@ -1065,7 +1067,18 @@ class TrainerEngine(_Engine):
             _check_bytes(stats, plan.send_bytes(rank), "sent", rank)
             return stats
 
-        return await self._run_round(start, work, time.perf_counter() - t0)
+        try:
+            return await self._run_round(start, work, time.perf_counter() - t0)
+        finally:
+            if sources.iter_unplanned_count and not self._warned_unplanned:
+                self._warned_unplanned = True  # once per engine, as for a module's
+                n = sources.iter_unplanned_count
+                more = (f" and {n - len(sources.iter_unplanned)} more"
+                        if n > len(sources.iter_unplanned) else "")
+                log.warning("sync_weights on rank %d: the weights iterator yielded %d "
+                            "name(s) the plan does not carry, skipped, not sent: %s%s (the "
+                            "plan is what connect agreed)", rank, n,
+                            ", ".join(sources.iter_unplanned), more)
 
 
 def _clean_exit(exc: BaseException | None) -> bool:

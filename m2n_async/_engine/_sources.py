@@ -66,6 +66,9 @@ __all__ = ["CallbackInterrupted", "Interrupts", "Weights", "_INLINE_PARAMS", "_E
            "_Expectations", "_Sources", "_source_expectations", "device_predicates",
            "laid_out"]
 
+#: How many names the plan does not carry an iterator's warning shows.
+_UNPLANNED_SHOWN = 5
+
 #: What ``sync_weights`` accepts: name -> local shard (any Mapping, e.g. ``module_shards``),
 #: a ``torch.nn.Module``, a callable ``f(names) -> Mapping`` called once per bucket, or an
 #: iterable of ``(name, tensor)`` pairs consumed lazily.
@@ -172,6 +175,10 @@ class _Sources:
 
         #: a module's tensors the plan does not carry (not sent; the engine warns once)
         self.unplanned: tuple[str, ...] = ()
+        #: names an iterator yielded that the plan does not carry (the first few, and how
+        #: many): skipped, not sent; the engine warns once after the round
+        self.iter_unplanned: list[str] = []
+        self.iter_unplanned_count = 0
         if isinstance(weights, torch.nn.Module):
             # Its parameters as they are (fp32 masters stay fp32): the transports cast to
             # the wire dtype while packing, with no cast copy per bucket.
@@ -334,6 +341,15 @@ class _Sources:
                 raise PlanError(f"sync_weights: the weights iterator yielded a "
                                 f"{type(item).__name__}, not a (name, tensor) pair (rank "
                                 f"{self._rank})") from None
+            try:
+                self._plan.index(name)
+            except (PlanError, TypeError):  # TypeError: a name that is no str
+                # Not buffered (it would be held until the round ends, never sent); the
+                # engine warns once, as for a module's tensors the plan does not carry.
+                if len(self.iter_unplanned) < _UNPLANNED_SHOWN:
+                    self.iter_unplanned.append(repr(name))
+                self.iter_unplanned_count += 1
+                continue
             self._pending[name] = tensor
         return {n: self._pending.pop(n) for n in names}
 

@@ -989,3 +989,44 @@ def test_blocking_call_cancelled_mid_round_aborts_it_on_every_rank(
         worker.receive(timeout=LIMIT)  # the round's abort record: at once, not a deadline
     assert (info.value.rank, info.value.cause, info.value.round) == (0, "cancelled", 1)
     assert worker.state is EngineState.POISONED and worker.version == 0
+
+
+@pytest.mark.asyncio
+async def test_names_an_iterator_yields_outside_the_plan_are_skipped_with_one_warning(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # As for a module's tensors the plan does not carry: not sent, not held for the round,
+    # one warning per engine naming them (not one per round).
+    import gc
+    import weakref
+
+    async with world() as w:
+        extras: list[weakref.ref[torch.Tensor]] = []
+        seen_in_round: list[bool] = []
+
+        def pairs(v: int) -> Any:
+            for i in range(7):
+                extra = torch.zeros(3)
+                extras.append(weakref.ref(extra))
+                yield f"not.planned.{i}", extra
+                del extra
+            # Pulled again: the skipped tensors are held by nobody (the last one still by
+            # the loop that just pulled it)
+            gc.collect()
+            seen_in_round.append(any(r() is not None for r in extras[-7:-1]))
+            yield from w.shards(v).items()
+
+        caplog.set_level("WARNING", logger="m2n_async")
+        for v in (1, 2):
+            got: dict[int, Any] = {}
+            with anyio.fail_after(LIMIT):
+                async with anyio.create_task_group() as tg:
+                    w.receive_all(tg, got)
+                    tg.start_soon(_outcome, lambda v=v: w.trainers[0].sync_weights(pairs(v)),
+                                  0, got)
+            assert all(isinstance(g, SyncResult) for g in got.values()), got
+            assert w.holds(v)
+        warned = [r.getMessage() for r in caplog.records if "plan does not carry" in r.message]
+        assert len(warned) == 1, warned
+        assert "yielded 7 name(s)" in warned[0] and "'not.planned.0'" in warned[0]
+        assert "and 2 more" in warned[0]
+        assert seen_in_round == [False, False]
