@@ -555,18 +555,26 @@ class _Engine:
         except anyio.get_cancelled_exc_class():
             # close()'s own cancel ends in ``with scope`` above and never gets here; a close
             # that began meanwhile ends the round itself (its leave), so it is left to it.
-            if not self._closing:
-                # Shielded: peers that read round k's start are in it and wait for this rank;
-                # they must hear of this cancel now, not at the round deadline.
-                with anyio.CancelScope(shield=True):
-                    failure = await self._rounds.cancelled_waiting(k)
-                if failure is not None:
-                    self._poison_with(self._rounds.core(k).error(failure))
+            await self._cancelled_before_start(k)
             raise
         finally:
             self._start_wait = None
         raise LocalProtocolError(f"{what} on rank {self.rank}: the engine was closed while "
                                  f"waiting for round {k} of generation {self._generation}")
+
+    async def _cancelled_before_start(self, k: int) -> None:
+        """A call of a rank other than trainer rank 0 was cancelled by its caller before it
+        joined round ``k`` (in its wait for the start, or in the checks before it): if the
+        round had started, post the cancel as its abort record and poison (``_wait_start``);
+        else nothing. Not for a cancel that ``close()`` made: its leave ends the round."""
+        if self._closing or self._rounds is None:
+            return
+        # Shielded: peers that read round k's start are in it and wait for this rank; they
+        # must hear of this cancel now, not at the round deadline.
+        with anyio.CancelScope(shield=True):
+            failure = await self._rounds.cancelled_waiting(k)
+        if failure is not None:
+            self._poison_with(self._rounds.core(k).error(failure))
 
     async def _run_round(self, start: RoundStart, work: Callable[[], Awaitable[PipelineStats]],
                          waited: float) -> SyncResult:
@@ -922,8 +930,8 @@ class TrainerEngine(_Engine):
         happened and the engine stays READY. Rank 0's publish itself is shielded (bounded by
         the round deadline, at least ``abort_grace``): a cancel that lands during it takes
         effect just after, once the round has started. A trainer other than 0 cancelled
-        while it waits for rank 0's start looks once, shielded and bounded by
-        ``abort_grace``, whether the start is there: if it is (rank 0 published the round
+        while it checks its sources or waits for rank 0's start looks once, shielded and
+        bounded by ``abort_grace``, whether the start is there: if it is (rank 0 published the round
         before the look), the cancel is one in the round, as below; if not, nothing was
         posted, the engine stays READY and the round is not refused: rank 0 may publish it
         the next moment, and the other ranks then wait in it for this rank — a later call
@@ -1011,6 +1019,10 @@ class TrainerEngine(_Engine):
             # name this refusal instead of a frozen rank.
             with anyio.CancelScope(shield=True):
                 await self._rounds_note_refusal(exc)
+            raise
+        except anyio.get_cancelled_exc_class():
+            if self.rank != 0:  # rank 0 published nothing yet: no round can have started
+                await self._cancelled_before_start(self._round + 1)
             raise
         if progress is not None:  # it runs in a task of the loop: see CallbackInterrupted
             progress = self._interrupts.wrap(progress, "the progress callback")
@@ -1257,8 +1269,9 @@ class WorkerEngine(_Engine):
         ``LocalProtocolError`` (the running one is unaffected); so does this one when a ``close()``
         of this engine ends its wait for the round.
 
-        Cancellation: while waiting for the round to start, this rank looks once, shielded
-        and bounded by ``abort_grace``, whether trainer rank 0's start is there. If not,
+        Cancellation: while checking its targets or waiting for the round to start, this
+        rank looks once, shielded and bounded by ``abort_grace``, whether trainer rank 0's
+        start is there. If not,
         nothing happened: the engine stays READY, and the next ``receive`` takes that round
         (if the trainers start it and no ``receive`` comes, its deadline fails it on every
         rank naming this worker, ``cause="deadline"``; a ``close()`` fails it at once,
@@ -1299,7 +1312,11 @@ class WorkerEngine(_Engine):
                                              (transport.ctx.settings.device or "cpu"))
         # While the trainers check their sources and start the round: off its path
         # (``_targets``); the round checks again what failed, or all if it starts late.
-        await self._target_check.precheck(transport.ctx.buckets)
+        try:
+            await self._target_check.precheck(transport.ctx.buckets)
+        except anyio.get_cancelled_exc_class():
+            await self._cancelled_before_start(k)  # as a cancel of the wait that follows
+            raise
         try:
             start = await self._wait_start(k, limit=limit, missed_is_failure=False,
                                            what="receive")

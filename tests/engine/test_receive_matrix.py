@@ -658,3 +658,41 @@ def test_blocking_updates_left_early_then_receive_takes_the_next_round(
     trainer.close()
     assert list(worker.updates()) == []  # the job ended: the iteration ends
     assert worker.state is EngineState.POISONED
+
+
+@pytest.mark.asyncio
+async def test_cancelled_in_its_target_check_once_the_round_started_fails_it_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # receive checks its targets before it waits for the start: a cancel there, with the
+    # start already published, fails the round at once naming this worker, as a cancel of
+    # the wait does.
+    from m2n_async._engine import _targets
+
+    far, prompt = 60, 15  # the round deadline, and the generous bound its failure is held to
+    async with world() as w:
+        wk = w.workers[0]
+        scope = anyio.CancelScope()
+
+        async def slow_precheck(self: Any, buckets: Any) -> None:
+            await started(w, 1)
+            scope.cancel()
+            await anyio.sleep_forever()  # the cancel lands here, in the check
+
+        monkeypatch.setattr(_targets.TargetCheck, "precheck", slow_precheck)
+        errors: list[BaseException] = []
+
+        async def trainer() -> None:
+            try:
+                await w.send(1, timeout=far)
+            except TransferError as exc:
+                errors.append(exc)
+
+        with anyio.fail_after(prompt):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(trainer)
+                with scope:
+                    await wk.receive()
+        assert scope.cancelled_caught
+        assert wk.state is EngineState.POISONED
+        [exc] = errors
+        assert (exc.rank, exc.cause, exc.round) == (wk.rank, "cancelled", 1), exc

@@ -1030,3 +1030,39 @@ async def test_names_an_iterator_yields_outside_the_plan_are_skipped_with_one_wa
         assert "yielded 7 name(s)" in warned[0] and "'not.planned.0'" in warned[0]
         assert "and 2 more" in warned[0]
         assert seen_in_round == [False, False]
+
+
+@pytest.mark.asyncio
+async def test_cancelled_in_its_checks_once_the_round_started_fails_it_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Trainer 1 is cancelled while it checks its sources, before its wait for the start,
+    # with rank 0's start already published: as a cancel of the wait, the round fails at
+    # once on every rank naming rank 1 (not at the round deadline).
+    async with world(trainers=2) as w:
+        t1 = w.trainers[1]
+        scope = anyio.CancelScope()
+        checked = TrainerEngine._checked_sources
+
+        async def slow_checks(self: TrainerEngine, *a: Any, **kw: Any) -> Any:
+            if self is t1:
+                await started(w, 1)
+                scope.cancel()
+                await anyio.sleep_forever()  # the cancel lands here, in the checks
+            return await checked(self, *a, **kw)
+
+        monkeypatch.setattr(TrainerEngine, "_checked_sources", slow_checks)
+        got: dict[int, Any] = {}
+
+        async def cancelled() -> None:
+            with scope:
+                await w.send(1, 1)
+
+        with anyio.fail_after(PROMPT):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(cancelled)
+                w.receive_all(tg, got)
+                tg.start_soon(_outcome, lambda: w.send(1, 0, timeout=FAR), 0, got)
+        assert scope.cancelled_caught
+        exc = one_failure(got)
+        assert (exc.rank, exc.cause, exc.round) == (1, "cancelled", 1), exc
+        assert t1.state is EngineState.POISONED
