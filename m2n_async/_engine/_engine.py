@@ -39,7 +39,7 @@ from collections.abc import (
     Sequence,
 )
 from contextlib import contextmanager
-from typing import Any, Final, Literal, Self
+from typing import Any, Final, Literal, Self, TypeGuard
 
 import anyio
 import anyio.lowlevel
@@ -1389,14 +1389,19 @@ def _wait_bound(timeout: object) -> float | None:
     (``None`` or ``math.inf``); ``LocalProtocolError`` for a value that bounds no wait."""
     if timeout is None:
         return None
-    # Real, not (int, float): a NumPy scalar is a number of seconds too. Not bool, though it
-    # is an int: True would wait one second where the caller meant a flag.
-    if (not isinstance(timeout, numbers.Real) or isinstance(timeout, bool)
-            or math.isnan(_seconds(timeout)) or timeout <= 0):
+    if not _positive_seconds(timeout):
         raise LocalProtocolError(f"receive: timeout must be a number of seconds > 0 (None or "
                                  f"math.inf: no bound), got {timeout!r}; to poll for a round, "
                                  f"pass a short timeout such as 0.05")
     return None if math.isinf(_seconds(timeout)) else float(timeout)
+
+
+def _positive_seconds(timeout: object) -> TypeGuard[numbers.Real]:
+    """Whether ``timeout`` is a number of seconds > 0 (infinity included)."""
+    # Real, not (int, float): a NumPy scalar or a Fraction is a number of seconds too. Not
+    # bool, though it is an int: True would be one second where the caller meant a flag.
+    return (isinstance(timeout, numbers.Real) and not isinstance(timeout, bool)
+            and not math.isnan(_seconds(timeout)) and timeout > 0)  # type: ignore[operator]
 
 
 def _seconds(timeout: numbers.Real) -> float:
@@ -1420,10 +1425,7 @@ def _round_deadline(timeout: object) -> float | None:
     what ends a round a rank froze in on every rank, like ``EngineConfig.round_timeout``."""
     if timeout is None:
         return None
-    # Real, as receive's: a NumPy scalar or a Fraction is a number of seconds too. Not bool,
-    # though it is an int: True would be a one-second deadline where a flag was meant.
-    if (not isinstance(timeout, numbers.Real) or isinstance(timeout, bool)
-            or not math.isfinite(_seconds(timeout)) or timeout <= 0):
+    if not _positive_seconds(timeout) or math.isinf(_seconds(timeout)):
         raise LocalProtocolError(f"sync_weights: timeout must be a finite number of seconds "
                                  f"> 0 (the round deadline of every rank; None: "
                                  f"EngineConfig.round_timeout), got {timeout!r}")

@@ -36,6 +36,14 @@ def _renew(t: torch.Tensor, how: str) -> None:
             raise AssertionError(how)
 
 
+async def _side(got: dict[str, Any], name: str, call: Callable[[], Any]) -> None:
+    """``call``'s result or error into ``got[name]``, for the test to compare."""
+    try:
+        got[name] = await call()
+    except Exception as exc:
+        got[name] = exc
+
+
 async def _two_rounds(how: str) -> tuple[Any, Any, tuple[int, str]]:
     """Round 1, the worker's target renewed ``how``, round 2: (trainer's, worker's outcome
     of round 2, the worker engine's version and state after it)."""
@@ -44,18 +52,11 @@ async def _two_rounds(how: str) -> tuple[Any, Any, tuple[int, str]]:
         await _round(trainers, workers, lambda e: e.sync_weights(source_shards(PLAN, 0, 1)))
         _renew(workers[0]._sinks["w_row"].tensor, how)
         got: dict[str, Any] = {}
-
-        async def side(name: str, call: Callable[[], Any]) -> None:
-            try:
-                got[name] = await call()
-            except Exception as exc:
-                got[name] = exc
-
         with anyio.fail_after(30):
             async with anyio.create_task_group() as tg:
-                tg.start_soon(side, "trainer",
+                tg.start_soon(_side, got, "trainer",
                               lambda: trainers[0].sync_weights(source_shards(PLAN, 0, 2)))
-                tg.start_soon(side, "worker", workers[0].receive)
+                tg.start_soon(_side, got, "worker", workers[0].receive)
         if how == "same":
             _check(PLAN, workers, 2)
         return got["trainer"], got["worker"], (workers[0].version, workers[0].state.value)
@@ -165,21 +166,14 @@ async def _renewed_while_waiting(monkeypatch: pytest.MonkeyPatch, fresh: float,
         await _round(trainers, workers, lambda e: e.sync_weights(source_shards(PLAN, 0, 1)))
         in_round = 0
         got: dict[str, Any] = {}
-
-        async def side(name: str, call: Callable[[], Any]) -> None:
-            try:
-                got[name] = await call()
-            except Exception as exc:
-                got[name] = exc
-
         with anyio.fail_after(30):
             async with anyio.create_task_group() as tg:
-                tg.start_soon(side, "worker", workers[0].receive)
+                tg.start_soon(_side, got, "worker", workers[0].receive)
                 await anyio.sleep(0.1)  # the worker checked its targets and waits
                 if how != "unchanged":
                     _renew(workers[0]._sinks["w_row"].tensor, how)
                 await anyio.sleep(0.2)
-                tg.start_soon(side, "trainer",
+                tg.start_soon(_side, got, "trainer",
                               lambda: trainers[0].sync_weights(source_shards(PLAN, 0, 2)))
         if how in ("unchanged", "same") and not isinstance(got["worker"], Exception):
             _check(PLAN, workers, 2)  # bit-exact, in the new storage too

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import socket
 import sys
+import threading
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -70,6 +71,46 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+@contextmanager
+def lagging_listener(delay: float | None) -> Iterator[str]:
+    """An address on 127.0.0.1 that accepts TCP connections and sends each its first byte
+    only ``delay`` s later (a loaded store host: a probe takes at least ``delay``), or never
+    (``None``: another service on the store's port, a wedged host; the store's client waits
+    for the server's challenge)."""
+    held: list[socket.socket] = []
+    stop = threading.Event()
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(16)
+        srv.settimeout(0.05)
+
+        def answer(conn: socket.socket) -> None:
+            if delay is not None and not stop.wait(delay):
+                try:
+                    conn.sendall(b"x")
+                except OSError:
+                    pass
+
+        def serve() -> None:
+            while not stop.is_set():
+                try:
+                    conn = srv.accept()[0]
+                except OSError:
+                    continue
+                held.append(conn)
+                threading.Thread(target=answer, args=(conn,), daemon=True).start()
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        try:
+            yield f"127.0.0.1:{srv.getsockname()[1]}"
+        finally:
+            stop.set()
+            thread.join(5)
+            for conn in held:
+                conn.close()
 
 
 # -- the checkpoint (trainer side): HF names and shapes ----------------------------------------

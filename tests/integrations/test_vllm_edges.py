@@ -24,7 +24,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -40,6 +39,7 @@ from ._vllm_world import (
     TinyLlama,
     expected_locals,
     free_port,
+    lagging_listener,
     stubbed_backend,
     vllm_config,
 )
@@ -79,44 +79,6 @@ def _bounded(call: Callable[[], Any], limit: float = 30) -> BaseException | None
     return out.get("error")
 
 
-@contextmanager
-def _slow_store(delay: float) -> Iterator[str]:
-    """An address that accepts and sends its first byte only ``delay`` s later (a loaded
-    store host): a probe of it takes at least ``delay``."""
-    held: list[socket.socket] = []
-    stop = threading.Event()
-    with socket.socket() as srv:
-        srv.bind(("127.0.0.1", 0))
-        srv.listen(16)
-        srv.settimeout(0.05)
-
-        def serve() -> None:
-            while not stop.is_set():
-                try:
-                    conn = srv.accept()[0]
-                except OSError:
-                    continue
-                held.append(conn)
-                threading.Thread(target=answer, args=(conn,), daemon=True).start()
-
-        def answer(conn: socket.socket) -> None:
-            if not stop.wait(delay):
-                try:
-                    conn.sendall(b"x")
-                except OSError:
-                    pass
-
-        thread = threading.Thread(target=serve, daemon=True)
-        thread.start()
-        try:
-            yield f"127.0.0.1:{srv.getsockname()[1]}"
-        finally:
-            stop.set()
-            thread.join(5)
-            for conn in held:
-                conn.close()
-
-
 class _Connected(Exception):
     """What the spied connect raises once it recorded its timeout."""
 
@@ -139,7 +101,7 @@ def test_the_worker_connect_gets_what_the_store_probe_left_of_connect_timeout(
 
     monkeypatch.setattr(backend, "BlockingWorker", Worker)
     be = _backend()
-    with _slow_store(delay) as address:
+    with lagging_listener(delay) as address:
         info = be.parse_init_info({**GOOD, "store_address": address,
                                    "connect_timeout": limit})
         err = _bounded(lambda: be.init_transfer_engine(info))
@@ -186,7 +148,7 @@ def test_the_trainer_connect_gets_what_the_store_probe_left_of_connect_timeout(
             raise _Connected
 
     monkeypatch.setattr(backend, "BlockingTrainer", Trainer)
-    with _slow_store(delay) as address:
+    with lagging_listener(delay) as address:
         info = backend.TrainerInitInfo(rank=0, trainer_ranks=1, world_size=1 + TP,
                                        store_address=address, connect_timeout=limit)
         err = _bounded(lambda: backend.VLLMTrainerEngine.trainer_init(

@@ -12,12 +12,10 @@ Same stub, model and GPU worker as ``test_vllm_backend.py`` (``_vllm_world``).
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from functools import cached_property
 from typing import Any
 
@@ -41,6 +39,7 @@ from ._vllm_world import (
     checkpoint_shapes,
     expected_locals,
     free_port,
+    lagging_listener,
     stubbed_backend,
     vllm_config,
 )
@@ -80,35 +79,6 @@ def _bounded(call: Callable[[], Any], limit: float) -> tuple[BaseException | Non
     thread.join(limit)
     assert not thread.is_alive(), f"still waiting after {limit} s: the wait is unbounded"
     return out.get("error"), time.monotonic() - start
-
-
-@contextmanager
-def _silent_store() -> Iterator[str]:
-    """An address that accepts TCP connections and never says a word (another service on
-    the store's port, a wedged host): the store's client waits for the server's challenge."""
-    held: list[socket.socket] = []
-    with socket.socket() as srv:
-        srv.bind(("127.0.0.1", 0))
-        srv.listen(16)
-        srv.settimeout(0.1)
-        stop = threading.Event()
-
-        def accept() -> None:
-            while not stop.is_set():
-                try:
-                    held.append(srv.accept()[0])
-                except OSError:
-                    continue
-
-        thread = threading.Thread(target=accept, daemon=True)
-        thread.start()
-        try:
-            yield f"127.0.0.1:{srv.getsockname()[1]}"
-        finally:
-            stop.set()
-            thread.join(5)
-            for conn in held:
-                conn.close()
 
 
 # -- init_info values ------------------------------------------------------------------------
@@ -170,7 +140,7 @@ def test_a_worker_rank_outside_the_job_is_explained(dp_index: int, tp_rank: int,
 @pytest.mark.parametrize("bound", ["connect_timeout", "phase_timeout"])
 def test_a_store_that_never_answers_fails_the_worker_init_in_bounded_time(bound: str) -> None:
     be = _backend()
-    with _silent_store() as address:
+    with lagging_listener(None) as address:
         info = be.parse_init_info({**GOOD, "store_address": address, bound: 1})
         err, took = _bounded(lambda: be.init_transfer_engine(info), 30)
     assert isinstance(err, TimeoutError), err
@@ -185,7 +155,7 @@ def test_a_store_that_never_answers_fails_the_trainer_init_in_bounded_time() -> 
         def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
             raise AssertionError("the init RPC must not be sent before the store answered")
 
-    with _silent_store() as address:
+    with lagging_listener(None) as address:
         info = backend.TrainerInitInfo(rank=0, trainer_ranks=1, world_size=1 + TP,
                                        store_address=address, transport="gloo",
                                        phase_timeout=1)
