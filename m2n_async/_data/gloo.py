@@ -45,7 +45,16 @@ every round; bucket i takes arena slot i mod ``max_inflight``, so it gets the sa
 every round. That is what makes the per-round work small: the views of a packed message in
 its arena (and the worker's target views) are built once and cached, and a message is packed
 or scattered with one ``torch._foreach_copy_`` per 512 segments — whole shards are copied from
-the tensors the caller passed, with no view per round. Torch releases the GIL inside those
+the tensors the caller passed, with no view per round. Small segments (at most 8 KiB, in
+groups of at least 16 of one size) go through address tables instead (``_hostcopy``): a
+worker scatters them with one ``index_copy_`` per group (``HostScatter``, cached with the
+message's views, rebuilt when a target's address changes), and a trainer gathers a message
+of whole shards whose addresses are the same as last round's with one ``index_select`` per
+group (``HostGather``; a message whose sources move every round keeps ``torch.cat``).
+``_foreach_copy_`` runs one ``copy_`` per pair on the CPU, 0.5-0.8 us each; a table scatters
+a 64 B segment in ~0.08 us (most of it the version bump) and gathers one in ~0.004 us plus
+the ~0.1 us of reading and comparing its address, where ``torch.cat`` takes ~0.17 us
+(``bench/cpu_host_copy.py``; BENCHMARKS "CPU sync"). Torch releases the GIL inside those
 calls, so the Python between them stays short and the event loop never waits long for the
 GIL. The group is created on a thread at nice +5, so Gloo's I/O thread (which inherits it and
 does the socket copies) gives way to the event loop on an oversubscribed machine, like the
@@ -86,6 +95,7 @@ import anyio.lowlevel
 import anyio.to_thread
 import torch
 
+from m2n_async._data._hostcopy import HostGather, HostScatter
 from m2n_async._data._native import NativeCall, NativeThread, threadsafe_notifier
 from m2n_async._data._packing import (
     DIRECT_MIN_BYTES,
@@ -435,6 +445,10 @@ class _UnpackPlan(NamedTuple):
     scatters: dict[int, list[torch.Tensor]]
     views: dict[int, torch.Tensor]  # param -> byte view of its target (other messages)
     callbacks: dict[int, Callable[[str, torch.Tensor], None]]  # param -> load callback
+    #: message id -> (its buffer's address, the ``HostScatter`` of its small segments or
+    #: None, the indices of the segments left to ``_foreach_copy_``): built at the first
+    #: round in a cached arena, dropped with this plan when a target's address changes
+    tables: dict[int, tuple[int, HostScatter | None, list[int]]]
 
 
 def _staging_need(bp: BucketPacking, direct: Callable[[Message], bool]) -> int:
@@ -494,6 +508,10 @@ class GlooTransport(Transport):
         self._copy_cache: dict[int, _Copies] = {}
         #: message id -> its ``_Cats`` (None: not made only of aligned whole shards)
         self._cat_cache: dict[int, _Cats | None] = {}
+        #: message id -> (its buffer's address, its sources' addresses last round, the
+        #: ``HostGather`` built for them: None until they are the same two rounds running,
+        #: False when it took nothing)
+        self._gathers: dict[int, tuple[int, list[int], HostGather | bool | None]] = {}
         self._parts: dict[int, tuple[int, list[torch.Tensor]]] = {}
         self._shapes: dict[int, tuple[int, ...]] = {}
         self._send_need: dict[int, int] = {}  # bucket -> staging bytes (trainer)
@@ -926,12 +944,14 @@ class GlooTransport(Transport):
             self._cat_cache[key] = got
         return got
 
-    @staticmethod
-    def _cat_from(cats: _Cats, sources: Mapping[str, torch.Tensor]) -> bool:
+    def _cat_from(self, msg: Message, cats: _Cats, buf: torch.Tensor,
+                  sources: Mapping[str, torch.Tensor], cache: bool) -> bool:
         """Pack the message with ``cats`` when every source is there in its wire dtype;
         False (nothing copied) otherwise: the per-segment path then casts, or raises the
         error naming a missing parameter. The engine checked the shapes, device and
-        contiguity of the sources."""
+        contiguity of the sources. Sources whose addresses are the same as last round's
+        (in a cached arena) are packed through a ``HostGather`` instead: small ones through
+        its address table, the others by one multi-tensor copy."""
         try:
             ts = cats.get(sources)
         except KeyError:
@@ -943,6 +963,33 @@ class GlooTransport(Transport):
                 return False
         except AttributeError:  # not a tensor: the per-segment path reports it
             return False
+        if cache and ts[0].is_cpu:
+            # The gather reads each source at its address for the bytes the plan gives it:
+            # safe because the engine checked every shard's shape, device and contiguity
+            # this round, and ``ts`` holds them while it reads.
+            ptrs = list(map(_DATA_PTR, ts))
+            key = id(msg)
+            last = self._gathers.get(key)
+            if last is None or last[0] != cats.ptr or last[1] != ptrs:
+                self._gathers[key] = (cats.ptr, ptrs, None)  # a table once they stay put
+            else:
+                table = last[2]
+                if table is None:
+                    segs = msg.segments
+                    table = HostGather.build(buf, [g.offset - msg.offset for g in segs],
+                                             [g.nbytes for g in segs], ptrs) or False
+                    self._gathers[key] = (cats.ptr, ptrs, table)
+                if table:
+                    assert isinstance(table, HostGather)
+                    table.run(buf)
+                    if table.rest:
+                        segs = msg.segments
+                        foreach_copy(
+                            [buf[segs[k].offset - msg.offset:
+                                 segs[k].offset - msg.offset + segs[k].nbytes]
+                             for k in table.rest],
+                            [flat_bytes(ts[k]) for k in table.rest])
+                    return True
         for out, a, b in cats.groups:
             torch.cat(ts[a:b], out=out)
         return True
@@ -1041,7 +1088,7 @@ class GlooTransport(Transport):
                 buf = arena[off:off + msg.nbytes]
                 off += msg.nbytes
                 cats = self._cats(msg, buf, cacheable)
-                if cats is not None and self._cat_from(cats, sources):
+                if cats is not None and self._cat_from(msg, cats, buf, sources, cacheable):
                     staged.messages.append((peer.peer, msg, buf, False))
                     continue
                 staged.cast_bytes += self._copy_from(
@@ -1283,8 +1330,19 @@ class GlooTransport(Transport):
                         for seg in msg.segments])
                     if cacheable:
                         self._parts[id(msg)] = parts
-                dsts.extend(targets)
-                srcs.extend(parts[1])
+                host = up.tables.get(id(msg)) if cacheable else None
+                if cacheable and (host is None or host[0] != ptr):
+                    # Small segments through a table of addresses (``_hostcopy``): built
+                    # once per arena and targets, it pays for itself from the second round.
+                    host = up.tables[id(msg)] = (ptr, *HostScatter.build(
+                        buf, [seg.offset - msg.offset for seg in msg.segments], targets))
+                if host is not None and host[1] is not None:
+                    host[1].run(buf)
+                    dsts.extend(targets[k] for k in host[2])
+                    srcs.extend(parts[1][k] for k in host[2])
+                else:
+                    dsts.extend(targets)
+                    srcs.extend(parts[1])
             else:  # some segments feed load callbacks (below); the others are copied here
                 for seg in msg.segments:
                     view = up.views.get(seg.param)
@@ -1348,7 +1406,7 @@ class GlooTransport(Transport):
                 for seg in msg.segments:
                     if seg.param in shaped:
                         views[seg.param] = shaped[seg.param]
-        up = _UnpackPlan(scatters, views, callbacks)
+        up = _UnpackPlan(scatters, views, callbacks, {})
         self._unpack_cache[bp.bucket.index] = up
         return up
 
@@ -1461,6 +1519,7 @@ class GlooTransport(Transport):
         # the cached views hold the arenas and the targets
         self._copy_cache.clear()
         self._cat_cache.clear()
+        self._gathers.clear()
         self._parts.clear()
         self._recv_cache.clear()
         self._unpack_cache.clear()

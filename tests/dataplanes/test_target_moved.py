@@ -22,11 +22,13 @@ from ._world import R, drive, expected, make_plan, raise_first, run_world, sourc
 
 pytestmark = pytest.mark.asyncio
 
-# A direct message (one contiguous range: received in place), a packed strided one, and six
-# parameters of one geometry (one stacked m2n call, one scatter group).
+# A direct message (one contiguous range: received in place), a packed strided one, ten
+# parameters of one geometry (one stacked m2n call, one scatter group) and forty small ones
+# (on Gloo, scattered through an address table).
 PLAN = make_plan([("big", (64, 32), torch.float32, (0, R), (0, R)),
                   ("col", (8, 8), torch.float32, (R, 0), (R, 1))]
-                 + [(f"e{i}", (8, 4), torch.float32, (R, 0), (R, 1)) for i in range(10)],
+                 + [(f"e{i}", (8, 4), torch.float32, (R, 0), (R, 1)) for i in range(10)]
+                 + [(f"n{i}", (6,), torch.float32, None, None) for i in range(40)],
                  (1, 2), (1, 2))
 
 

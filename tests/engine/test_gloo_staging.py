@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -93,6 +94,8 @@ def _check_cached_views(world: _World) -> None:
         assert tr._arenas.allocated == len(slots)  # every extra arena was released
         views = [d for c in tr._copy_cache.values() for d in c.dsts]
         views += [p for _, parts in tr._parts.values() for p in parts]
+        views += [table._buf for up in tr._unpack_cache.values()
+                  for _, table, _ in up.tables.values() if table is not None]
         for v in views:
             assert any(lo <= v.data_ptr() < hi for lo, hi in slots), "cached view of an extra"
 
@@ -162,6 +165,50 @@ def test_mixed_messages_bit_exact_over_rounds() -> None:
     plan = make_plan(_DEFS, (1, 2), (1, 3))
     for bucket_bytes, inflight in ((1 << 20, 1), (256, 2), (128, 3)):
         _run(plan, bucket_bytes, inflight)
+
+
+# Many small parameters of a few sizes and dtypes in the same messages: the workers scatter
+# them through address tables (``_hostcopy``), the odd ones beside them as before.
+_TINY = [(f"t{k}", ((4,), (2, 3), (5,), (2, 2, 2))[k % 4],
+          (torch.float32, torch.bfloat16, torch.int8, torch.float64)[k % 4],
+          None, (R, 0) if k % 4 == 1 else None) for k in range(192)] + _DEFS
+
+
+def test_many_small_parameters_go_through_address_tables(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The trainers gather through a HostGather once their sources stay put (the third round:
+    # the same objects as the second), the workers scatter through a HostScatter.
+    plan = make_plan(_TINY, (1, 2), (1, 2))
+    scatters: list[object] = []
+    gathers: list[object] = []
+    unpack, pack = GlooTransport._unpack, GlooTransport._pack
+
+    def spy_unpack(self: GlooTransport, staged: GlooStaging, sinks: Any) -> None:
+        unpack(self, staged, sinks)
+        scatters.extend(t for up in self._unpack_cache.values()
+                        for _, t, _ in up.tables.values() if t is not None)
+
+    def spy_pack(self: GlooTransport, bp: Any, sources: Any) -> GlooStaging:
+        got = pack(self, bp, sources)
+        gathers.extend(t for *_, t in self._gathers.values() if t)
+        return got
+
+    monkeypatch.setattr(GlooTransport, "_unpack", spy_unpack)
+    monkeypatch.setattr(GlooTransport, "_pack", spy_pack)
+    for bucket_bytes, inflight, window in ((1 << 20, 1, 0), (4096, 2, 0), (4096, 1, 3)):
+        scatters.clear()
+        _run(plan, bucket_bytes, inflight, window=window)
+        assert scatters, (bucket_bytes, inflight, window)
+    # packed messages made only of whole shards at offsets aligned to their dtypes (the
+    # ones a trainer gathers)
+    whole = make_plan([(f"w{k}", ((4,), (2, 4), (8,), (2, 2, 2))[k % 4],
+                        (torch.float32, torch.bfloat16)[k % 2], None, None)
+                       for k in range(192)], (1, 2), (1, 2))
+    for bucket_bytes, inflight, window in ((1 << 20, 1, 0), (4096, 2, 0), (4096, 1, 3)):
+        scatters.clear()
+        gathers.clear()
+        _run(whole, bucket_bytes, inflight, window=window)
+        assert scatters and gathers, (bucket_bytes, inflight, window)
 
 
 def test_buckets_moving_between_arenas_rebuild_their_views() -> None:

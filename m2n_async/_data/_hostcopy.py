@@ -1,0 +1,271 @@
+"""Multi-tensor copies on the host: one packed buffer scattered into many small CPU tensors
+with a few torch calls, through a table of addresses.
+
+Theory of operation. A worker that receives 100,000 tiny parameters scatters each packed
+message into as many targets. ``torch._foreach_copy_`` has no fused CPU kernel: it runs one
+``copy_`` per pair, a TensorIterator each, ~0.55-0.7 us per pair whatever its size (CPU dev
+box, ``bench/cpu_host_copy.py``). ``HostScatter`` does what the Triton kernel of ``_kernels``
+does on CUDA, reading the destinations' addresses from a table:
+
+- A segment is moved in words of ``w`` bytes (8, 4, 2 or 1: the widest that divides its
+  size, its destination's address and its source's address).
+- The destinations of one group (segments of one word size and one length ``L``) are
+  addressed through one raw view spanning them: a tensor over the bytes from their lowest
+  address to their highest end, seen as overlapping rows of ``L`` words (``as_strided`` with
+  strides (1, 1): row r is the ``L`` words starting at word r). Nothing outside the rows
+  the table names is ever read or written.
+- One ``index_copy_`` with the segments' row numbers then writes the whole group: ~0.014 us
+  per 64 B segment against ~0.57 us for ``_foreach_copy_``. Sources that lie back to back
+  in the buffer are read as one (n, L) view; others are gathered first by one
+  ``index_select`` over the buffer's own overlapping rows.
+
+An indexed copy moves a row element by element where ``copy_`` uses memcpy, and a group
+costs two or three torch calls, so a long segment or a small group is faster through torch's
+own copies: a group is taken when its segments have at most ``MAX_BYTES`` each and it has at
+least ``MIN_SEGMENTS`` of them (``bench/cpu_host_copy.py`` prints both sides at each size,
+word width and group size). The rest is the caller's, copied as before.
+
+Safety. The raw views own nothing: a ``HostScatter`` keeps referenced every destination it
+writes and the buffer it reads, so their storage lives as long as it does (a target whose
+``.data`` is replaced keeps its old storage alive through the table, exactly as a cached
+view would; the caller builds a new table when a target's address changes, and one table
+serves only the buffer it was built for). Only contiguous, one-dimensional uint8 CPU
+destinations are taken, with the sizes they have when the table is built.
+
+Version counters. A write through an address is invisible to autograd, so every scatter
+bumps its destinations' version counters (``torch.autograd.graph.increment_version``, torch's
+hook for writes it cannot see), as the ``copy_`` it replaces would.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["MAX_BYTES", "MIN_SEGMENTS", "HostGather", "HostScatter", "raw_words"]
+
+#: The longest segment a table copies; longer ones go through ``copy_`` (memcpy), which is
+#: faster from 16 KiB on (``bench/cpu_host_copy.py``; BENCHMARKS "CPU sync").
+MAX_BYTES = 8192
+#: The fewest segments of one word size and length a table takes as a group: below it, a
+#: group's two or three torch calls cost about what ``_foreach_copy_`` does per segment.
+MIN_SEGMENTS = 16
+
+_WORD = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _bump_versions(tensors: Sequence[torch.Tensor]) -> None:
+    """Advance the version counters of ``tensors`` (written through their addresses)."""
+    from torch.autograd.graph import increment_version
+
+    try:
+        increment_version(tensors)  # a list, where this torch takes one
+    except TypeError:  # older torch: one tensor per call
+        for t in tensors:
+            increment_version(t)
+
+
+def raw_words(lo: int, nbytes: int, word: int) -> torch.Tensor:
+    """A 1-D tensor of ``nbytes // word`` words of ``word`` bytes over the memory at address
+    ``lo``: it owns nothing and keeps nothing alive (the caller keeps the owners referenced
+    and touches only what lies inside them)."""
+    buf = (ctypes.c_byte * nbytes).from_address(lo)
+    return torch.frombuffer(buf, dtype=_WORD[word])  # keeps ``buf`` (the ctypes view) alive
+
+
+def _word(*values: int) -> int:
+    """The widest word (8, 4, 2 or 1 bytes) that divides every value."""
+    x = 8
+    for v in values:
+        x |= v
+    return x & -x
+
+
+def _rows(words: torch.Tensor, length: int) -> torch.Tensor:
+    """``words`` seen as its overlapping rows of ``length`` words: row r starts at word r."""
+    return words.as_strided((words.numel() - length + 1, length), (1, 1))
+
+
+class HostScatter:
+    """Scatters one packed CPU buffer into many small destinations, a few torch calls for
+    all of them (module docstring). Built once per (buffer, destinations) by ``build``;
+    ``run(buf)`` copies every segment it took, every round."""
+
+    __slots__ = ("_buf", "_dsts", "_groups", "_ptr")
+
+    def __init__(self, buf: torch.Tensor, dsts: list[torch.Tensor],
+                 groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                    torch.Tensor | None]]) -> None:
+        self._buf = buf          # what the source views point into: kept alive
+        self._ptr = buf.data_ptr()
+        self._dsts = dsts        # every destination written: kept alive, versions bumped
+        #: per group: (destination rows, their row numbers, the source as (n, L) rows or
+        #: the buffer's overlapping rows, the source row numbers or None when back to back)
+        self._groups = groups
+
+    @classmethod
+    def build(cls, buf: torch.Tensor, offsets: Sequence[int], dsts: Sequence[torch.Tensor]
+              ) -> tuple[HostScatter | None, list[int]]:
+        """The table that copies ``buf[offsets[k]:offsets[k] + dsts[k].numel()]`` into
+        ``dsts[k]`` for the pairs it can take, and the indices k of those it leaves to the
+        caller (in order). ``buf``: a contiguous 1-D uint8 CPU tensor. None when it takes no
+        pair (then every index is left)."""
+        if not (buf.is_cpu and buf.dtype == torch.uint8 and buf.dim() == 1
+                and buf.is_contiguous()):
+            return None, list(range(len(dsts)))
+        base = buf.data_ptr()
+        size = buf.numel()
+        by_shape: dict[tuple[int, int], list[int]] = {}
+        rest: list[int] = []
+        ptrs: list[int] = []
+        for k, (d, off) in enumerate(zip(dsts, offsets, strict=True)):
+            n = d.numel()
+            p = d.data_ptr() if d.is_cpu else 0
+            ptrs.append(p)
+            if not (p and d.dtype == torch.uint8 and d.dim() == 1 and d.is_contiguous()
+                    and 0 < n and 0 <= off and off + n <= size):
+                rest.append(k)
+                continue
+            w = _word(n, p, base + off)
+            if n > MAX_BYTES:
+                rest.append(k)
+                continue
+            by_shape.setdefault((w, n // w), []).append(k)
+        groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        taken: list[torch.Tensor] = []
+        for (w, length), ks in by_shape.items():
+            if len(ks) < MIN_SEGMENTS:
+                rest.extend(ks)
+                continue
+            n = w * length
+            lo = min(ptrs[k] for k in ks)
+            hi = max(ptrs[k] for k in ks) + n
+            dst_rows = _rows(raw_words(lo, hi - lo, w), length)
+            rows = torch.tensor([(ptrs[k] - lo) // w for k in ks], dtype=torch.int64)
+            first = offsets[ks[0]]
+            if all(offsets[k] == first + j * n for j, k in enumerate(ks)):
+                # back to back in the buffer: read as one (n, L) view, no gather
+                src = raw_words(base + first, len(ks) * n, w).view(len(ks), length)
+                groups.append((dst_rows, rows, src, None))
+            else:  # the buffer's rows from the group's first byte (an address w divides)
+                a = min(offsets[k] for k in ks)
+                b = max(offsets[k] for k in ks) + n
+                src_rows = torch.tensor([(offsets[k] - a) // w for k in ks],
+                                        dtype=torch.int64)
+                groups.append((dst_rows, rows, _rows(raw_words(base + a, b - a, w), length),
+                               src_rows))
+            taken.extend(dsts[k] for k in ks)
+        if not groups:
+            return None, list(range(len(dsts)))
+        rest.sort()
+        return cls(buf, taken, groups), rest
+
+    @property
+    def segments(self) -> int:
+        """How many segments the table copies."""
+        return len(self._dsts)
+
+    @property
+    def groups(self) -> int:
+        """How many groups (one ``index_copy_`` each) it copies them in."""
+        return len(self._groups)
+
+    def run(self, buf: torch.Tensor) -> None:
+        """Copy every segment the table took from ``buf`` (the buffer it was built for)."""
+        if buf.data_ptr() != self._ptr:
+            raise RuntimeError("HostScatter.run: a buffer other than the one it was built for")
+        for dst_rows, rows, src, src_rows in self._groups:
+            if src_rows is not None:
+                src = torch.index_select(src, 0, src_rows)
+            dst_rows.index_copy_(0, rows, src)
+        _bump_versions(self._dsts)
+
+    def __repr__(self) -> str:
+        return f"HostScatter({self.segments} segments in {self.groups} groups)"
+
+
+
+
+class HostGather:
+    """Packs many small contiguous CPU sources into one buffer, a few torch calls for all of
+    them: the mirror of ``HostScatter`` (module docstring). Built for one set of source
+    addresses; ``run`` serves only sources at exactly those addresses, which the caller
+    checks every round. A source is read only while the caller holds it: the table keeps
+    no source alive, only its address."""
+
+    __slots__ = ("_buf", "_groups", "_ptr", "rest")
+
+    def __init__(self, buf: torch.Tensor,
+                 groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                    torch.Tensor | None]],
+                 rest: list[int]) -> None:
+        self._buf = buf  # what the destination views point into: kept alive
+        self._ptr = buf.data_ptr()
+        #: per group: (the source rows: a raw view over the sources' span, seen as
+        #: overlapping rows; their row numbers; the destination as (n, L) words of the
+        #: buffer, or the buffer's overlapping rows; the destination row numbers or None
+        #: when the group lies back to back in the buffer)
+        self._groups = groups
+        #: the indices of the sources left to the caller, in order
+        self.rest = rest
+
+    @classmethod
+    def build(cls, buf: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int],
+              ptrs: Sequence[int]) -> HostGather | None:
+        """The table that copies ``sizes[k]`` bytes from address ``ptrs[k]`` (a contiguous
+        CPU source that the caller has checked holds them) to ``buf[offsets[k]:]``, for the
+        sources it takes (``rest``: the others). None when it takes none. ``buf``: a
+        contiguous 1-D uint8 CPU tensor."""
+        if not (buf.is_cpu and buf.dtype == torch.uint8 and buf.dim() == 1
+                and buf.is_contiguous()):
+            return None
+        base = buf.data_ptr()
+        size = buf.numel()
+        by_shape: dict[tuple[int, int], list[int]] = {}
+        rest: list[int] = []
+        for k, (off, n, p) in enumerate(zip(offsets, sizes, ptrs, strict=True)):
+            if not (p and 0 < n and 0 <= off and off + n <= size):
+                rest.append(k)
+                continue
+            w = _word(n, p, base + off)
+            if n > MAX_BYTES:
+                rest.append(k)
+                continue
+            by_shape.setdefault((w, n // w), []).append(k)
+        groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        for (w, length), ks in by_shape.items():
+            if len(ks) < MIN_SEGMENTS:
+                rest.extend(ks)
+                continue
+            n = w * length
+            lo = min(ptrs[k] for k in ks)
+            hi = max(ptrs[k] for k in ks) + n
+            src_rows = _rows(raw_words(lo, hi - lo, w), length)
+            rows = torch.tensor([(ptrs[k] - lo) // w for k in ks], dtype=torch.int64)
+            first = offsets[ks[0]]
+            if all(offsets[k] == first + j * n for j, k in enumerate(ks)):
+                dst = raw_words(base + first, len(ks) * n, w).view(len(ks), length)
+                groups.append((src_rows, rows, dst, None))
+            else:  # the buffer's rows from the group's first byte (an address w divides)
+                a = min(offsets[k] for k in ks)
+                b = max(offsets[k] for k in ks) + n
+                at = torch.tensor([(offsets[k] - a) // w for k in ks], dtype=torch.int64)
+                groups.append((src_rows, rows, _rows(raw_words(base + a, b - a, w), length),
+                               at))
+        if not groups:
+            return None
+        rest.sort()
+        return cls(buf, groups, rest)
+
+    def run(self, buf: torch.Tensor) -> None:
+        """Copy every source the table took into ``buf`` (the buffer it was built for). The
+        caller holds those sources, at the addresses the table was built for."""
+        if buf.data_ptr() != self._ptr:
+            raise RuntimeError("HostGather.run: a buffer other than the one it was built for")
+        for src_rows, rows, dst, at in self._groups:
+            if at is None:
+                torch.index_select(src_rows, 0, rows, out=dst)
+            else:
+                dst.index_copy_(0, at, torch.index_select(src_rows, 0, rows))
