@@ -508,10 +508,11 @@ class GlooTransport(Transport):
         self._copy_cache: dict[int, _Copies] = {}
         #: message id -> its ``_Cats`` (None: not made only of aligned whole shards)
         self._cat_cache: dict[int, _Cats | None] = {}
-        #: message id -> (its buffer's address, its sources' addresses last round, the
-        #: ``HostGather`` built for them: None until they are the same two rounds running,
-        #: False when it took nothing)
-        self._gathers: dict[int, tuple[int, list[int], HostGather | bool | None]] = {}
+        #: message id -> (its buffer's address, per group of its ``_Cats``: the sources'
+        #: addresses last round and the ``HostGather`` built for them, None until they are
+        #: the same two rounds running, False when it took nothing)
+        self._gathers: dict[int, tuple[int, list[tuple[list[int], HostGather | bool | None]
+                                                  | None]]] = {}
         self._parts: dict[int, tuple[int, list[torch.Tensor]]] = {}
         self._shapes: dict[int, tuple[int, ...]] = {}
         self._send_need: dict[int, int] = {}  # bucket -> staging bytes (trainer)
@@ -963,34 +964,40 @@ class GlooTransport(Transport):
                 return False
         except AttributeError:  # not a tensor: the per-segment path reports it
             return False
+        gathers: list[tuple[list[int], HostGather | bool | None] | None] | None = None
         if cache and ts[0].is_cpu:
             # The gather reads each source at its address for the bytes the plan gives it:
             # safe because the engine checked every shard's shape, device and contiguity
             # this round, and ``ts`` holds them while it reads.
-            ptrs = list(map(_DATA_PTR, ts))
-            key = id(msg)
-            last = self._gathers.get(key)
-            if last is None or last[0] != cats.ptr or last[1] != ptrs:
-                self._gathers[key] = (cats.ptr, ptrs, None)  # a table once they stay put
-            else:
-                table = last[2]
-                if table is None:
-                    segs = msg.segments
-                    table = HostGather.build(buf, [g.offset - msg.offset for g in segs],
-                                             [g.nbytes for g in segs], ptrs) or False
-                    self._gathers[key] = (cats.ptr, ptrs, table)
-                if table:
-                    assert isinstance(table, HostGather)
-                    table.run(buf)
-                    if table.rest:
-                        segs = msg.segments
-                        foreach_copy(
-                            [buf[segs[k].offset - msg.offset:
-                                 segs[k].offset - msg.offset + segs[k].nbytes]
-                             for k in table.rest],
-                            [flat_bytes(ts[k]) for k in table.rest])
-                    return True
-        for out, a, b in cats.groups:
+            got = self._gathers.get(id(msg))
+            if got is None or got[0] != cats.ptr:
+                got = self._gathers[id(msg)] = (cats.ptr, [None] * len(cats.groups))
+            gathers = got[1]
+        # Group by group (at most _FOREACH_CHUNK segments each): every group ends in a torch
+        # call that releases the GIL, so the event loop never waits behind a whole message.
+        for g, (out, a, b) in enumerate(cats.groups):
+            if gathers is not None:
+                ptrs = list(map(_DATA_PTR, ts[a:b]))
+                last = gathers[g]
+                if last is None or last[0] != ptrs:
+                    gathers[g] = (ptrs, None)  # a table once they stay put a round
+                else:
+                    table = last[1]
+                    if table is None:
+                        segs = msg.segments[a:b]
+                        table = HostGather.build(buf, [x.offset - msg.offset for x in segs],
+                                                 [x.nbytes for x in segs], ptrs) or False
+                        gathers[g] = (ptrs, table)
+                    if isinstance(table, HostGather):
+                        table.run(buf)
+                        if table.rest:
+                            segs = msg.segments
+                            foreach_copy(
+                                [buf[segs[a + k].offset - msg.offset:
+                                     segs[a + k].offset - msg.offset + segs[a + k].nbytes]
+                                 for k in table.rest],
+                                [flat_bytes(ts[a + k]) for k in table.rest])
+                        continue
             torch.cat(ts[a:b], out=out)
         return True
 
