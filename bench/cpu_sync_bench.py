@@ -14,6 +14,9 @@ each: a ``m2n_async.testing.LocalWorld``, started before anything is timed), sid
 2. Host overhead per parameter. 100,000 tiny fp32 parameters (64 B each) from one trainer to
    one worker (processes 0 and 2): (median engine round - median raw Gloo send of the same
    6.4 MB) / 100,000 (goal <= 20 us; stretch goal <= 0.5 us, BENCHMARKS.md "CPU sync").
+   Beside it, in the same rounds: raw Gloo plus the copies alone, once as torch's own
+   (``torch.cat``, ``_foreach_copy_``) and once through the address tables the Gloo lane
+   uses (``_data/_hostcopy.py``: the floor), and the engine's per-round check pass alone.
 3. Event-loop lag. On trainer rank 0, a task sleeps 1 ms in a loop during every engine round
    and records how late it wakes; p99 over the rounds of each part (goal <= 5 ms).
 
@@ -116,6 +119,7 @@ class RankFigures(msgspec.Struct):
     tiny_connect_s: float = 0.0
     tiny_phases: dict[str, float] = {}  # this rank's last part-2 SyncResult.phases
     tiny_floor_s: list[float] = []     # raw + the copies without checks: torch's own floor
+    tiny_table_s: list[float] = []     # raw + the copies through address tables, no checks
     tiny_check_s: list[float] = []     # one fast check pass over the shards: its own floor
     lag_tiny: list[float] = []
 
@@ -394,6 +398,19 @@ async def _part_tiny(args: Args, rank: int, out: RankFigures) -> None:
             torch.cat(ordered, out=flat_out)
             dist.send(buf, tiny_worker)
 
+        # The same copy through an address table (what the engine's Gloo lane gathers with),
+        # the sources' addresses read and compared as the lane does every round.
+        from m2n_async._data._hostcopy import HostGather
+        addresses = list(map(torch.Tensor.data_ptr, ordered))
+        gather = HostGather.build(buf, range(0, total, 64), [64] * n, addresses)
+        assert gather is not None and not gather.rest
+
+        async def tables() -> None:
+            if list(map(torch.Tensor.data_ptr, ordered)) != addresses:
+                raise AssertionError("the tiny sources moved")
+            gather.run(buf)
+            dist.send(buf, tiny_worker)
+
         # The engine's own per-round fast pass (dtypes, shapes, device, contiguity) over the
         # same tensors, as each side runs it once per round: what no check can go below.
         from m2n_async._engine._sources import device_predicates, laid_out
@@ -422,6 +439,15 @@ async def _part_tiny(args: Args, rank: int, out: RankFigures) -> None:
         async def floor() -> None:  # the receive, then one multi-tensor copy into the targets
             dist.recv(buf, TINY_TRAINER)
             torch._foreach_copy_(dsts, srcs)
+
+        from m2n_async._data._hostcopy import HostScatter
+        scatter, left = HostScatter.build(buf, range(0, total, 64),
+                                          [t.view(torch.uint8) for t in dsts])
+        assert scatter is not None and not left
+
+        async def tables() -> None:  # the receive, then the scatter through an address table
+            dist.recv(buf, TINY_TRAINER)
+            scatter.run(buf)
     out.tiny_connect_s = time.perf_counter() - t0
 
     try:
@@ -433,6 +459,7 @@ async def _part_tiny(args: Args, rank: int, out: RankFigures) -> None:
             out.tiny_phases = dict(res.phases)
             out.tiny_raw_s.append((await _timed(raw, None, sub))[0])
             out.tiny_floor_s.append((await _timed(floor, None, sub))[0])
+            out.tiny_table_s.append((await _timed(tables, None, sub))[0])
             if rank == TINY_TRAINER:
                 began = time.perf_counter()
                 check()
@@ -642,10 +669,14 @@ def main(argv: list[str] | None = None) -> int:
               f"(stretch goal <= {OVERHEAD_STRETCH_S * 1e6:g} us) "
               f"{'OK' if per <= OVERHEAD_STRETCH_S else 'MISSED'}")
         t_floor = statistics.median(res[TINY_TRAINER].tiny_floor_s)
-        print(f"   floor: raw gloo + one torch.cat pack + one torch._foreach_copy_ unpack of "
+        print(f"   raw gloo + one torch.cat pack + one torch._foreach_copy_ unpack of "
               f"the same tensors, no checks: median {t_floor:.4f} s = "
-              f"{(t_floor - t_raw) / n * 1e6:.2f} us per parameter over raw; the engine "
-              f"beyond it: {(t_eng - t_floor) / n * 1e6:.2f} us")
+              f"{(t_floor - t_raw) / n * 1e6:.2f} us per parameter over raw")
+        t_table = statistics.median(res[TINY_TRAINER].tiny_table_s)
+        print(f"   floor: raw gloo + the same copies through address tables (a HostGather "
+              f"pack, its addresses compared, and a HostScatter unpack), no checks: median "
+              f"{t_table:.4f} s = {(t_table - t_raw) / n * 1e6:.2f} us per parameter over "
+              f"raw; the engine beyond it: {(t_eng - t_table) / n * 1e6:.2f} us")
         t_check = statistics.median(res[TINY_TRAINER].tiny_check_s)
         print(f"   the engine's fast check pass alone (dtype, shape, device, contiguity; "
               f"each side runs one per round): {t_check / n * 1e6:.2f} us per parameter")
