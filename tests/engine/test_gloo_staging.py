@@ -96,6 +96,8 @@ def _check_cached_views(world: _World) -> None:
         views += [p for _, parts in tr._parts.values() for p in parts]
         views += [table._buf for up in tr._unpack_cache.values()
                   for _, table, _ in up.tables.values() if table is not None]
+        views += [g[1]._buf for _, groups in tr._gathers.values() for g in groups
+                  if g is not None and g[1]]
         for v in views:
             assert any(lo <= v.data_ptr() < hi for lo, hi in slots), "cached view of an extra"
 
