@@ -47,7 +47,7 @@ import torch
 __all__ = ["MAX_BYTES", "MIN_SEGMENTS", "HostGather", "HostScatter", "raw_words"]
 
 #: The longest segment a table copies; longer ones go through ``copy_`` (memcpy), which is
-#: faster from 16 KiB on (``bench/cpu_host_copy.py``; BENCHMARKS "CPU sync").
+#: faster from 16 KiB on (``bench/cpu_host_copy.py``; BENCHMARKS "Host copies").
 MAX_BYTES = 8192
 #: The fewest segments of one word size and length a table takes as a group: below it, a
 #: group's two or three torch calls cost about what ``_foreach_copy_`` does per segment.

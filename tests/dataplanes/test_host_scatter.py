@@ -196,3 +196,23 @@ def test_gather_leaves_what_it_must_not_take() -> None:
         gather.run(buf.clone())
     assert HostGather.build(buf[:64].view(torch.int64), [0], [8], [ptrs[0]]) is None
     assert HostGather.build(buf, offsets[-4:], sizes[-4:], ptrs[-4:]) is None
+
+
+def test_targets_far_apart_in_memory() -> None:
+    # views into a large (separately mapped) tensor beside small heap tensors: the raw view
+    # spans terabytes of address space, of which only the rows named are touched
+    big = torch.zeros(64 << 20, dtype=torch.uint8)
+    dsts = [big[(k * 1000003 * 64) % (60 << 20):][:64] for k in range(20)]
+    dsts += [torch.zeros(64, dtype=torch.uint8) for _ in range(20)]
+    buf = torch.randint(0, 256, (64 * 40,), dtype=torch.uint8)
+    offsets = [64 * k for k in range(40)]
+    scatter, rest = HostScatter.build(buf, offsets, dsts)
+    assert scatter is not None and rest == []
+    scatter.run(buf)
+    assert all(torch.equal(d, buf[64 * k:64 * k + 64]) for k, d in enumerate(dsts))
+    out = torch.zeros_like(buf)
+    gather = HostGather.build(out, offsets, [64] * 40, [d.data_ptr() for d in dsts])
+    assert gather is not None and gather.rest == []
+    gather.run(out)
+    assert torch.equal(out, buf)
+    assert int(big.count_nonzero()) <= 20 * 64  # nothing written beside the 20 views
