@@ -1,5 +1,6 @@
-"""Multi-tensor copies on the host: one packed buffer scattered into many small CPU tensors
-with a few torch calls, through a table of addresses.
+"""Multi-tensor copies on the host: one packed buffer scattered into many small CPU tensors,
+or many small CPU tensors gathered into one buffer, with a few torch calls, through a table
+of addresses.
 
 Theory of operation. A worker that receives 100,000 tiny parameters scatters each packed
 message into as many targets. ``torch._foreach_copy_`` has no fused CPU kernel: it runs one
@@ -18,6 +19,14 @@ does on CUDA, reading the destinations' addresses from a table:
   per 64 B segment against ~0.57 us for ``_foreach_copy_``. Sources that lie back to back
   in the buffer are read as one (n, L) view; others are gathered first by one
   ``index_select`` over the buffer's own overlapping rows.
+
+``HostGather`` is the mirror, for a trainer packing many small shards: the sources are read
+through one raw view over their span with one ``index_select`` per group, straight into the
+buffer where the group lies back to back there (~0.004 us per 64 B segment against ~0.17 us
+for ``torch.cat``). Sources of another float dtype than the buffer's (fp32 master weights,
+bf16 on the wire) are gathered in their own words and cast by one ``copy_`` per group,
+``Tensor.to``'s rounding. A gather table holds addresses only, no source: its caller must
+hold the sources, at exactly those addresses, while it runs.
 
 An indexed copy moves a row element by element where ``copy_`` uses memcpy, and a group
 costs two or three torch calls, so a long segment or a small group is faster through torch's
@@ -41,6 +50,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -54,6 +64,11 @@ MAX_BYTES = 8192
 MIN_SEGMENTS = 16
 
 _WORD = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+#: A gather group: (source rows, their row numbers, destination, destination row numbers or
+#: None, (source dtype, buffer dtype) when it casts or None)
+_Group = tuple["torch.Tensor", "torch.Tensor", "torch.Tensor", "torch.Tensor | None",
+               "tuple[torch.dtype, torch.dtype] | None"]
 
 
 def _bump_versions(tensors: Sequence[torch.Tensor]) -> None:
@@ -188,72 +203,97 @@ class HostScatter:
 
 
 
+
 class HostGather:
     """Packs many small contiguous CPU sources into one buffer, a few torch calls for all of
-    them: the mirror of ``HostScatter`` (module docstring). Built for one set of source
-    addresses; ``run`` serves only sources at exactly those addresses, which the caller
-    checks every round. A source is read only while the caller holds it: the table keeps
-    no source alive, only its address."""
+    them: the mirror of ``HostScatter`` (module docstring), casting on the way where the
+    sources' dtype is not the buffer's (fp32 master weights into bf16: the gathered rows
+    go through one ``copy_`` per group, ``Tensor.to``'s rounding). Built for one set of
+    source addresses; ``run`` serves only sources at exactly those addresses, which the
+    caller checks every round. A source is read only while the caller holds it: the table
+    keeps no source alive, only its address."""
 
     __slots__ = ("_buf", "_groups", "_ptr", "rest")
 
     def __init__(self, buf: torch.Tensor,
-                 groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                    torch.Tensor | None]],
-                 rest: list[int]) -> None:
+                 groups: list[_Group], rest: list[int]) -> None:
         self._buf = buf  # what the destination views point into: kept alive
         self._ptr = buf.data_ptr()
         #: per group: (the source rows: a raw view over the sources' span, seen as
-        #: overlapping rows; their row numbers; the destination as (n, L) words of the
-        #: buffer, or the buffer's overlapping rows; the destination row numbers or None
-        #: when the group lies back to back in the buffer)
+        #: overlapping rows; their row numbers; the destination: (n, L) of the buffer when
+        #: the group lies back to back there, else the buffer's overlapping rows; the
+        #: destination row numbers or None; when the group casts, the sources' dtype and
+        #: the buffer's)
         self._groups = groups
         #: the indices of the sources left to the caller, in order
         self.rest = rest
 
     @classmethod
     def build(cls, buf: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int],
-              ptrs: Sequence[int]) -> HostGather | None:
-        """The table that copies ``sizes[k]`` bytes from address ``ptrs[k]`` (a contiguous
-        CPU source that the caller has checked holds them) to ``buf[offsets[k]:]``, for the
-        sources it takes (``rest``: the others). None when it takes none. ``buf``: a
-        contiguous 1-D uint8 CPU tensor."""
+              ptrs: Sequence[int], cast: tuple[torch.dtype, Sequence[torch.dtype]] | None = None
+              ) -> HostGather | None:
+        """The table that copies source k (a contiguous CPU source at address ``ptrs[k]``,
+        which the caller has checked) to ``buf[offsets[k]:offsets[k] + sizes[k]]``, for the
+        sources it takes (``rest``: the others). Without ``cast`` the bytes are copied as
+        they are; with ``cast = (source dtype, per source the buffer's dtype)`` each source
+        holds ``sizes[k]`` bytes' worth of elements of the source dtype and is cast into
+        its place (which must be aligned to the buffer dtype). None when it takes none.
+        ``buf``: a contiguous 1-D uint8 CPU tensor."""
         if not (buf.is_cpu and buf.dtype == torch.uint8 and buf.dim() == 1
                 and buf.is_contiguous()):
             return None
         base = buf.data_ptr()
         size = buf.numel()
-        by_shape: dict[tuple[int, int], list[int]] = {}
+        by_shape: dict[tuple[Any, int], list[int]] = {}
         rest: list[int] = []
+        src_size = cast[0].itemsize if cast is not None else 1
         for k, (off, n, p) in enumerate(zip(offsets, sizes, ptrs, strict=True)):
             if not (p and 0 < n and 0 <= off and off + n <= size):
                 rest.append(k)
                 continue
-            w = _word(n, p, base + off)
-            if n > MAX_BYTES:
+            if cast is None:
+                w: Any = _word(n, p, base + off)
+                key = (w, n // w)
+                read = n
+            else:
+                w = cast[1][k]  # the buffer's dtype here: its words are the elements
+                key = (w, n // w.itemsize)
+                read = key[1] * src_size
+                if (p % src_size or (base + off) % w.itemsize or n % w.itemsize
+                        or w.itemsize not in _WORD):
+                    rest.append(k)
+                    continue
+            if read > MAX_BYTES:
                 rest.append(k)
                 continue
-            by_shape.setdefault((w, n // w), []).append(k)
-        groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+            by_shape.setdefault(key, []).append(k)
+        groups: list[_Group] = []
         for (w, length), ks in by_shape.items():
             if len(ks) < MIN_SEGMENTS:
                 rest.extend(ks)
                 continue
-            n = w * length
+            dtypes: tuple[torch.dtype, torch.dtype] | None = None
+            if cast is None:
+                src_w, dst_w = w, w
+            else:
+                src_w, dst_w, dtypes = src_size, w.itemsize, (cast[0], w)
+            n = dst_w * length
             lo = min(ptrs[k] for k in ks)
-            hi = max(ptrs[k] for k in ks) + n
-            src_rows = _rows(raw_words(lo, hi - lo, w), length)
-            rows = torch.tensor([(ptrs[k] - lo) // w for k in ks], dtype=torch.int64)
+            hi = max(ptrs[k] for k in ks) + src_w * length
+            src_rows = _rows(raw_words(lo, hi - lo, src_w), length)
+            rows = torch.tensor([(ptrs[k] - lo) // src_w for k in ks], dtype=torch.int64)
             first = offsets[ks[0]]
             if all(offsets[k] == first + j * n for j, k in enumerate(ks)):
-                dst = raw_words(base + first, len(ks) * n, w).view(len(ks), length)
-                groups.append((src_rows, rows, dst, None))
-            else:  # the buffer's rows from the group's first byte (an address w divides)
+                dst = raw_words(base + first, len(ks) * n, dst_w).view(len(ks), length)
+                if dtypes is not None:
+                    dst = dst.view(w)  # typed: the copy casts into it
+                groups.append((src_rows, rows, dst, None, dtypes))
+            else:  # the buffer's rows from the group's first byte (an address dst_w divides)
                 a = min(offsets[k] for k in ks)
                 b = max(offsets[k] for k in ks) + n
-                at = torch.tensor([(offsets[k] - a) // w for k in ks], dtype=torch.int64)
-                groups.append((src_rows, rows, _rows(raw_words(base + a, b - a, w), length),
-                               at))
+                at = torch.tensor([(offsets[k] - a) // dst_w for k in ks], dtype=torch.int64)
+                groups.append((src_rows, rows, _rows(raw_words(base + a, b - a, dst_w),
+                                                     length), at, dtypes))
         if not groups:
             return None
         rest.sort()
@@ -264,8 +304,15 @@ class HostGather:
         caller holds those sources, at the addresses the table was built for."""
         if buf.data_ptr() != self._ptr:
             raise RuntimeError("HostGather.run: a buffer other than the one it was built for")
-        for src_rows, rows, dst, at in self._groups:
+        for src_rows, rows, dst, at, dtypes in self._groups:
+            if dtypes is None:
+                if at is None:
+                    torch.index_select(src_rows, 0, rows, out=dst)
+                else:
+                    dst.index_copy_(0, at, torch.index_select(src_rows, 0, rows))
+                continue
+            got = torch.index_select(src_rows, 0, rows).view(dtypes[0])
             if at is None:
-                torch.index_select(src_rows, 0, rows, out=dst)
-            else:
-                dst.index_copy_(0, at, torch.index_select(src_rows, 0, rows))
+                dst.copy_(got)  # cast into the typed rows: Tensor.to's rounding
+            else:  # cast, then placed as words of the buffer dtype's width
+                dst.index_copy_(0, at, got.to(dtypes[1]).view(dst.dtype))

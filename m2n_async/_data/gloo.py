@@ -50,7 +50,8 @@ groups of at least 16 of one size) go through address tables instead (``_hostcop
 worker scatters them with one ``index_copy_`` per group (``HostScatter``, cached with the
 message's views, rebuilt when a target's address changes), and a trainer gathers a message
 of whole shards whose addresses are the same as last round's with one ``index_select`` per
-group (``HostGather``; a message whose sources move every round keeps ``torch.cat``).
+group (``HostGather``; a message whose sources move every round keeps ``torch.cat``), fp32
+masters included, cast by one ``copy_`` per group.
 ``_foreach_copy_`` runs one ``copy_`` per pair on the CPU, 0.5-0.8 us each; a table scatters
 a 64 B segment in ~0.08 us (most of it the version bump) and gathers one in ~0.004 us plus
 the ~0.1 us of reading and comparing its address, where ``torch.cat`` takes ~0.17 us
@@ -87,6 +88,7 @@ import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import anyio
@@ -508,11 +510,12 @@ class GlooTransport(Transport):
         self._copy_cache: dict[int, _Copies] = {}
         #: message id -> its ``_Cats`` (None: not made only of aligned whole shards)
         self._cat_cache: dict[int, _Cats | None] = {}
-        #: message id -> (its buffer's address, per group of its ``_Cats``: the sources'
-        #: addresses last round and the ``HostGather`` built for them, None until they are
-        #: the same two rounds running, False when it took nothing)
-        self._gathers: dict[int, tuple[int, list[tuple[list[int], HostGather | bool | None]
-                                                  | None]]] = {}
+        #: message id -> (its buffer's address, the sources' dtype when they are cast (else
+        #: None), per chunk of ``_FOREACH_CHUNK`` segments: the sources' addresses last round
+        #: and the ``HostGather`` built for them, None until they are the same two rounds
+        #: running, False when it took nothing)
+        self._gathers: dict[int, tuple[int, torch.dtype | None, list[
+            tuple[list[int], HostGather | bool | None] | None]]] = {}
         self._parts: dict[int, tuple[int, list[torch.Tensor]]] = {}
         self._shapes: dict[int, tuple[int, ...]] = {}
         self._send_need: dict[int, int] = {}  # bucket -> staging bytes (trainer)
@@ -946,60 +949,82 @@ class GlooTransport(Transport):
         return got
 
     def _cat_from(self, msg: Message, cats: _Cats, buf: torch.Tensor,
-                  sources: Mapping[str, torch.Tensor], cache: bool) -> bool:
-        """Pack the message with ``cats`` when every source is there in its wire dtype;
-        False (nothing copied) otherwise: the per-segment path then casts, or raises the
-        error naming a missing parameter. The engine checked the shapes, device and
-        contiguity of the sources. Sources whose addresses are the same as last round's
-        (in a cached arena) are packed through a ``HostGather`` instead: small ones through
-        its address table, the others by one multi-tensor copy."""
+                  sources: Mapping[str, torch.Tensor], cache: bool) -> int | None:
+        """Pack the message with ``cats`` when every source is there in its wire dtype, and
+        return the bytes cast (0); None (nothing copied) otherwise: the per-segment path
+        then casts, or raises the error naming a missing parameter. The engine checked the
+        shapes, device and contiguity of the sources. Sources whose addresses are the same
+        as last round's (in a cached arena) are packed through ``HostGather`` tables instead
+        (``_gather``); so are sources all of one other float dtype (fp32 masters), cast on
+        the way, which return the bytes cast."""
         try:
             ts = cats.get(sources)
         except KeyError:
-            return False
+            return None
         if type(ts) is not tuple:  # an itemgetter of one name returns the value itself
             ts = (ts,)
         try:
-            if not all(map(operator.is_, map(_DTYPE, ts), cats.wire)):
-                return False
+            uncast = all(map(operator.is_, map(_DTYPE, ts), cats.wire))
         except AttributeError:  # not a tensor: the per-segment path reports it
-            return False
-        gathers: list[tuple[list[int], HostGather | bool | None] | None] | None = None
-        if cache and ts[0].is_cpu:
-            # The gather reads each source at its address for the bytes the plan gives it:
-            # safe because the engine checked every shard's shape, device and contiguity
-            # this round, and ``ts`` holds them while it reads.
-            got = self._gathers.get(id(msg))
-            if got is None or got[0] != cats.ptr:
-                got = self._gathers[id(msg)] = (cats.ptr, [None] * len(cats.groups))
-            gathers = got[1]
-        # Group by group (at most _FOREACH_CHUNK segments each): every group ends in a torch
-        # call that releases the GIL, so the event loop never waits behind a whole message.
-        for g, (out, a, b) in enumerate(cats.groups):
-            if gathers is not None:
-                ptrs = list(map(_DATA_PTR, ts[a:b]))
-                last = gathers[g]
-                if last is None or last[0] != ptrs:
-                    gathers[g] = (ptrs, None)  # a table once they stay put a round
-                else:
-                    table = last[1]
-                    if table is None:
-                        segs = msg.segments[a:b]
-                        table = HostGather.build(buf, [x.offset - msg.offset for x in segs],
-                                                 [x.nbytes for x in segs], ptrs) or False
-                        gathers[g] = (ptrs, table)
-                    if isinstance(table, HostGather):
-                        table.run(buf)
-                        if table.rest:
-                            segs = msg.segments
-                            foreach_copy(
-                                [buf[segs[a + k].offset - msg.offset:
-                                     segs[a + k].offset - msg.offset + segs[a + k].nbytes]
-                                 for k in table.rest],
-                                [flat_bytes(ts[a + k]) for k in table.rest])
-                        continue
-            torch.cat(ts[a:b], out=out)
-        return True
+            return None
+        if uncast:
+            if not (cache and ts[0].is_cpu and self._gather(msg, cats, buf, ts, None)):
+                for out, a, b in cats.groups:
+                    torch.cat(ts[a:b], out=out)
+            return 0
+        src = ts[0].dtype
+        if (cache and ts[0].is_cpu and all(map(operator.is_, map(_DTYPE, ts), repeat(src)))
+                and self._gather(msg, cats, buf, ts, src)):
+            return msg.nbytes
+        return None
+
+    def _gather(self, msg: Message, cats: _Cats, buf: torch.Tensor,
+                ts: tuple[torch.Tensor, ...], src: torch.dtype | None) -> bool:
+        """Pack the message's sources ``ts`` (whole shards, all in their wire dtypes, or all
+        of the float dtype ``src`` to be cast) through ``HostGather`` tables, one per
+        ``_FOREACH_CHUNK`` segments, each built once the chunk's sources sat at the same
+        addresses two rounds running; the segments a table leaves go through one
+        multi-tensor copy. False when a chunk has no table this round: the caller then
+        packs the whole message its own way (what ran is overwritten).
+
+        The tables read each source at its address for the bytes the plan gives it: safe
+        because the engine checked every shard's shape, device and contiguity this round
+        and ``ts`` holds them while they are read. Chunk by chunk, each ending in torch calls
+        that release the GIL: the event loop never waits behind a whole message."""
+        count = -(-len(ts) // _FOREACH_CHUNK)
+        got = self._gathers.get(id(msg))
+        if got is None or got[0] != cats.ptr or got[1] is not src:
+            got = self._gathers[id(msg)] = (cats.ptr, src, [None] * count)
+        chunks = got[2]
+        segs = msg.segments
+        ok = True
+        for c in range(count):
+            a = c * _FOREACH_CHUNK
+            b = min(a + _FOREACH_CHUNK, len(ts))
+            ptrs = list(map(_DATA_PTR, ts[a:b]))
+            last = chunks[c]
+            if last is None or last[0] != ptrs:
+                chunks[c] = (ptrs, None)  # a table once they stay put a round
+                ok = False
+                continue
+            table = last[1]
+            if table is None:
+                part = segs[a:b]
+                table = HostGather.build(
+                    buf, [x.offset - msg.offset for x in part], [x.nbytes for x in part],
+                    ptrs, None if src is None else (src, cats.wire[a:b])) or False
+                chunks[c] = (ptrs, table)
+            if not ok or not isinstance(table, HostGather):
+                ok = False  # the caller packs it all; later chunks only record addresses
+                continue
+            table.run(buf)
+            if table.rest:  # typed in the wire dtype (aligned: ``_cats``), casting if src
+                left = [segs[a + k] for k in table.rest]
+                foreach_copy([buf[x.offset - msg.offset:x.offset - msg.offset + x.nbytes]
+                              .view(cats.wire[a + k])
+                              for x, k in zip(left, table.rest, strict=True)],
+                             [ts[a + k].reshape(-1) for k in table.rest])
+        return ok
 
     def _copy_from(self, copies: _Copies, sources: Mapping[str, torch.Tensor],
                    get: Callable[[int], torch.Tensor],
@@ -1095,7 +1120,10 @@ class GlooTransport(Transport):
                 buf = arena[off:off + msg.nbytes]
                 off += msg.nbytes
                 cats = self._cats(msg, buf, cacheable)
-                if cats is not None and self._cat_from(msg, cats, buf, sources, cacheable):
+                packed = (self._cat_from(msg, cats, buf, sources, cacheable)
+                          if cats is not None else None)
+                if packed is not None:
+                    staged.cast_bytes += packed
                     staged.messages.append((peer.peer, msg, buf, False))
                     continue
                 staged.cast_bytes += self._copy_from(

@@ -216,3 +216,40 @@ def test_targets_far_apart_in_memory() -> None:
     gather.run(out)
     assert torch.equal(out, buf)
     assert int(big.count_nonzero()) <= 20 * 64  # nothing written beside the 20 views
+
+
+@pytest.mark.parametrize(("src", "wire"), [(torch.float32, torch.bfloat16),
+                                           (torch.float64, torch.float16),
+                                           (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("interleave", [False, True])
+def test_gather_casts_as_tensor_to(src: torch.dtype, wire: torch.dtype,
+                                   interleave: bool) -> None:
+    # masters of ``src`` into a buffer of ``wire``: every value (ties, subnormals, inf, NaN)
+    # as ``Tensor.to`` gives it; with ``interleave`` the groups are not back to back
+    gen = torch.Generator().manual_seed(5)
+    specials = torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8, 1e-40, -3e-39, float("inf"),
+                             float("-inf"), float("nan"), -0.0, 65519.0, 1e6])
+    masters = []
+    for k in range(48):
+        n = (8, 3)[k % 2] if interleave else 8
+        t = torch.randn(n, generator=gen, dtype=torch.float64) * 10
+        t[:min(n, 10)] = specials.roll(k)[:min(n, 10)].double()
+        masters.append(t.to(src))
+    sizes = [m.numel() * wire.itemsize for m in masters]
+    offsets, off = [], 0
+    for n in sizes:
+        offsets.append(off)
+        off += n
+    buf = torch.zeros(off, dtype=torch.uint8)
+    gather = HostGather.build(buf, offsets, sizes, [m.data_ptr() for m in masters],
+                              (src, [wire] * len(masters)))
+    assert gather is not None and gather.rest == []
+    gather.run(buf)
+    want = torch.cat([_flat(m.to(wire)) for m in masters])
+    assert torch.equal(buf, want)
+    # misaligned for the source dtype: left to the caller
+    odd = torch.zeros(8 * src.itemsize + 1, dtype=torch.uint8)[1:].view(torch.uint8)
+    assert HostGather.build(buf[:16 * 8 * wire.itemsize], [k * 8 * wire.itemsize
+                                                          for k in range(16)],
+                            [8 * wire.itemsize] * 16, [odd.data_ptr()] * 16,
+                            (src, [wire] * 16)) is None

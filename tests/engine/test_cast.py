@@ -374,3 +374,58 @@ async def test_specs_from_module_bf16_then_sync_the_fp32_module() -> None:
         assert same_bytes(t, params[n].detach().to(torch.bfloat16)), n
     assert out["t"].cast_bytes == out["t"].bytes == sum(s.nbytes for s in specs)
     assert out["w"].cast_bytes == 0
+
+
+# Many small parameters of whole shards: once a trainer's fp32 (fp64) masters stay at the same
+# addresses for a round, they are gathered by address and cast per group (``HostGather``
+# with a cast); new objects go through the per-segment copies again, uncast rounds through
+# the plain gather.
+TINY_DEFS: list[ParamDef] = [(f"t{k}", ((8,), (2, 4), (3,))[k % 3], torch.bfloat16, None,
+                              None) for k in range(120)]
+
+
+@pytest.mark.asyncio
+async def test_many_small_masters_cast_through_address_tables(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from m2n_async._data._hostcopy import HostGather
+
+    casting: list[HostGather] = []
+    real = HostGather.run
+
+    def spy(self: HostGather, buf: torch.Tensor) -> None:
+        if any(g[4] is not None for g in self._groups):
+            casting.append(self)
+        real(self, buf)
+
+    monkeypatch.setattr(HostGather, "run", spy)
+    plan = make_plan(TINY_DEFS, (1, 2), (1, 2))
+    store = MemoryStore()
+    targets = {r: zeros(plan, r) for r in range(plan.trainer_ranks, plan.world_size)}
+    trainers, workers = await connect(store, plan, targets)
+    try:
+        srcs: dict[int, dict[str, torch.Tensor]] = {}
+        rounds = ["new", "in place", "in place", "new", "uncast", "new", "in place"]
+        for version, how in enumerate(rounds, start=1):
+            fresh = {e.rank: sources(plan, e.rank, version, cast=how != "uncast")
+                     for e in trainers}
+            if how == "in place":  # the same objects (and addresses), new values
+                for r, got in fresh.items():
+                    for n, t in got.items():
+                        srcs[r][n].copy_(t)
+            else:
+                srcs = fresh
+            before = len(casting)
+            results = await one_round(trainers, workers, srcs)
+            for w in workers:
+                want = expected(plan, w.rank, version) if how != "uncast" else {
+                    n: local_shard(full, plan.params[plan.index(n)].dst, w.rank)
+                    for n, full in _wire_fulls(plan, version).items()}
+                for n, t in targets[w.rank].items():
+                    assert same_bytes(t, want[n]), (version, how, w.rank, n)
+            for e in trainers:
+                assert results[e.rank].cast_bytes == (
+                    0 if how == "uncast" else cast_bytes_of(plan, e.rank, srcs[e.rank]))
+            # the masters' second round at the same addresses onwards
+            assert (len(casting) > before) == (version in (2, 3, 7)), (version, how)
+    finally:
+        await close(*trainers, *workers)

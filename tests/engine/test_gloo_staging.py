@@ -96,7 +96,7 @@ def _check_cached_views(world: _World) -> None:
         views += [p for _, parts in tr._parts.values() for p in parts]
         views += [table._buf for up in tr._unpack_cache.values()
                   for _, table, _ in up.tables.values() if table is not None]
-        views += [g[1]._buf for _, groups in tr._gathers.values() for g in groups
+        views += [g[1]._buf for _, _, chunks in tr._gathers.values() for g in chunks
                   if g is not None and g[1]]
         for v in views:
             assert any(lo <= v.data_ptr() < hi for lo, hi in slots), "cached view of an extra"
@@ -192,7 +192,8 @@ def test_many_small_parameters_go_through_address_tables(
 
     def spy_pack(self: GlooTransport, bp: Any, sources: Any) -> GlooStaging:
         got = pack(self, bp, sources)
-        gathers.extend(t for *_, t in self._gathers.values() if t)
+        gathers.extend(g[1] for *_, chunks in self._gathers.values() for g in chunks
+                       if g is not None and g[1])
         return got
 
     monkeypatch.setattr(GlooTransport, "_unpack", spy_unpack)
