@@ -25,10 +25,11 @@ recomputation, so the figures are for transfers that were right.
 
 Usage: ``.venv/bin/python bench/cpu_sync_bench.py [--size-mb 350] [--rounds 5]
 [--tiny-params 100000] [--tiny-rounds 3] [--bucket-mb 64] [--max-inflight 3]
-[--parts mixed,aligned,tiny] [--profile DIR] [--api-marks DIR]``; ``--tiny`` runs everything
-at toy size (the test suite's smoke run: ``TINY``), a size flag given beside it still wins;
-``--profile`` writes a cProfile of each rank process's main thread, ``--api-marks`` a
-timeline of the public API's steps per part (``bench/api_marks.py``).
+[--parts mixed,aligned,tiny] [--tiny-masters] [--profile DIR] [--api-marks DIR]``;
+``--tiny`` runs everything at toy size (the test suite's smoke run: ``TINY``), a size flag
+given beside it still wins; ``--tiny-masters`` moves part 2 as bf16 from fp32 master shards
+(cast while packing); ``--profile`` writes a cProfile of each rank process's main thread,
+``--api-marks`` a timeline of the public API's steps per part (``bench/api_marks.py``).
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ class Args:
     trainers: int = 2
     workers: int = 2
     api_marks: str | None = None
+    tiny_masters: bool = False  # part 2: bf16 on the wire from fp32 master shards
 
     @property
     def world(self) -> int:
@@ -364,6 +366,11 @@ async def _part_tiny(args: Args, rank: int, out: RankFigures) -> None:
 
     from m2n_async import EngineConfig, Layout, Mesh, ParamSpec, TrainerEngine, WorkerEngine
 
+    try:
+        from m2n_async._data import _hostcopy
+    except ImportError:  # a tree from before the address tables
+        _hostcopy = None  # type: ignore[assignment]
+
     # new_group is collective over the default group: every process creates it.
     tiny_worker = args.trainers  # the first worker process
     sub = dist.new_group([TINY_TRAINER, tiny_worker])
@@ -371,11 +378,13 @@ async def _part_tiny(args: Args, rank: int, out: RankFigures) -> None:
         return
     n = args.tiny_params
     smesh = Mesh((1, 1), 0)
-    specs = [ParamSpec(f"tiny.{i}", "float32", (16,), Layout(smesh, None)) for i in range(n)]
+    wire = torch.bfloat16 if args.tiny_masters else torch.float32
+    specs = [ParamSpec(f"tiny.{i}", str(wire).removeprefix("torch."), (16,),
+                       Layout(smesh, None)) for i in range(n)]
     config = EngineConfig(transport="gloo", bucket_bytes=int(args.bucket_mb * (1 << 20)),
                           max_inflight=args.max_inflight, round_timeout=300,
                           phase_timeout=120, job="bench-tiny")
-    total = n * 64
+    total = n * 16 * wire.itemsize
     lag = out.lag_tiny if rank == TINY_TRAINER else None
     t0 = time.perf_counter()
     if rank == TINY_TRAINER:
@@ -389,7 +398,7 @@ async def _part_tiny(args: Args, rank: int, out: RankFigures) -> None:
             return await engine.sync_weights(shards)
         buf = torch.full((total,), 0x5A, dtype=torch.uint8)  # real pages (see part 1)
         ordered = list(shards.values())
-        flat_out = buf.view(torch.float32)
+        flat_out = buf.view(wire)  # torch.cat casts fp32 masters into it
 
         async def raw() -> None:
             dist.send(buf, tiny_worker)
@@ -399,17 +408,22 @@ async def _part_tiny(args: Args, rank: int, out: RankFigures) -> None:
             dist.send(buf, tiny_worker)
 
         # The same copy through an address table (what the engine's Gloo lane gathers with),
-        # the sources' addresses read and compared as the lane does every round.
-        from m2n_async._data._hostcopy import HostGather
-        addresses = list(map(torch.Tensor.data_ptr, ordered))
-        gather = HostGather.build(buf, range(0, total, 64), [64] * n, addresses)
-        assert gather is not None and not gather.rest
+        # the sources' addresses read and compared as the lane does every round. (A tree
+        # older than the tables, run alternating with this bench, gets torch's floor twice.)
+        tables = floor
+        if _hostcopy is not None:
+            addresses = list(map(torch.Tensor.data_ptr, ordered))
+            size = 16 * wire.itemsize
+            gather = _hostcopy.HostGather.build(
+                buf, range(0, total, size), [size] * n, addresses,
+                (torch.float32, [wire] * n) if args.tiny_masters else None)
+            assert gather is not None and not gather.rest
 
-        async def tables() -> None:
-            if list(map(torch.Tensor.data_ptr, ordered)) != addresses:
-                raise AssertionError("the tiny sources moved")
-            gather.run(buf)
-            dist.send(buf, tiny_worker)
+            async def tables() -> None:
+                if list(map(torch.Tensor.data_ptr, ordered)) != addresses:
+                    raise AssertionError("the tiny sources moved")
+                gather.run(buf)
+                dist.send(buf, tiny_worker)
 
         # The engine's own per-round fast pass (dtypes, shapes, device, contiguity) over the
         # same tensors, as each side runs it once per round: what no check can go below.
@@ -422,7 +436,7 @@ async def _part_tiny(args: Args, rank: int, out: RankFigures) -> None:
             assert all(map(operator.is_, map(operator.attrgetter("dtype"), ordered), dtypes))
             assert laid_out(ordered, shapes, on_cpu)
     else:
-        targets = {s.name: (torch.zeros(16), None) for s in specs}
+        targets = {s.name: (torch.zeros(16, dtype=wire), None) for s in specs}
         engine = await WorkerEngine.connect(
             args.address, token=args.token, rank=1, trainer_ranks=1, world_size=2,
             mesh_dims=(1, 1), targets=targets, config=config, timeout=600)
@@ -431,7 +445,7 @@ async def _part_tiny(args: Args, rank: int, out: RankFigures) -> None:
             return await engine.receive(timeout=300)
         buf = torch.empty(total, dtype=torch.uint8)
         dsts = [t for t, _ in targets.values()]
-        srcs = list(buf.view(torch.float32).view(n, 16).unbind(0))
+        srcs = list(buf.view(wire).view(n, 16).unbind(0))
 
         async def raw() -> None:
             dist.recv(buf, TINY_TRAINER)
@@ -440,14 +454,15 @@ async def _part_tiny(args: Args, rank: int, out: RankFigures) -> None:
             dist.recv(buf, TINY_TRAINER)
             torch._foreach_copy_(dsts, srcs)
 
-        from m2n_async._data._hostcopy import HostScatter
-        scatter, left = HostScatter.build(buf, range(0, total, 64),
-                                          [t.view(torch.uint8) for t in dsts])
-        assert scatter is not None and not left
+        tables = floor
+        if _hostcopy is not None:
+            scatter, left = _hostcopy.HostScatter.build(
+                buf, range(0, total, 16 * wire.itemsize), [t.view(torch.uint8) for t in dsts])
+            assert scatter is not None and not left
 
-        async def tables() -> None:  # the receive, then the scatter through an address table
-            dist.recv(buf, TINY_TRAINER)
-            scatter.run(buf)
+            async def tables() -> None:  # the receive, then the scatter through a table
+                dist.recv(buf, TINY_TRAINER)
+                scatter.run(buf)
     out.tiny_connect_s = time.perf_counter() - t0
 
     try:
@@ -488,7 +503,7 @@ def _run(ns: argparse.Namespace) -> list[RankFigures]:
         args = Args(ns.size_mb, ns.rounds, ns.tiny_params, ns.tiny_rounds, ns.bucket_mb,
                     world.address, world.token, os.path.join(tmp, "pg"), ns.profile,
                     ns.parts, ns.max_inflight, ns.trainers, ns.workers,
-                    api_marks=ns.api_marks)
+                    api_marks=ns.api_marks, tiny_masters=ns.tiny_masters)
         try:
             res = world.run(_bench_rank, kwargs={"args": args}, timeout=ns.timeout,
                             fail_grace=_FAIL_GRACE)
@@ -559,6 +574,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"part 2's tiny parameters, 64 B each {preset('tiny_params')}")
     ap.add_argument("--tiny-rounds", type=pos_int, default=None,
                     help=f"timed rounds of part 2 {preset('tiny_rounds')}")
+    ap.add_argument("--tiny-masters", action="store_true",
+                    help="part 2 moves bf16 parameters from fp32 master shards (the trainer "
+                         "casts while packing; default: fp32 shards and wire)")
     ap.add_argument("--bucket-mb", type=pos_float, default=64.0,
                     help="EngineConfig.bucket_bytes, in MiB (default %(default)g)")
     ap.add_argument("--max-inflight", type=pos_int, default=3,
@@ -658,12 +676,14 @@ def main(argv: list[str] | None = None) -> int:
         t_eng = statistics.median(res[TINY_TRAINER].tiny_engine_s)
         t_raw = statistics.median(res[TINY_TRAINER].tiny_raw_s)
         per = (t_eng - t_raw) / n
-        print(f"\n{PARTS['tiny']}. {n:,} tiny params (16 x fp32 = 64 B each), 1 trainer -> 1 "
+        what = ("16 x bf16 = 32 B each on the wire, fp32 masters cast while packing"
+                if ns.tiny_masters else "16 x fp32 = 64 B each")
+        print(f"\n{PARTS['tiny']}. {n:,} tiny params ({what}), 1 trainer -> 1 "
               f"worker, bucket {ns.bucket_mb:g} MiB, max_inflight {ns.max_inflight}, "
               f"{_n(ns.tiny_rounds, 'round')} (connect incl. handshake: "
               f"{res[TINY_TRAINER].tiny_connect_s:.2f} s)")
         print(f"   sync_weights : median {t_eng:.3f} s;  raw gloo of the same "
-              f"{n * 64 / 1e6:.1f} MB: median {t_raw:.4f} s")
+              f"{n * (32 if ns.tiny_masters else 64) / 1e6:.1f} MB: median {t_raw:.4f} s")
         print(f"   host overhead per parameter: {per * 1e6:.2f} us  (goal <= "
               f"{OVERHEAD_GOAL_S * 1e6:g} us) {'OK' if per <= OVERHEAD_GOAL_S else 'MISSED'}  "
               f"(stretch goal <= {OVERHEAD_STRETCH_S * 1e6:g} us) "

@@ -263,6 +263,19 @@ def test_cpu_sync_bench_tiny(tmp_path: Path) -> None:
         assert piece in steps, steps
 
 
+def test_cpu_sync_bench_tiny_masters() -> None:
+    # part 2 from fp32 masters onto a bf16 wire: the floors cast too
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "cpu_sync_bench.py"), "--tiny",
+                           "--parts", "tiny", "--tiny-masters", "--tiny-rounds", "3"],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for piece in ("2,000 tiny params (16 x bf16 = 32 B each on the wire, fp32 masters cast "
+                  "while packing)", "raw gloo of the same 0.1 MB", "host overhead per parameter",
+                  "floor: raw gloo + the same copies through address tables"):
+        assert piece in proc.stdout, proc.stdout
+
+
 def _cpu_sync_bench() -> Any:
     import importlib.util
 
