@@ -55,7 +55,7 @@ masters included, cast by one ``copy_`` per group.
 ``_foreach_copy_`` runs one ``copy_`` per pair on the CPU, 0.5-0.8 us each; a table scatters
 a 64 B segment in ~0.08 us (most of it the version bump) and gathers one in ~0.004 us plus
 the ~0.1 us of reading and comparing its address, where ``torch.cat`` takes ~0.17 us
-(``bench/cpu_host_copy.py``; BENCHMARKS "CPU sync"). Torch releases the GIL inside those
+(``bench/cpu_host_copy.py``; BENCHMARKS "Host copies"). Torch releases the GIL inside those
 calls, so the Python between them stays short and the event loop never waits long for the
 GIL. The group is created on a thread at nice +5, so Gloo's I/O thread (which inherits it and
 does the socket copies) gives way to the event loop on an oversubscribed machine, like the
