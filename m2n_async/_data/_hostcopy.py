@@ -49,6 +49,7 @@ hook for writes it cannot see), as the ``copy_`` it replaces would.
 from __future__ import annotations
 
 import ctypes
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -82,12 +83,18 @@ def _bump_versions(tensors: Sequence[torch.Tensor]) -> None:
             increment_version(t)
 
 
+#: One ctypes array type for every raw view, its length the most any view may claim:
+#: ``frombuffer(count=)`` gives each view its own size. (ctypes keeps every array type it
+#: ever made, one per length, so a type per span would grow without bound over rebuilds.)
+_ADDRESSABLE = ctypes.c_byte * (sys.maxsize // 2)
+
+
 def raw_words(lo: int, nbytes: int, word: int) -> torch.Tensor:
     """A 1-D tensor of ``nbytes // word`` words of ``word`` bytes over the memory at address
     ``lo``: it owns nothing and keeps nothing alive (the caller keeps the owners referenced
-    and touches only what lies inside them)."""
-    buf = (ctypes.c_byte * nbytes).from_address(lo)
-    return torch.frombuffer(buf, dtype=_WORD[word])  # keeps ``buf`` (the ctypes view) alive
+    and touches only what lies inside them). Nothing is read or mapped to make it."""
+    return torch.frombuffer(_ADDRESSABLE.from_address(lo), dtype=_WORD[word],
+                            count=nbytes // word)
 
 
 def _word(*values: int) -> int:

@@ -253,3 +253,23 @@ def test_gather_casts_as_tensor_to(src: torch.dtype, wire: torch.dtype,
                                                           for k in range(16)],
                             [8 * wire.itemsize] * 16, [odd.data_ptr()] * 16,
                             (src, [wire] * 16)) is None
+
+
+def test_raw_views_of_any_length_make_no_new_ctypes_types() -> None:
+    # ctypes keeps every array type it made, one per length: tables rebuilt over new spans
+    # round after round must not add one each
+    import ctypes
+
+    from m2n_async._data._hostcopy import raw_words
+
+    meta = type(ctypes.c_byte * 1)  # the metaclass of every ctypes array type
+
+    def array_types() -> int:
+        return sum(1 for o in gc.get_objects() if type(o) is meta)
+
+    x = torch.arange(512, dtype=torch.int64)
+    assert torch.equal(raw_words(x.data_ptr(), 4096, 8), x)
+    before = array_types()
+    for n in range(8, 4096, 8):
+        assert raw_words(x.data_ptr() + 8, n, 8).numel() == n // 8
+    assert array_types() == before
