@@ -55,6 +55,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.autograd.graph import increment_version
 
 __all__ = ["MAX_BYTES", "MIN_SEGMENTS", "HostGather", "HostScatter", "raw_words"]
 
@@ -75,8 +76,6 @@ _Group = tuple["torch.Tensor", "torch.Tensor", "torch.Tensor", "torch.Tensor | N
 
 def _bump_versions(tensors: Sequence[torch.Tensor]) -> None:
     """Advance the version counters of ``tensors`` (written through their addresses)."""
-    from torch.autograd.graph import increment_version
-
     try:
         increment_version(tensors)  # a list, where this torch takes one
     except TypeError:  # older torch: one tensor per call
@@ -111,6 +110,36 @@ def _rows(words: torch.Tensor, length: int) -> torch.Tensor:
     return words.as_strided((words.numel() - length + 1, length), (1, 1))
 
 
+def _flat_bytes(buf: torch.Tensor) -> bool:
+    """Is ``buf`` what a table packs into or scatters from: contiguous 1-D uint8 on the CPU?"""
+    return bool(buf.is_cpu and buf.dtype == torch.uint8 and buf.dim() == 1
+                and buf.is_contiguous())
+
+
+def _span_rows(ptrs: Sequence[int], word: int, length: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The regions of ``length`` words of ``word`` bytes at addresses ``ptrs`` (each a
+    multiple of ``word``): (the overlapping rows of one raw view over their span, each
+    region's row number in it)."""
+    lo = min(ptrs)
+    hi = max(ptrs) + word * length
+    rows = torch.tensor([(p - lo) // word for p in ptrs], dtype=torch.int64)
+    return _rows(raw_words(lo, hi - lo, word), length), rows
+
+
+def _buffer_rows(base: int, offsets: Sequence[int], word: int, length: int
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The buffer side of a group: its regions at ``offsets`` from address ``base`` (each
+    ``base + offset`` a multiple of ``word``). Back to back, they are one (n, L) view and no
+    row numbers; otherwise the buffer's overlapping rows from the group's first byte and
+    each region's row number."""
+    n = word * length
+    first = offsets[0]
+    if all(off == first + j * n for j, off in enumerate(offsets)):
+        return raw_words(base + first, len(offsets) * n, word).view(len(offsets), length), None
+    return _span_rows([base + off for off in offsets], word, length)
+
+
 class HostScatter:
     """Scatters one packed CPU buffer into many small destinations, a few torch calls for
     all of them (module docstring). Built once per (buffer, destinations) by ``build``;
@@ -135,8 +164,7 @@ class HostScatter:
         ``dsts[k]`` for the pairs it can take, and the indices k of those it leaves to the
         caller (in order). ``buf``: a contiguous 1-D uint8 CPU tensor. None when it takes no
         pair (then every index is left)."""
-        if not (buf.is_cpu and buf.dtype == torch.uint8 and buf.dim() == 1
-                and buf.is_contiguous()):
+        if not _flat_bytes(buf):
             return None, list(range(len(dsts)))
         base = buf.data_ptr()
         size = buf.numel()
@@ -162,23 +190,9 @@ class HostScatter:
             if len(ks) < MIN_SEGMENTS:
                 rest.extend(ks)
                 continue
-            n = w * length
-            lo = min(ptrs[k] for k in ks)
-            hi = max(ptrs[k] for k in ks) + n
-            dst_rows = _rows(raw_words(lo, hi - lo, w), length)
-            rows = torch.tensor([(ptrs[k] - lo) // w for k in ks], dtype=torch.int64)
-            first = offsets[ks[0]]
-            if all(offsets[k] == first + j * n for j, k in enumerate(ks)):
-                # back to back in the buffer: read as one (n, L) view, no gather
-                src = raw_words(base + first, len(ks) * n, w).view(len(ks), length)
-                groups.append((dst_rows, rows, src, None))
-            else:  # the buffer's rows from the group's first byte (an address w divides)
-                a = min(offsets[k] for k in ks)
-                b = max(offsets[k] for k in ks) + n
-                src_rows = torch.tensor([(offsets[k] - a) // w for k in ks],
-                                        dtype=torch.int64)
-                groups.append((dst_rows, rows, _rows(raw_words(base + a, b - a, w), length),
-                               src_rows))
+            dst_rows, rows = _span_rows([ptrs[k] for k in ks], w, length)
+            src, src_rows = _buffer_rows(base, [offsets[k] for k in ks], w, length)
+            groups.append((dst_rows, rows, src, src_rows))
             taken.extend(dsts[k] for k in ks)
         if not groups:
             return None, list(range(len(dsts)))
@@ -207,9 +221,6 @@ class HostScatter:
 
     def __repr__(self) -> str:
         return f"HostScatter({self.segments} segments in {self.groups} groups)"
-
-
-
 
 
 class HostGather:
@@ -247,8 +258,7 @@ class HostGather:
         holds ``sizes[k]`` bytes' worth of elements of the source dtype and is cast into
         its place (which must be aligned to the buffer dtype). None when it takes none.
         ``buf``: a contiguous 1-D uint8 CPU tensor."""
-        if not (buf.is_cpu and buf.dtype == torch.uint8 and buf.dim() == 1
-                and buf.is_contiguous()):
+        if not _flat_bytes(buf):
             return None
         base = buf.data_ptr()
         size = buf.numel()
@@ -285,23 +295,11 @@ class HostGather:
                 src_w, dst_w = w, w
             else:
                 src_w, dst_w, dtypes = src_size, w.itemsize, (cast[0], w)
-            n = dst_w * length
-            lo = min(ptrs[k] for k in ks)
-            hi = max(ptrs[k] for k in ks) + src_w * length
-            src_rows = _rows(raw_words(lo, hi - lo, src_w), length)
-            rows = torch.tensor([(ptrs[k] - lo) // src_w for k in ks], dtype=torch.int64)
-            first = offsets[ks[0]]
-            if all(offsets[k] == first + j * n for j, k in enumerate(ks)):
-                dst = raw_words(base + first, len(ks) * n, dst_w).view(len(ks), length)
-                if dtypes is not None:
-                    dst = dst.view(w)  # typed: the copy casts into it
-                groups.append((src_rows, rows, dst, None, dtypes))
-            else:  # the buffer's rows from the group's first byte (an address dst_w divides)
-                a = min(offsets[k] for k in ks)
-                b = max(offsets[k] for k in ks) + n
-                at = torch.tensor([(offsets[k] - a) // dst_w for k in ks], dtype=torch.int64)
-                groups.append((src_rows, rows, _rows(raw_words(base + a, b - a, dst_w),
-                                                     length), at, dtypes))
+            src_rows, rows = _span_rows([ptrs[k] for k in ks], src_w, length)
+            dst, at = _buffer_rows(base, [offsets[k] for k in ks], dst_w, length)
+            if at is None and dtypes is not None:
+                dst = dst.view(w)  # typed: the copy casts into it
+            groups.append((src_rows, rows, dst, at, dtypes))
         if not groups:
             return None
         rest.sort()
