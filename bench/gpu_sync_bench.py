@@ -561,6 +561,15 @@ async def bench_rank(ctx: _world.RankCtx) -> dict[str, Any]:
             zero()
             await timed("m2n_cast", lambda: pipeline(t, sources32))
             check("m2n_cast")
+            if groups and len(groups) < len(plan.params):
+                # the headline pair again, without the per-parameter paths between them (the
+                # 1024-call raw paths run in the first iterations of the interleave above), then
+                # each path back to back on its own: what the order of paths costs the ratio
+                await timed_interleaved({"raw_stacked_pair": paths["raw_stacked"],
+                                         "m2n_pair": lambda: pipeline(t, sources)})
+                await timed("raw_stacked_alone", paths["raw_stacked"])
+                await timed("m2n_alone", lambda: pipeline(t, sources))
+                check("m2n_alone")
 
             async def pack_lane() -> None:
                 # the lane's own trainer pack (its arenas and cached views), nothing sent
@@ -1176,7 +1185,8 @@ PATHS = ("m2n", "m2n_nocoalesce", "nccl", "api_bf16", "api_fp32", "api_bf16_alon
          "raw_stacked", "per_param", "broadcast", "m2n_cast", "pack_lane", "pack_only",
          "pack_per_tensor", "pack_flat", "raw_after_default_stream_event", "raw_transfer_stream",
          "raw_build_descs", "m2n_cast_one_fence", "m2n_blocking_events", "m2n_poll_events",
-         "m2n_bucket_64MiB", "m2n_bucket_1GiB", "m2n_one_bucket")
+         "m2n_bucket_64MiB", "m2n_bucket_1GiB", "m2n_one_bucket", "raw_stacked_pair", "m2n_pair",
+         "raw_stacked_alone", "m2n_alone")
 
 
 def _goal(text: str, value: float | None, op: str, target: float) -> dict[str, Any]:
@@ -1268,6 +1278,10 @@ def summarize(run: dict[str, Any], trainer_ranks: int = 2,
         "m2n_vs_raw_stacked (m2n/raw_stacked)": ratio("m2n", "raw_stacked"),
         "m2n_vs_per_param (per_param/m2n, goal >= 1.5)": ratio("per_param", "m2n"),
         "nocoalesce_vs_m2n (m2n_nocoalesce/m2n)": ratio("m2n_nocoalesce", "m2n"),
+        "m2n_vs_raw_stacked, the pair alone interleaved (m2n_pair/raw_stacked_pair)":
+            ratio("m2n_pair", "raw_stacked_pair"),
+        "m2n_vs_raw_stacked, each back to back (m2n_alone/raw_stacked_alone)":
+            ratio("m2n_alone", "raw_stacked_alone"),
         "raw_vs_raw_stacked (raw/raw_stacked)": ratio("raw", "raw_stacked"),
         "nccl_vs_raw (raw/nccl)": ratio("raw", "nccl"),
         "broadcast_vs_m2n (broadcast/m2n)": ratio("broadcast", "m2n"),
@@ -1348,6 +1362,16 @@ def table_lines(summary: Mapping[str, Any]) -> list[str]:
         if tag in api:
             rows.append(f"{tag}: transport {api[tag]['transport']!r}, predicted "
                         f"{api[tag].get('predicted_seconds')} s ({api[tag]['reason'][:120]})")
+    r = summary.get("ratios") or {}
+    orders = [(label, r.get(key)) for label, key in (
+        ("interleaved with every path", "m2n_vs_raw_stacked (m2n/raw_stacked)"),
+        ("the pair alone interleaved",
+         "m2n_vs_raw_stacked, the pair alone interleaved (m2n_pair/raw_stacked_pair)"),
+        ("each back to back",
+         "m2n_vs_raw_stacked, each back to back (m2n_alone/raw_stacked_alone)"))]
+    if sum(v is not None for _, v in orders) > 1:
+        rows.append("engine / raw stacked, by the order of paths: "
+                    + "; ".join(f"{label} {v}" for label, v in orders if v is not None))
     gp = summary.get("gpus") or {}
     rows.append(f"bytes received by workers: {summary.get('bytes_received_by_workers')}; "
                 f"lower bound at the link rate: {gp.get('lower_bound_s')} s; bit-exact: "
