@@ -307,6 +307,21 @@ def assemble_full(plan: Any, sources: Mapping[str, Any], received: Mapping[int, 
     return full
 
 
+def kernel_variants() -> int | None:
+    """How many forms of the Triton copy kernel this process has compiled (None without
+    Triton): a form first needed in a round is compiled in that round."""
+    from m2n_async._data import _kernels
+
+    got = _kernels._state.get("kernel")
+    if not got:
+        return None
+    fn = got[0]
+    caches = getattr(fn, "device_caches", None)
+    if caches is not None:  # Triton 3.x: device -> (kernel cache, ...)
+        return sum(len(v[0]) for v in caches.values())
+    return sum(len(v) for v in getattr(fn, "cache", {}).values())
+
+
 def _slices(box: Any) -> tuple[slice, ...]:
     return tuple(slice(lo, hi) for lo, hi in box)
 
@@ -448,6 +463,7 @@ async def bench_rank(ctx: _world.RankCtx) -> dict[str, Any]:
                 times[name].append(time.perf_counter() - t0)
         for name, ts in times.items():
             out[name] = ts[1:]
+            out.setdefault("first_s", {})[name] = ts[0]  # dropped above: warm-up, compiles
 
     async def timed(name: str, fn: Any, n: int | None = None) -> None:
         await timed_interleaved({name: fn}, n)
@@ -546,11 +562,13 @@ async def bench_rank(ctx: _world.RankCtx) -> dict[str, Any]:
         t = await opened("m2n", coalesce=True, coalesce_below=below, max_cta=case.get("max_cta"))
         try:
             out["grouping"] = t.grouping_reason
+            out["kernel_variants"] = {"connected": kernel_variants()}
             paths, sbufs, descs = raw_paths(t)
             await timed_interleaved({**paths, "m2n": lambda: pipeline(t, sources)},
                                     {"raw": slow, "per_param": slow, "raw_stacked": iters,
                                      "m2n": iters})
             interleaved_raw[0] = True
+            out["kernel_variants"]["after_rounds"] = kernel_variants()
             check_stacked(sbufs)
             zero()
             await paths["raw"]()
@@ -1293,6 +1311,10 @@ def summarize(run: dict[str, Any], trainer_ranks: int = 2,
             None if "api_fp32" not in s or "pack_only" not in s or "api_bf16" not in s
             else round(s["api_fp32"] / max(s["pack_only"], s["api_bf16"]), 3),
     }
+    firsts = [v.get("first_s") or {} for v in res.values()]
+    summary["first_s"] = {n: round(max(f[n] for f in firsts), 6) for n in names
+                          if all(n in f for f in firsts)}
+    summary["kernel_variants"] = {r: v.get("kernel_variants") for r, v in res.items()}
     summary["goals"] = model_goals(model, s)
     summary["bytes_received_by_workers"] = nbytes
     summary["params"] = res[0].get("params")
@@ -1372,6 +1394,15 @@ def table_lines(summary: Mapping[str, Any]) -> list[str]:
     if sum(v is not None for _, v in orders) > 1:
         rows.append("engine / raw stacked, by the order of paths: "
                     + "; ".join(f"{label} {v}" for label, v in orders if v is not None))
+    first = summary.get("first_s") or {}
+    if "m2n" in first:
+        kv = summary.get("kernel_variants") or {}
+        rows.append("first (dropped) iteration: " + ", ".join(
+            f"{n} {first[n]:.5f} s"
+            for n in ("m2n", "raw_stacked", "m2n_cast", "api_bf16", "api_fp32") if n in first)
+            + "; Triton copy forms compiled per rank, at connect -> after the rounds: "
+            + ", ".join(f"{r}: {v.get('connected')} -> {v.get('after_rounds')}"
+                        for r, v in kv.items() if v))
     gp = summary.get("gpus") or {}
     rows.append(f"bytes received by workers: {summary.get('bytes_received_by_workers')}; "
                 f"lower bound at the link rate: {gp.get('lower_bound_s')} s; bit-exact: "
