@@ -312,14 +312,7 @@ def kernel_variants() -> int | None:
     Triton): a form first needed in a round is compiled in that round."""
     from m2n_async._data import _kernels
 
-    got = _kernels._state.get("kernel")
-    if not got:
-        return None
-    fn = got[0]
-    caches = getattr(fn, "device_caches", None)
-    if caches is not None:  # Triton 3.x: device -> (kernel cache, ...)
-        return sum(len(v[0]) for v in caches.values())
-    return sum(len(v) for v in getattr(fn, "cache", {}).values())
+    return _kernels.compiled_variants() if "compiled_variants" in dir(_kernels) else None
 
 
 def _slices(box: Any) -> tuple[slice, ...]:

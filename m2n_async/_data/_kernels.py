@@ -40,11 +40,14 @@ from collections.abc import Sequence
 from functools import reduce
 from typing import Any, NamedTuple
 
-__all__ = ["MIN_PIECES", "PointerTable", "address_align", "available", "copy_many",
-           "pointer_table", "uniform_pieces", "warm_up"]
+__all__ = ["MIN_PIECES", "WARM_MAX_BYTES", "Form", "PointerTable", "address_align",
+           "available", "compiled_variants", "contiguous_strides", "copy_many", "pointer_table",
+           "uniform_pieces", "warm_forms", "warm_up"]
 
 #: Fewer pieces than this: ``_foreach_copy_`` costs about the same, skip the launch.
 MIN_PIECES = 8
+#: ``warm_forms`` skips a form whose scratch piece would be larger than this.
+WARM_MAX_BYTES = 64 << 20
 _BLOCK = 1024
 _WARPS = 4
 
@@ -94,6 +97,19 @@ def _kernel() -> Any:
 def available() -> bool:
     """True when the Triton kernel can be used in this process (CUDA tensors only)."""
     return _kernel() is not None
+
+
+def compiled_variants() -> int | None:
+    """How many variants of the kernel this process holds compiled (None without Triton):
+    what a test or bench compares before and after rounds to see a compile in a round."""
+    got = _kernel()
+    if got is None:
+        return None
+    fn = got[0]
+    caches = getattr(fn, "device_caches", None)
+    if caches is not None:  # Triton 3.x: device -> (kernel cache, ...)
+        return sum(len(v[0]) for v in caches.values())
+    return sum(len(v) for v in getattr(fn, "cache", {}).values())
 
 
 def _tl_type(tl: Any, dtype: Any, bits: bool) -> Any:
@@ -232,6 +248,86 @@ def _warm(device: Any, wire_dtypes: Sequence[Any]) -> None:
             for src in (torch.float32, torch.bfloat16):
                 if src != wire:
                     _exact(src, wire, device)
+
+
+class Form(NamedTuple):
+    """One kind of copy ``copy_many`` will be asked for: the pieces' dtypes, their shape,
+    each side's strides, and the alignment in bytes (a power of two up to 16) that every
+    address on both sides shares.
+
+    Triton compiles one variant of the kernel per dtype pair, flat or row/column form,
+    alignment, and pattern of which integer arguments (elements, rows, columns, row
+    strides) are 1 or multiples of 16. A variant first needed in a round is compiled in
+    that round, on the event loop (0.1-1 s each). Pieces of one form need the same
+    variant, so a lane that knows its forms at connect has ``warm_forms`` compile them
+    then."""
+
+    src: Any
+    dst: Any
+    shape: tuple[int, ...]
+    src_stride: tuple[int, ...]
+    dst_stride: tuple[int, ...]
+    align: int
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``, in elements."""
+    out = []
+    acc = 1
+    for d in reversed(shape):
+        out.append(acc)
+        acc *= d
+    return tuple(reversed(out))
+
+
+def _elements(shape: Sequence[int], stride: Sequence[int]) -> int:
+    """Elements from a piece's first to its last one, inclusive (0 for an empty piece)."""
+    if any(d == 0 for d in shape):
+        return 0
+    return 1 + sum((d - 1) * s for d, s in zip(shape, stride, strict=True))
+
+
+def warm_forms(device: Any, forms: Sequence[Form]) -> int:
+    """Compile the kernel variants ``forms`` need: one launch of each over scratch memory
+    (one piece per side, at the form's alignment), on a stream of its own. Run it off the
+    event loop (the lanes call it at connect, on a thread). Returns the forms launched.
+
+    A form the kernel does not take (``copy_many`` would fall back for it too), a cast
+    that is not exact, or a scratch piece over ``WARM_MAX_BYTES`` is skipped. An error
+    stops the warming and is swallowed: the round's own launch decides, and falls back."""
+    import torch
+
+    if not forms or _kernel() is None:
+        return 0
+    done = 0
+    try:
+        with torch.cuda.device(device):
+            # every scratch buffer is allocated and freed on this stream: the allocator
+            # reuses a block for the next form only after this stream's earlier launch
+            side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            for f in dict.fromkeys(forms):
+                if f.src != f.dst and not _exact(f.src, f.dst, device):
+                    continue
+                src_n = _elements(f.shape, f.src_stride) * f.src.itemsize
+                dst_n = _elements(f.shape, f.dst_stride) * f.dst.itemsize
+                size = max(src_n, dst_n)
+                if (not size or size > WARM_MAX_BYTES or f.align % f.src.itemsize
+                        or f.align % f.dst.itemsize):
+                    continue
+                off = f.align % 16  # 0 for 16: the allocation's own (512-byte) alignment
+                with torch.cuda.stream(side):
+                    # one buffer under both sides: the bytes are scratch, only the compiled
+                    # variant matters (the same one the round's pieces key)
+                    buf = torch.empty(off + size, dtype=torch.uint8, device=device)
+                    src = buf[off:off + src_n].view(f.src).as_strided(f.shape, f.src_stride)
+                    dst = buf[off:off + dst_n].view(f.dst).as_strided(f.shape, f.dst_stride)
+                    if _launch([dst], [src], device, check=False):
+                        done += 1
+                    del buf, src, dst
+            side.synchronize()
+    except Exception:
+        pass
+    return done
 
 
 def copy_many(dsts: Sequence[Any], srcs: Sequence[Any], *,

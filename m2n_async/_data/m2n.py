@@ -69,7 +69,16 @@ from m2n_async._data._cuda import (
     m2n_module,
     torch_dtype,
 )
-from m2n_async._data._kernels import MIN_PIECES, copy_many, pointer_table, uniform_pieces
+from m2n_async._data._kernels import (
+    MIN_PIECES,
+    Form,
+    address_align,
+    contiguous_strides,
+    copy_many,
+    pointer_table,
+    uniform_pieces,
+    warm_forms,
+)
 from m2n_async._data._kernels import available as kernels_available
 from m2n_async._data._transport import Completion, SinkLike, Staging, TransportSettings
 from m2n_async._proto.errors import LocalProtocolError, PlanError, TransferError
@@ -323,6 +332,42 @@ class M2NTransport(GpuTransportBase):
                                                     description="nccl.m2n Handle.create")
         except Exception as exc:
             raise self.translate(exc, "M2N handle creation") from exc
+        assert self.streams is not None
+        if self.streams.cuda and kernels_available():
+            # the stacks' copies compile now, on a thread, not in the first round's pack or
+            # scatter on the event loop (``_kernels.Form``)
+            forms = self._copy_forms()
+            if forms:
+                await anyio.to_thread.run_sync(warm_forms, self.device, forms)
+
+    def _copy_forms(self) -> list[Form]:
+        """The multi-tensor copies this rank's stacked calls will launch, as the plan tells
+        them: a trainer packs its sources into the stack's members (the wire dtype, and
+        float32 masters cast to a 16-bit wire), a worker scatters the members into its
+        targets. The members' alignment follows from their arena offsets; the caller's
+        tensors are taken to be 16-byte aligned (fresh allocations are). A form missed here
+        (less aligned sources, another master dtype) compiles in the round, as before."""
+        torch = _torch()
+        trainer = self.ctx.role == "trainer"
+        forms: dict[Form, None] = {}
+        for b in self.ctx.buckets:
+            calls = self._bucket(b)
+            _, offsets = self._stack_offsets(b.index, calls)
+            for k, off in offsets.items():
+                call = calls[k]
+                if len(call.members) < MIN_PIECES:  # ``copy_many`` leaves these to foreach
+                    continue
+                p = call.geo
+                member = (p.src_shape if trainer else p.dst_shape)[1:]
+                stride = contiguous_strides(member)
+                # the arena starts _ALIGN-aligned: members lie at off + i * their bytes
+                align = address_align([off, _numel(member) * p.dtype.itemsize])
+                srcs = [p.dtype]
+                if trainer and p.dtype in (torch.bfloat16, torch.float16):
+                    srcs.append(torch.float32)
+                for src in srcs:
+                    forms[Form(src, p.dtype, member, stride, stride, align)] = None
+        return list(forms)
 
     def _describe(self, i: int) -> _Param:
         m2n = self._m2n

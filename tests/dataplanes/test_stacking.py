@@ -11,6 +11,7 @@ and that the setting is part of what the handshake compares.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from m2n_async import EngineConfig, TrainerEngine
+from m2n_async._data._kernels import MIN_PIECES, Form, address_align
 from m2n_async._proto.plan import M2N_MAX_CALL_BYTES, TransferPlan
 from m2n_async._proto.stacking import (
     COALESCE_BELOW_BYTES,
@@ -271,3 +273,48 @@ async def test_a_missing_member_target_names_the_parameter(fake_world):
                               deadline=1.5)  # the others wait out the round's deadline
     err = results[2].error
     assert err is not None and "parameter 'e3' is missing from this rank's tensors" in str(err)
+
+
+@pytest.mark.asyncio
+async def test_copy_forms_are_the_copies_the_round_launches(fake_world):
+    # What the lane compiles at connect (``_copy_forms``, warmed on a GPU with Triton) must
+    # be the geometry, dtypes and alignment of the stack members it packs (trainers) and
+    # scatters from (workers) in the round, else those copies compile in the round.
+    defs = []
+    for e in range(8):
+        defs += [(f"e{e}.gate", (16, 8), torch.bfloat16, (R, 0), (R, 0)),
+                 (f"e{e}.down", (8, 16), torch.bfloat16, (R, 0), (R, 1)),
+                 (f"e{e}.odd", (6,), torch.bfloat16, None, None),    # 12-byte members
+                 (f"e{e}.norm", (16,), torch.float32, None, None)]
+    defs += [(f"few{i}", (4, 4), torch.bfloat16, None, None) for i in range(3)]  # < 8: foreach
+    plan = make_plan(defs, (1, 2), (1, 2))
+    got: dict[int, tuple[list[Form], set[Form]]] = {}
+
+    async def body(r: int, t: Any) -> None:
+        trainer = r < plan.trainer_ranks
+        await drive(t, round=0, deadline=time.monotonic() + 30,
+                    sources=sources(plan, r, 0) if trainer else None,
+                    sinks=None if trainer else targets(plan, r), max_inflight=2)
+        launched = set()
+        for b in t.ctx.buckets:
+            for _, parts in t._views[b.index].views.values():
+                if len(parts) < MIN_PIECES:
+                    continue
+                p0 = parts[0]
+                align = address_align([p.data_ptr() for p in parts])
+                wire = p0.dtype
+                srcs = [wire, torch.float32] if trainer and wire == torch.bfloat16 else [wire]
+                for src in srcs:
+                    launched.add(Form(src, wire, tuple(p0.shape), p0.stride(), p0.stride(),
+                                      align))
+        got[r] = (t._copy_forms(), launched)
+
+    raise_first(await run_world("m2n", plan, bucket_bytes=1 << 20, body=body))
+    assert sorted(got) == [0, 1, 2, 3]
+    for r, (forms, launched) in got.items():
+        assert len(forms) == len(set(forms))
+        assert set(forms) == launched, r
+        assert {f.align for f in forms} == {4, 16}, r  # the 12-byte members: 4-aligned
+        # trainers add the fp32 masters' cast to each bf16 form; workers scatter bits only,
+        # and gate's and down's (8, 8) bf16 members share one form there
+        assert len(forms) == (7 if r < 2 else 3), (r, forms)

@@ -101,6 +101,7 @@ async def coalesce_planes(ctx: RankCtx) -> dict[str, Any]:
     (``_proto.stacking.bucket_calls``) next to the parameter count."""
     import torch
 
+    from m2n_async._data._kernels import compiled_variants
     from m2n_async._proto.stacking import COALESCE_BELOW_BYTES, bucket_calls
 
     plan = coalesce_plan(ctx.case)
@@ -112,7 +113,10 @@ async def coalesce_planes(ctx: RankCtx) -> dict[str, Any]:
         thr = COALESCE_BELOW_BYTES if below is None else below
         rec: dict[str, Any] = {
             "params": len(plan.params), "buckets": len(t.ctx.buckets), "moved": [], "bad": [],
-            "calls": len(plan.params)}
+            "calls": len(plan.params),
+            # the Triton copy's variants after connect (which warms the lane's forms) and
+            # after the rounds: equal unless a round compiled one
+            "variants": [compiled_variants()]}
         targets = None if trainer else zero_targets(plan, ctx.rank, ctx.device)
         # "flat": sources and targets as views of one buffer, each stack's members back to
         # back (a flat parameter buffer): the lane reshards those stacks in place
@@ -163,6 +167,7 @@ async def coalesce_planes(ctx: RankCtx) -> dict[str, Any]:
                     rec["bad"].append(mismatches(targets, want))
             rec["plan_bytes"] = (plan.send_bytes(ctx.rank) if trainer
                                  else plan.recv_bytes(ctx.rank))
+            rec["variants"].append(compiled_variants())
         finally:
             rec.update(await close_transport(t))
         out[tag] = rec

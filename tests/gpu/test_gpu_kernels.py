@@ -130,3 +130,43 @@ def test_a_pointer_table_is_queued_behind_a_busy_stream_not_waited_for():
     side.synchronize()
     assert busy, "pointer_table waited for the stream's earlier work"
     assert table.table.cpu().tolist() == [t.data_ptr() for t in pieces]
+
+
+@pytest.mark.parametrize("shape,offset,src_dtype", [
+    ((33, 48), 0, torch.bfloat16),     # rows not a multiple of 16: its own variant
+    ((64, 64), 0, torch.float32),      # a cast into bf16
+    ((7,), 2, torch.bfloat16),         # 14-byte pieces from a 4-byte offset: 2-aligned
+    ((5, 3), 1, torch.bfloat16)])      # 2-byte aligned
+def test_warm_forms_compiles_what_the_copy_then_launches(shape, offset, src_dtype):
+    # A form warmed (scratch launch, on a stream of its own) is the variant the real
+    # copy of pieces of that form needs: the copy compiles nothing more, and is exact.
+    k = _kernels()
+    n = torch.Size(shape).numel()
+    step = n + 8  # elements between pieces: keeps each piece at the offset's alignment
+    base = _random((16 * step + offset,), src_dtype, 11)
+    srcs = [base[offset + i * step: offset + i * step + n].view(shape) for i in range(16)]
+    out = torch.empty(16 * step + offset, dtype=torch.bfloat16, device="cuda")
+    dsts = [out[offset + i * step: offset + i * step + n].view(shape) for i in range(16)]
+    align = min(k.address_align([s.data_ptr() for s in srcs]),
+                k.address_align([d.data_ptr() for d in dsts]))
+    stride = k.contiguous_strides(shape)
+    form = k.Form(src_dtype, torch.bfloat16, tuple(shape), stride, stride, align)
+    if src_dtype != torch.bfloat16 and not k._exact(src_dtype, torch.bfloat16, "cuda"):
+        pytest.skip("this Triton's cast is not exact: the pair is not used")
+    assert k.warm_forms(torch.device("cuda"), [form, form]) == 1
+    before = k.compiled_variants()
+    assert k.warm_forms(torch.device("cuda"), [form]) == 1  # a cache hit: nothing new
+    assert k.compiled_variants() == before
+    assert k.copy_many(dsts, srcs, uniform=True)
+    torch.cuda.synchronize()
+    assert k.compiled_variants() == before, "the copy compiled a variant the warm-up missed"
+    for d, s in zip(dsts, srcs, strict=True):
+        assert torch.equal(d.view(torch.int16), s.to(torch.bfloat16).view(torch.int16))
+
+
+def test_warm_forms_skips_what_the_kernel_does_not_take():
+    k = _kernels()
+    three = k.Form(torch.bfloat16, torch.bfloat16, (2, 4, 4), (16, 4, 1), (16, 4, 1), 16)
+    huge = k.Form(torch.bfloat16, torch.bfloat16, (k.WARM_MAX_BYTES,), (1,), (1,), 16)
+    assert k.warm_forms(torch.device("cuda"), [three, huge]) == 0
+    assert k.warm_forms(torch.device("cuda"), []) == 0
