@@ -44,12 +44,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import anyio
+
 from m2n_async._data._cuda import (
     GpuTransportBase,
     _torch,
     lookup_tensor,
     torch_dtype,
 )
+from m2n_async._data._kernels import MIN_PIECES, Form, address_align, warm_forms
+from m2n_async._data._kernels import available as kernels_available
 from m2n_async._data._packing import (
     BucketPacking,
     byte_view,
@@ -93,6 +97,18 @@ class NcclStaging(Staging):
 
 
 
+def _arena_views(peers: list[Any]) -> list[Any]:
+    """Each of ``peers``' slice of one meta arena, back to back in their order, as ``stage``
+    lays the packed peers out (``NcclTransport._copy_forms``)."""
+    torch = _torch()
+    arena = torch.empty(sum(pb.nbytes for pb in peers), dtype=torch.uint8, device="meta")
+    out, off = [], 0
+    for pb in peers:
+        out.append(arena[off:off + pb.nbytes])
+        off += pb.nbytes
+    return out
+
+
 class NcclTransport(GpuTransportBase):
     """Packed per-peer buffers over grouped ``nccl.core`` send/recv (module docstring)."""
 
@@ -104,6 +120,73 @@ class NcclTransport(GpuTransportBase):
         #: worker, per bucket: param -> (peer index, segment) of the params that arrive whole
         #: in one packed message (a load callback then gets a view of the arena)
         self._whole: dict[int, dict[int, tuple[int, Any]]] = {}
+
+    async def prepare(self) -> None:
+        """runtime_ready: the base class's, then the packing copies' kernel variants compiled
+        on a thread, not in the first round on the event loop (``_kernels.Form``)."""
+        await super().prepare()
+        assert self.streams is not None
+        if self.streams.cuda and kernels_available():
+            forms = self._copy_forms()
+            if forms:
+                await anyio.to_thread.run_sync(warm_forms, self.device, forms)
+
+    def _copy_forms(self) -> list[Form]:
+        """The multi-tensor copies this rank's buckets will launch, found by pairing every
+        segment as ``stage`` and ``unpack`` do, over meta tensors: a trainer packs sources
+        of the wire dtype, and float32 masters cast to a 16-bit wire; a worker scatters into
+        targets written in place. Arenas start 512-byte aligned (the allocator's blocks), the
+        caller's tensors are taken to be 16-byte aligned. A form missed here (less aligned
+        tensors, another master dtype, a load callback's shard) compiles in its round."""
+        torch = _torch()
+        plan = self.ctx.plan
+        copies: list[list[tuple[Any, Any]]] = []  # each one ``foreach_copy`` of a stage
+        for bucket in self.ctx.buckets:
+            pk = self._packing(bucket)
+            shard: dict[int, tuple[tuple[int, ...], Any]] = {}
+            for i in pk.params:
+                p = plan.params[i]
+                layout = p.spec.layout if pk.sending else p.dst
+                shard[i] = (tuple(layout.shard_shape(tuple(p.spec.shape))),
+                            torch_dtype(p.spec.dtype))
+            if pk.sending:
+                for masters in (False, True):
+                    cast = {i for i, (_, w) in shard.items()
+                            if masters and w in (torch.bfloat16, torch.float16)}
+                    if masters and not cast:
+                        continue
+                    local = {i: torch.empty(shape, device="meta", dtype=torch.float32
+                                            if i in cast else w)
+                             for i, (shape, w) in shard.items()}
+                    packed = [pb for pb in pk.peers  # as ``stage``: the rest is zero-copy
+                              if pb.direct is None or pb.direct.param in cast]
+                    copies.append([pack_pair(view, seg, local[seg.param],
+                                             shard[seg.param][1], temps=[])
+                                   for pb, view in zip(packed, _arena_views(packed),
+                                                       strict=True)
+                                   for seg in pb.segments])
+            else:
+                dst_bytes = {i: byte_view(torch.empty(shape, dtype=w, device="meta"))
+                             for i, (shape, w) in shard.items()}
+                packed = [pb for pb in pk.peers if pb.direct is None]  # the rest in place
+                copies.append([unpack_pair(view, seg, dst_bytes[seg.param])
+                               for pb, view in zip(packed, _arena_views(packed), strict=True)
+                               for seg in pb.segments])
+        forms: dict[Form, None] = {}
+        for pairs in copies:
+            # grouped as ``_packing.foreach_copy`` groups one call's pairs for the kernel
+            groups: dict[tuple[Any, ...], list[tuple[Any, Any]]] = {}
+            for d, s in pairs:
+                groups.setdefault((d.dtype, s.dtype, tuple(d.shape), d.stride(), s.stride()),
+                                  []).append((d, s))
+            for (ddt, sdt, shape, dstride, sstride), g in groups.items():
+                if len(g) < MIN_PIECES or tuple(g[0][1].shape) != shape:
+                    continue
+                # meta tensors sit at address 0: their byte offsets are their alignment
+                align = address_align([t.storage_offset() * t.element_size()
+                                       for pair in g for t in pair])
+                forms[Form(sdt, ddt, shape, sstride, dstride, align)] = None
+        return list(forms)
 
     def _packing(self, bucket: Bucket) -> BucketPacking:
         got = self._packings.get(bucket.index)

@@ -10,6 +10,7 @@ by ``tests/gpu`` on the H200.
 
 from __future__ import annotations
 
+import contextvars
 import threading
 import time
 from typing import Any
@@ -580,3 +581,55 @@ async def test_connect_warns_once_when_a_local_job_leaves_nccl_unpinned(
     with caplog.at_level("WARNING", logger="m2n_async"):
         raise_first(await run_world(name, plan, host="127.0.0.1"))
     assert not [r for r in caplog.records if "NCCL_SOCKET_IFNAME" in r.getMessage()]
+
+
+async def test_nccl_copy_forms_are_the_copies_the_round_launches(fake_world, monkeypatch):
+    # What the nccl lane compiles at connect (``_copy_forms``, over meta tensors; warmed on
+    # a GPU with Triton) must be every kernel-sized group of the pack and scatter copies a
+    # round makes (a copy of at least MIN_PIECES pieces of one geometry), with the pieces'
+    # alignment, for wire-dtype sources and fp32 masters: else they compile in the round.
+    from m2n_async._data import nccl as nccl_plane
+    from m2n_async._data._kernels import MIN_PIECES, Form, address_align
+
+    defs = [(f"col{i}", (16, 64), torch.bfloat16, (R, 0), (R, 1)) for i in range(10)]
+    defs += [(f"odd{i}", (4, 6), torch.bfloat16, (R, 0), (R, 1)) for i in range(9)]
+    defs += [(f"norm{i}", (64,), torch.float32, None, None) for i in range(3)]
+    plan = make_plan(defs, (1, 2), (1, 2))
+    calls: dict[int, list[tuple[list[Any], list[Any]]]] = {}
+    real = nccl_plane.foreach_copy
+    rank_of: contextvars.ContextVar[int] = contextvars.ContextVar("rank")  # a task per rank
+
+    def recording(dsts, srcs, **kw):
+        calls.setdefault(rank_of.get(), []).append((list(dsts), list(srcs)))
+        return real(dsts, srcs, **kw)
+
+    monkeypatch.setattr(nccl_plane, "foreach_copy", recording)
+    got: dict[int, list[Form]] = {}
+
+    async def body(r: int, t: Any) -> None:
+        rank_of.set(r)
+        trainer = r < plan.trainer_ranks
+        sinks = None if trainer else targets(plan, r)
+        for rnd, dtype in ((0, None), (1, torch.float32)):  # wire dtype, then fp32 masters
+            srcs = ({k: v.clone() for k, v in sources(plan, r, rnd, dtype).items()}
+                    if trainer else None)
+            await drive(t, round=rnd, deadline=time.monotonic() + 30, sources=srcs,
+                        sinks=sinks, max_inflight=2)
+        got[r] = t._copy_forms()
+
+    raise_first(await run_world("nccl", plan, bucket_bytes=1 << 20, body=body))
+    assert sorted(got) == sorted(calls) == [0, 1, 2, 3]
+    for r, forms in got.items():
+        launched = set()
+        for dsts, srcs in calls[r]:
+            groups: dict[Any, list[tuple[Any, Any]]] = {}
+            for d, s in zip(dsts, srcs, strict=True):
+                groups.setdefault((d.dtype, s.dtype, tuple(d.shape), d.stride(), s.stride()),
+                                  []).append((d, s))
+            for (ddt, sdt, shape, dstride, sstride), g in groups.items():
+                if len(g) >= MIN_PIECES:
+                    align = address_align([t.data_ptr() for pair in g for t in pair])
+                    launched.add(Form(sdt, ddt, shape, sstride, dstride, align))
+        assert launched, r  # the plan really makes kernel-sized copies
+        assert len(forms) == len(set(forms))
+        assert set(forms) == launched, (r, set(forms) ^ launched)
