@@ -77,7 +77,6 @@ from m2n_async._data._kernels import (
     copy_many,
     pointer_table,
     uniform_pieces,
-    warm_forms,
 )
 from m2n_async._data._kernels import available as kernels_available
 from m2n_async._data._transport import Completion, SinkLike, Staging, TransportSettings
@@ -332,13 +331,8 @@ class M2NTransport(GpuTransportBase):
                                                     description="nccl.m2n Handle.create")
         except Exception as exc:
             raise self.translate(exc, "M2N handle creation") from exc
-        assert self.streams is not None
-        if self.streams.cuda and kernels_available():
-            # the stacks' copies compile now, on a thread, not in the first round's pack or
-            # scatter on the event loop (``_kernels.Form``)
-            forms = self._copy_forms()
-            if forms:
-                await anyio.to_thread.run_sync(warm_forms, self.device, forms)
+        # the stacks' copies compile now, not in the first round's pack or scatter
+        await self._warm_copies(self._copy_forms)
 
     def _copy_forms(self) -> list[Form]:
         """The multi-tensor copies this rank's stacked calls will launch, as the plan tells

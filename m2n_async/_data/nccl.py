@@ -44,16 +44,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import anyio
-
 from m2n_async._data._cuda import (
     GpuTransportBase,
     _torch,
     lookup_tensor,
     torch_dtype,
 )
-from m2n_async._data._kernels import MIN_PIECES, Form, address_align, warm_forms
-from m2n_async._data._kernels import available as kernels_available
+from m2n_async._data._kernels import MIN_PIECES, Form, address_align
 from m2n_async._data._packing import (
     BucketPacking,
     byte_view,
@@ -125,11 +122,7 @@ class NcclTransport(GpuTransportBase):
         """runtime_ready: the base class's, then the packing copies' kernel variants compiled
         on a thread, not in the first round on the event loop (``_kernels.Form``)."""
         await super().prepare()
-        assert self.streams is not None
-        if self.streams.cuda and kernels_available():
-            forms = self._copy_forms()
-            if forms:
-                await anyio.to_thread.run_sync(warm_forms, self.device, forms)
+        await self._warm_copies(self._copy_forms)
 
     def _copy_forms(self) -> list[Form]:
         """The multi-tensor copies this rank's buckets will launch, found by pairing every

@@ -173,3 +173,40 @@ def test_address_align_is_the_widest_common_power_of_two() -> None:
     assert address_align([0x1002]) == 2
     assert address_align([0x1001, 0x1000]) == 1
     assert address_align([]) == 16
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("failing", [False, True])
+async def test_a_warm_up_that_cannot_list_its_forms_is_logged_not_raised(monkeypatch, caplog,
+                                                                         failing):
+    # The lanes' connect-time compile of their copies (``_warm_copies``) only spares the
+    # first round: when listing the forms fails, connect goes on (a warning), and the forms
+    # listed are handed to ``warm_forms`` on a thread. Doubles: a CUDA stream flag and the
+    # kernel module's availability and warm-up (no GPU here).
+    from types import SimpleNamespace
+
+    from m2n_async._data import _kernels
+
+    warmed: list[tuple[Any, list[Any]]] = []
+    monkeypatch.setattr(_kernels, "available", lambda: True)
+    monkeypatch.setattr(_kernels, "warm_forms", lambda dev, forms: warmed.append(
+        (dev, forms)) or len(forms))
+    t: Any = SimpleNamespace(streams=SimpleNamespace(cuda=True), device="cuda:3", name="nccl",
+                             ctx=SimpleNamespace(rank=5))
+    form = _kernels.Form(torch.bfloat16, torch.bfloat16, (4,), (1,), (1,), 16)
+
+    def forms() -> list[Any]:
+        if failing:
+            raise RuntimeError("meta tensors refused a view")
+        return [form]
+
+    with caplog.at_level("WARNING", logger="m2n_async"):
+        await _cuda.GpuTransportBase._warm_copies(t, forms)
+    if failing:
+        assert warmed == []
+        assert "rank 5 could not list" in caplog.text and "refused a view" in caplog.text
+    else:
+        assert warmed == [("cuda:3", [form])] and not caplog.text
+    t.streams.cuda = False  # a CPU device: nothing is listed or warmed
+    await _cuda.GpuTransportBase._warm_copies(t, lambda: pytest.fail("listed on a CPU"))
+    assert len(warmed) == (0 if failing else 1)
