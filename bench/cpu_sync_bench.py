@@ -119,6 +119,7 @@ class RankFigures(msgspec.Struct):
     tiny_engine_s: list[float] = []    # part 2 (processes 0 and 2)
     tiny_raw_s: list[float] = []
     tiny_connect_s: float = 0.0
+    tiny_first_s: float = 0.0  # the first (untimed) round: tables, plans, arenas built
     tiny_phases: dict[str, float] = {}  # this rank's last part-2 SyncResult.phases
     tiny_floor_s: list[float] = []     # raw + the copies without checks: torch's own floor
     tiny_table_s: list[float] = []     # raw + the copies through address tables, no checks
@@ -466,7 +467,7 @@ async def _part_tiny(args: Args, rank: int, out: RankFigures) -> None:
     out.tiny_connect_s = time.perf_counter() - t0
 
     try:
-        await _timed(op, None, sub)
+        out.tiny_first_s = (await _timed(op, None, sub))[0]
         await _timed(raw, None, sub)
         for _ in range(args.tiny_rounds):
             seconds, res = await _timed(op, lag, sub)
@@ -681,7 +682,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{PARTS['tiny']}. {n:,} tiny params ({what}), 1 trainer -> 1 "
               f"worker, bucket {ns.bucket_mb:g} MiB, max_inflight {ns.max_inflight}, "
               f"{_n(ns.tiny_rounds, 'round')} (connect incl. handshake: "
-              f"{res[TINY_TRAINER].tiny_connect_s:.2f} s)")
+              f"{res[TINY_TRAINER].tiny_connect_s:.2f} s; first round: "
+              f"{res[TINY_TRAINER].tiny_first_s:.2f} s)")
         print(f"   sync_weights : median {t_eng:.3f} s;  raw gloo of the same "
               f"{n * (32 if ns.tiny_masters else 64) / 1e6:.1f} MB: median {t_raw:.4f} s")
         print(f"   host overhead per parameter: {per * 1e6:.2f} us  (goal <= "
