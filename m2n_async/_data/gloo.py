@@ -1354,30 +1354,23 @@ class GlooTransport(Transport):
                 continue
             targets = up.scatters.get(id(msg))
             if targets is not None:
-                # The message's views of the buffer are cached per message and buffer
-                # address (the bucket's arena is the same every round): no view per round.
                 ptr = buf.data_ptr()
-                parts = self._parts.get(id(msg))
-                if parts is None or parts[0] != ptr:
-                    parts = (ptr, [
-                        buf[seg.offset - msg.offset:seg.offset - msg.offset + seg.nbytes]
-                        .view(seg.shape if seg.span is None else (seg.nbytes,))
-                        for seg in msg.segments])
-                    if cacheable:
-                        self._parts[id(msg)] = parts
                 host = up.tables.get(id(msg)) if cacheable else None
                 if cacheable and (host is None or host[0] != ptr):
                     # Small segments through a table of addresses (``_hostcopy``): built
                     # once per arena and targets, it pays for itself from the second round.
                     host = up.tables[id(msg)] = (ptr, *HostScatter.build(
                         buf, [seg.offset - msg.offset for seg in msg.segments], targets))
+                rest: Sequence[int]
                 if host is not None and host[1] is not None:
                     host[1].run(buf)
-                    dsts.extend(targets[k] for k in host[2])
-                    srcs.extend(parts[1][k] for k in host[2])
+                    rest = host[2]
                 else:
-                    dsts.extend(targets)
-                    srcs.extend(parts[1])
+                    rest = range(len(targets))
+                if rest:
+                    parts = self._buffer_parts(msg, buf, ptr, cacheable)
+                    dsts.extend(targets[k] for k in rest)
+                    srcs.extend(parts[k] for k in rest)
             else:  # some segments feed load callbacks (below); the others are copied here
                 for seg in msg.segments:
                     view = up.views.get(seg.param)
@@ -1390,6 +1383,22 @@ class GlooTransport(Transport):
         if up.callbacks:
             self._run_callbacks(staged, up.callbacks)
         staged.seconds["unpack"] = time.perf_counter() - t0
+
+    def _buffer_parts(self, msg: Message, buf: torch.Tensor, ptr: int, cacheable: bool
+                      ) -> list[torch.Tensor]:
+        """``msg``'s segments as views of its buffer ``buf`` (at address ``ptr``), for the
+        copies a table leaves over: cached per message and buffer address when ``buf`` is
+        the bucket's arena (the same every round), built only for a message that has such
+        copies (100,000 tiny segments take ~0.2 s to view)."""
+        parts = self._parts.get(id(msg))
+        if parts is None or parts[0] != ptr:
+            parts = (ptr, [
+                buf[seg.offset - msg.offset:seg.offset - msg.offset + seg.nbytes]
+                .view(seg.shape if seg.span is None else (seg.nbytes,))
+                for seg in msg.segments])
+            if cacheable:
+                self._parts[id(msg)] = parts
+        return parts[1]
 
     def _check_sinks(self, sinks: Mapping[str, SinkLike]) -> SinkMap:
         """The records of ``sinks``; a mapping other than last time's resets the caches
@@ -1435,6 +1444,7 @@ class GlooTransport(Transport):
                 if all(seg.param in flat for seg in msg.segments):
                     scatters[id(msg)] = [
                         shaped[seg.param][seg.slices] if seg.span is None
+                        else flat[seg.param] if seg.whole  # no slice op (many tiny params)
                         else flat[seg.param][seg.span[0]:seg.span[1]]
                         for seg in msg.segments]
                     continue
