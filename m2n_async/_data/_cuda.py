@@ -602,20 +602,29 @@ class GpuTransportBase(Transport):
 
     async def _warm_copies(self, forms: Callable[[], list[_kernels.Form]]) -> None:
         """Compile the copy kernel's variants that ``forms()`` foresees for this rank's
-        rounds, on a thread (``_kernels.Form``; nothing without CUDA or Triton). A warm-up
-        only spares the first round its compiles, on the event loop: a failure to foresee
-        is logged, and those copies compile in the round, as they would without it."""
+        rounds, listing and compiling both on a thread (``_kernels.Form``; nothing without
+        CUDA or Triton), within ``_kernels.WARM_BUDGET_S``. A warm-up only spares the first
+        round its compiles on the event loop: a failure to foresee is logged, and those
+        copies compile in the round, as they would without it.
+
+        Cancellation: the thread runs to its end (bounded by the budget) before this
+        returns."""
         assert self.streams is not None
         if not (self.streams.cuda and _kernels.available()):
             return
-        try:
-            found = forms()
-        except Exception as exc:
-            log.warning("%s: rank %d could not list its copies' kernel forms (%r); they "
-                        "compile in the first round instead", self.name, self.ctx.rank, exc)
-            return
-        if found:
-            await anyio.to_thread.run_sync(_kernels.warm_forms, self.device, found)
+
+        def run() -> None:
+            try:
+                found = forms()
+            except Exception as exc:
+                log.warning("%s: rank %d could not list its copies' kernel forms (%r); "
+                            "they compile in the first round instead", self.name,
+                            self.ctx.rank, exc)
+                return
+            if found:
+                _kernels.warm_forms(self.device, found)
+
+        await anyio.to_thread.run_sync(run)
 
     async def connect(self, rendezvous: Rendezvous) -> None:
         """Create the communicator over all ``world_size`` ranks: rank 0 makes the unique id,

@@ -36,11 +36,12 @@ from __future__ import annotations
 import array
 import operator
 import threading
+import time
 from collections.abc import Sequence
 from functools import reduce
 from typing import Any, NamedTuple
 
-__all__ = ["MIN_PIECES", "WARM_MAX_BYTES", "Form", "PointerTable", "address_align",
+__all__ = ["MIN_PIECES", "WARM_BUDGET_S", "WARM_MAX_BYTES", "Form", "PointerTable", "address_align",
            "available", "compiled_variants", "contiguous_strides", "copy_many", "pointer_table",
            "uniform_pieces", "warm_forms", "warm_up"]
 
@@ -48,6 +49,9 @@ __all__ = ["MIN_PIECES", "WARM_MAX_BYTES", "Form", "PointerTable", "address_alig
 MIN_PIECES = 8
 #: ``warm_forms`` skips a form whose scratch piece would be larger than this.
 WARM_MAX_BYTES = 64 << 20
+#: ``warm_forms`` starts no form after this many seconds (a compile takes ~40 ms on the
+#: H200 host): what it leaves compiles in a round, and connect stays bounded.
+WARM_BUDGET_S = 10.0
 _BLOCK = 1024
 _WARPS = 4
 
@@ -287,10 +291,11 @@ def _elements(shape: Sequence[int], stride: Sequence[int]) -> int:
     return 1 + sum((d - 1) * s for d, s in zip(shape, stride, strict=True))
 
 
-def warm_forms(device: Any, forms: Sequence[Form]) -> int:
+def warm_forms(device: Any, forms: Sequence[Form], budget_s: float = WARM_BUDGET_S) -> int:
     """Compile the kernel variants ``forms`` need: one launch of each over scratch memory
-    (one piece per side, at the form's alignment), on a stream of its own. Run it off the
-    event loop (the lanes call it at connect, on a thread). Returns the forms launched.
+    (one piece per side, at the form's alignment), on a stream of its own, starting none
+    after ``budget_s`` seconds. Run it off the event loop (the lanes call it at connect, on
+    a thread). Returns the forms launched.
 
     A form the kernel does not take (``copy_many`` would fall back for it too), a cast
     that is not exact, or a scratch piece over ``WARM_MAX_BYTES`` is skipped. An error
@@ -300,12 +305,15 @@ def warm_forms(device: Any, forms: Sequence[Form]) -> int:
     if not forms or _kernel() is None:
         return 0
     done = 0
+    stop = time.monotonic() + budget_s
     try:
         with torch.cuda.device(device):
             # every scratch buffer is allocated and freed on this stream: the allocator
             # reuses a block for the next form only after this stream's earlier launch
             side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
             for f in dict.fromkeys(forms):
+                if time.monotonic() > stop:
+                    break
                 if f.src != f.dst and not _exact(f.src, f.dst, device):
                     continue
                 src_n = _elements(f.shape, f.src_stride) * f.src.itemsize

@@ -336,31 +336,45 @@ class M2NTransport(GpuTransportBase):
 
     def _copy_forms(self) -> list[Form]:
         """The multi-tensor copies this rank's stacked calls will launch, as the plan tells
-        them: a trainer packs its sources into the stack's members (the wire dtype, and
-        float32 masters cast to a 16-bit wire), a worker scatters the members into its
-        targets. The members' alignment follows from their arena offsets; the caller's
-        tensors are taken to be 16-byte aligned (fresh allocations are). A form missed here
-        (less aligned sources, another master dtype) compiles in the round, as before."""
+        them: a trainer packs each stack from its sources (the wire dtype, and float32
+        masters cast to a 16-bit wire); a worker scatters a bucket's stack members into the
+        targets written in place, one copy per member shape and dtype across the bucket's
+        stacks (``_scatter_lists``; load callbacks get views). The members' alignment
+        follows from their arena offsets; the caller's tensors are taken to be 16-byte
+        aligned (fresh allocations are). A form missed here (less aligned sources, another
+        master dtype) compiles in the round, as before."""
         torch = _torch()
         trainer = self.ctx.role == "trainer"
+        in_place = self.ctx.in_place
         forms: dict[Form, None] = {}
         for b in self.ctx.buckets:
             calls = self._bucket(b)
             _, offsets = self._stack_offsets(b.index, calls)
+            scatters: dict[tuple[tuple[int, ...], Any], list[int]] = {}
             for k, off in offsets.items():
-                call = calls[k]
-                if len(call.members) < MIN_PIECES:  # ``copy_many`` leaves these to foreach
-                    continue
-                p = call.geo
+                p = calls[k].geo
                 member = (p.src_shape if trainer else p.dst_shape)[1:]
-                stride = contiguous_strides(member)
-                # the arena starts _ALIGN-aligned: members lie at off + i * their bytes
-                align = address_align([off, _numel(member) * p.dtype.itemsize])
-                srcs = [p.dtype]
-                if trainer and p.dtype in (torch.bfloat16, torch.float16):
-                    srcs.append(torch.float32)
-                for src in srcs:
-                    forms[Form(src, p.dtype, member, stride, stride, align)] = None
+                step = _numel(member) * p.dtype.itemsize
+                # the arena starts _ALIGN-aligned: member j lies at off + j * step
+                if trainer:
+                    if len(calls[k].members) < MIN_PIECES:  # left to ``_foreach_copy_``
+                        continue
+                    stride = contiguous_strides(member)
+                    align = address_align([off, step])
+                    srcs = [p.dtype]
+                    if p.dtype in (torch.bfloat16, torch.float16):
+                        srcs.append(torch.float32)
+                    for src in srcs:
+                        forms[Form(src, p.dtype, member, stride, stride, align)] = None
+                else:
+                    scatters.setdefault((member, p.dtype), []).extend(
+                        off + j * step for j, m in enumerate(calls[k].members)
+                        if in_place is None or m.param in in_place)
+            for (member, dtype), addresses in scatters.items():
+                if len(addresses) >= MIN_PIECES:
+                    stride = contiguous_strides(member)
+                    forms[Form(dtype, dtype, member, stride, stride,
+                               address_align(addresses))] = None
         return list(forms)
 
     def _describe(self, i: int) -> _Param:

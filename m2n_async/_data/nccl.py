@@ -159,12 +159,18 @@ class NcclTransport(GpuTransportBase):
                                                        strict=True)
                                    for seg in pb.segments])
             else:
+                # as ``stage``: a load callback's shard that arrives whole is handed a view
+                # of the arena (no copy); one in several pieces is gathered into a temporary
+                in_place = self.ctx.in_place
+                whole = self._whole_segments(bucket.index, pk)
                 dst_bytes = {i: byte_view(torch.empty(shape, dtype=w, device="meta"))
                              for i, (shape, w) in shard.items()}
                 packed = [pb for pb in pk.peers if pb.direct is None]  # the rest in place
                 copies.append([unpack_pair(view, seg, dst_bytes[seg.param])
                                for pb, view in zip(packed, _arena_views(packed), strict=True)
-                               for seg in pb.segments])
+                               for seg in pb.segments
+                               if in_place is None or seg.param in in_place
+                               or seg.param not in whole])
         forms: dict[Form, None] = {}
         for pairs in copies:
             # grouped as ``_packing.foreach_copy`` groups one call's pairs for the kernel

@@ -154,13 +154,15 @@ async def run_world(name: str, plan: TransferPlan, *, bucket_bytes: int = 1 << 1
                     coalesce_below: int | None = None,
                     host: str | None = None, close_timeout: float = 10.0,
                     connect_timeout: float = 20.0,
-                    wrap_session: Callable[[Any], Any] | None = None
+                    wrap_session: Callable[[Any], Any] | None = None,
+                    in_place: Mapping[int, frozenset[int]] | None = None
                     ) -> list[RankResult]:
     """Run ``rounds`` rounds on every rank; returns per-rank results (errors captured).
     ``host``: where gloo binds (its ranks here share one process, so 127.0.0.1).
     ``connect_timeout``: the rendezvous timeout; ``wrap_session(session)``: what each rank
     connects through instead of its store session (to watch or tamper with the rendezvous);
-    ranks rendezvous under ``DATA_PREFIX``."""
+    ranks rendezvous under ``DATA_PREFIX``. ``in_place``: per worker rank, the parameters
+    whose targets are tensors (``TransportContext.in_place``, as the engine passes it)."""
     store = MemoryStore()
     extra = {} if coalesce_below is None else {"coalesce_below": coalesce_below}
     settings = TransportSettings(max_inflight=max_inflight, device=device, coalesce=coalesce,
@@ -173,7 +175,8 @@ async def run_world(name: str, plan: TransferPlan, *, bucket_bytes: int = 1 << 1
         res = results[r]
         native = NativeThread(f"test-r{r}")
         ctx = TransportContext(plan=plan, rank=r, generation=1, settings=settings,
-                               native=native, buckets=buckets)
+                               native=native, buckets=buckets,
+                               in_place=None if in_place is None else in_place.get(r))
         t = create_transport(name, ctx)
         res.transport = t
         try:

@@ -593,8 +593,13 @@ async def test_nccl_copy_forms_are_the_copies_the_round_launches(fake_world, mon
 
     defs = [(f"col{i}", (16, 64), torch.bfloat16, (R, 0), (R, 1)) for i in range(10)]
     defs += [(f"odd{i}", (4, 6), torch.bfloat16, (R, 0), (R, 1)) for i in range(9)]
-    defs += [(f"norm{i}", (64,), torch.float32, None, None) for i in range(3)]
+    defs += [(f"norm{i}", (64,), torch.float32, None, None) for i in range(9)]
     plan = make_plan(defs, (1, 2), (1, 2))
+    # load callbacks on the workers: shards that arrive whole (two norms: handed views of
+    # the arena, no copy; the 7 others scatter one by one, too few for the kernel) and
+    # shards gathered from both trainers (two odds: into a temporary, by the kernel)
+    callback = {"norm0", "norm1", "odd0", "odd1"}
+    in_place = frozenset(i for i, p in enumerate(plan.params) if p.spec.name not in callback)
     calls: dict[int, list[tuple[list[Any], list[Any]]]] = {}
     real = nccl_plane.foreach_copy
     rank_of: contextvars.ContextVar[int] = contextvars.ContextVar("rank")  # a task per rank
@@ -609,7 +614,11 @@ async def test_nccl_copy_forms_are_the_copies_the_round_launches(fake_world, mon
     async def body(r: int, t: Any) -> None:
         rank_of.set(r)
         trainer = r < plan.trainer_ranks
-        sinks = None if trainer else targets(plan, r)
+        sinks: dict[str, Any] | None = None
+        if not trainer:
+            sinks = dict(targets(plan, r))
+            for n in callback:
+                sinks[n] = lambda name, tensor: None
         for rnd, dtype in ((0, None), (1, torch.float32)):  # wire dtype, then fp32 masters
             srcs = ({k: v.clone() for k, v in sources(plan, r, rnd, dtype).items()}
                     if trainer else None)
@@ -617,7 +626,8 @@ async def test_nccl_copy_forms_are_the_copies_the_round_launches(fake_world, mon
                         sinks=sinks, max_inflight=2)
         got[r] = t._copy_forms()
 
-    raise_first(await run_world("nccl", plan, bucket_bytes=1 << 20, body=body))
+    raise_first(await run_world("nccl", plan, bucket_bytes=1 << 20, body=body,
+                                in_place={2: in_place, 3: in_place}))
     assert sorted(got) == sorted(calls) == [0, 1, 2, 3]
     for r, forms in got.items():
         launched = set()

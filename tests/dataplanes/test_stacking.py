@@ -10,6 +10,7 @@ and that the setting is part of what the handshake compares.
 
 from __future__ import annotations
 
+import contextvars
 import time
 from typing import Any
 
@@ -276,10 +277,16 @@ async def test_a_missing_member_target_names_the_parameter(fake_world):
 
 
 @pytest.mark.asyncio
-async def test_copy_forms_are_the_copies_the_round_launches(fake_world):
+async def test_copy_forms_are_the_copies_the_round_launches(fake_world, monkeypatch):
     # What the lane compiles at connect (``_copy_forms``, warmed on a GPU with Triton) must
-    # be the geometry, dtypes and alignment of the stack members it packs (trainers) and
-    # scatters from (workers) in the round, else those copies compile in the round.
+    # be every multi-tensor copy a round launches: the stacks' packs from wire-dtype and
+    # fp32 sources (trainers) and the scatters into the targets written in place, one per
+    # member shape across a bucket's stacks (workers), each at its pieces' alignment. The
+    # copies are recorded where the lane calls ``copy_many`` (doubles make the worker take
+    # the kernel path on the CPU; the recorder declines, so ``_foreach_copy_`` moves the
+    # bytes).
+    from m2n_async._data import m2n as m2n_plane
+
     defs = []
     for e in range(8):
         defs += [(f"e{e}.gate", (16, 8), torch.bfloat16, (R, 0), (R, 0)),
@@ -288,33 +295,49 @@ async def test_copy_forms_are_the_copies_the_round_launches(fake_world):
                  (f"e{e}.norm", (16,), torch.float32, None, None)]
     defs += [(f"few{i}", (4, 4), torch.bfloat16, None, None) for i in range(3)]  # < 8: foreach
     plan = make_plan(defs, (1, 2), (1, 2))
-    got: dict[int, tuple[list[Form], set[Form]]] = {}
+    # load callbacks on the workers: 5 gates (their 3 others scatter with the 8 downs, whose
+    # members have the same shape) and 2 odds (6 left: fewer than a kernel copy takes)
+    callback = {f"e{e}.gate" for e in range(5)} | {"e0.odd", "e1.odd"}
+    index = {p.spec.name: i for i, p in enumerate(plan.params)}
+    in_place = frozenset(i for n, i in index.items() if n not in callback)
+    rank_of: contextvars.ContextVar[int] = contextvars.ContextVar("rank")  # a task per rank
+    launched: dict[int, set[Form]] = {}
+
+    def recording(dsts: Any, srcs: Any, **kw: Any) -> bool:
+        if len(dsts) >= MIN_PIECES:
+            d0, s0 = dsts[0], srcs[0]
+            align = address_align([t.data_ptr() for t in (*dsts, *srcs)])
+            launched.setdefault(rank_of.get(), set()).add(
+                Form(s0.dtype, d0.dtype, tuple(d0.shape), s0.stride(), d0.stride(), align))
+        return False
+
+    monkeypatch.setattr(m2n_plane, "copy_many", recording)
+    monkeypatch.setattr(m2n_plane, "kernels_available", lambda: True)
+    monkeypatch.setattr(m2n_plane, "uniform_pieces", lambda ts: True)
+    got: dict[int, list[Form]] = {}
 
     async def body(r: int, t: Any) -> None:
+        rank_of.set(r)
         trainer = r < plan.trainer_ranks
-        await drive(t, round=0, deadline=time.monotonic() + 30,
-                    sources=sources(plan, r, 0) if trainer else None,
-                    sinks=None if trainer else targets(plan, r), max_inflight=2)
-        launched = set()
-        for b in t.ctx.buckets:
-            for _, parts in t._views[b.index].views.values():
-                if len(parts) < MIN_PIECES:
-                    continue
-                p0 = parts[0]
-                align = address_align([p.data_ptr() for p in parts])
-                wire = p0.dtype
-                srcs = [wire, torch.float32] if trainer and wire == torch.bfloat16 else [wire]
-                for src in srcs:
-                    launched.add(Form(src, wire, tuple(p0.shape), p0.stride(), p0.stride(),
-                                      align))
-        got[r] = (t._copy_forms(), launched)
+        sinks: dict[str, Any] | None = None
+        if not trainer:
+            sinks = dict(targets(plan, r))
+            for n in callback:
+                sinks[n] = lambda name, tensor: None
+        for rnd, dtype in ((0, None), (1, torch.float32)):  # wire dtype, then fp32 masters
+            srcs = ({k: v.clone() for k, v in sources(plan, r, rnd, dtype).items()}
+                    if trainer else None)
+            await drive(t, round=rnd, deadline=time.monotonic() + 30, sources=srcs,
+                        sinks=sinks, max_inflight=2)
+        got[r] = t._copy_forms()
 
-    raise_first(await run_world("m2n", plan, bucket_bytes=1 << 20, body=body))
-    assert sorted(got) == [0, 1, 2, 3]
-    for r, (forms, launched) in got.items():
+    raise_first(await run_world("m2n", plan, bucket_bytes=1 << 20, body=body,
+                                in_place={2: in_place, 3: in_place}))
+    assert sorted(got) == sorted(launched) == [0, 1, 2, 3]
+    for r, forms in got.items():
         assert len(forms) == len(set(forms))
-        assert set(forms) == launched, r
-        assert {f.align for f in forms} == {4, 16}, r  # the 12-byte members: 4-aligned
-        # trainers add the fp32 masters' cast to each bf16 form; workers scatter bits only,
-        # and gate's and down's (8, 8) bf16 members share one form there
-        assert len(forms) == (7 if r < 2 else 3), (r, forms)
+        assert set(forms) == launched[r], (r, set(forms) ^ launched[r])
+        if r < 2:  # gate, down and odd in bf16 and from fp32, norm; odd's 12-byte members
+            assert len(forms) == 7 and {f.align for f in forms} == {4, 16}, (r, forms)
+        else:  # the (8, 8) members of gate and down as one scatter, norm; too few odds
+            assert len(forms) == 2 and {f.shape for f in forms} == {(8, 8), (16,)}, (r, forms)

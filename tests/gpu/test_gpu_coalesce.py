@@ -62,6 +62,7 @@ def test_coalescing_mixed_model_bit_exact():
     for rank, per in res.items():
         for tag, rec in per.items():
             before, after = rec["variants"]
+            assert before is None or before > 0, (rank, tag, "the count does not work")
             assert before == after, (rank, tag, rec["variants"])
 
 

@@ -155,6 +155,7 @@ def test_warm_forms_compiles_what_the_copy_then_launches(shape, offset, src_dtyp
         pytest.skip("this Triton's cast is not exact: the pair is not used")
     assert k.warm_forms(torch.device("cuda"), [form, form]) == 1
     before = k.compiled_variants()
+    assert before, "compiled_variants cannot count this Triton's compiled kernels"
     assert k.warm_forms(torch.device("cuda"), [form]) == 1  # a cache hit: nothing new
     assert k.compiled_variants() == before
     assert k.copy_many(dsts, srcs, uniform=True)
@@ -164,9 +165,11 @@ def test_warm_forms_compiles_what_the_copy_then_launches(shape, offset, src_dtyp
         assert torch.equal(d.view(torch.int16), s.to(torch.bfloat16).view(torch.int16))
 
 
-def test_warm_forms_skips_what_the_kernel_does_not_take():
+def test_warm_forms_skips_what_the_kernel_does_not_take_and_keeps_its_budget():
     k = _kernels()
     three = k.Form(torch.bfloat16, torch.bfloat16, (2, 4, 4), (16, 4, 1), (16, 4, 1), 16)
     huge = k.Form(torch.bfloat16, torch.bfloat16, (k.WARM_MAX_BYTES,), (1,), (1,), 16)
     assert k.warm_forms(torch.device("cuda"), [three, huge]) == 0
     assert k.warm_forms(torch.device("cuda"), []) == 0
+    one = k.Form(torch.bfloat16, torch.bfloat16, (16, 16), (16, 1), (16, 1), 16)
+    assert k.warm_forms(torch.device("cuda"), [one], budget_s=-1.0) == 0  # spent: none
