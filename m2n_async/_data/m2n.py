@@ -331,8 +331,14 @@ class M2NTransport(GpuTransportBase):
                                                     description="nccl.m2n Handle.create")
         except Exception as exc:
             raise self.translate(exc, "M2N handle creation") from exc
-        # the stacks' copies compile now, not in the first round's pack or scatter
-        await self._warm_copies(self._copy_forms)
+        assert self.streams is not None
+        if self.streams.cuda and kernels_available():
+            # The calls are described here, on the loop thread, as the first round would:
+            # the thread that lists the forms only reads them (M2N's objects stay here).
+            for b in self.ctx.buckets:
+                self._bucket(b)
+            # the stacks' copies compile now, not in the first round's pack or scatter
+            await self._warm_copies(self._copy_forms)
 
     def _copy_forms(self) -> list[Form]:
         """The multi-tensor copies this rank's stacked calls will launch, as the plan tells
