@@ -52,7 +52,7 @@ then run on a CUDA stream).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -79,6 +79,7 @@ __all__ = [
     "element_region",
     "flat_bytes",
     "foreach_copy",
+    "kernel_groups",
     "pack_pair",
     "pack_peer",
     "pack_segments",
@@ -391,9 +392,10 @@ def foreach_copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor], *,
         torch._foreach_copy_(dsts[c:c + chunk], srcs[c:c + chunk], non_blocking=non_blocking)
 
 
-def _copy_by_kernel(dsts: list[torch.Tensor], srcs: list[torch.Tensor]
-                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Copy every group of one geometry the Triton kernel takes; return the pairs left."""
+def kernel_groups(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]
+                  ) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """The (dsts, srcs) pairs grouped by dtypes, geometry and devices: each group one launch
+    of the Triton copy (``_copy_by_kernel``; ``NcclTransport._copy_forms`` foresees them)."""
     groups: dict[tuple[object, ...], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for d, s in zip(dsts, srcs, strict=True):
         # get_device(): -1 on the CPU; a target on another device must not share a group
@@ -402,9 +404,15 @@ def _copy_by_kernel(dsts: list[torch.Tensor], srcs: list[torch.Tensor]
         g = groups.setdefault(key, ([], []))
         g[0].append(d)
         g[1].append(s)
+    return list(groups.values())
+
+
+def _copy_by_kernel(dsts: list[torch.Tensor], srcs: list[torch.Tensor]
+                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Copy every group of one geometry the Triton kernel takes; return the pairs left."""
     rest_d: list[torch.Tensor] = []
     rest_s: list[torch.Tensor] = []
-    for gd, gs in groups.values():
+    for gd, gs in kernel_groups(dsts, srcs):
         # a group shares dtypes, geometry and devices by its key: only its first pair is checked
         if not copy_many(gd, gs, uniform=True):
             rest_d += gd

@@ -258,12 +258,7 @@ class _StackArenas:
 def _stack_view(first: Any, shape: tuple[int, ...]) -> Any:
     """A contiguous tensor of ``shape`` over the storage of ``first`` (a stack's first
     member), starting where ``first`` starts (``M2NTransport._span`` checked the bounds)."""
-    strides = []
-    acc = 1
-    for d in reversed(shape):
-        strides.append(acc)
-        acc *= d
-    return first.as_strided(shape, tuple(reversed(strides)), first.storage_offset())
+    return first.as_strided(shape, contiguous_strides(shape), first.storage_offset())
 
 
 #: Stacked buffers start at multiples of this many bytes inside an arena (any dtype's

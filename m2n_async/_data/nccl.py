@@ -55,6 +55,7 @@ from m2n_async._data._packing import (
     BucketPacking,
     byte_view,
     foreach_copy,
+    kernel_groups,
     pack_pair,
     plan_bucket,
     unpack_pair,
@@ -173,18 +174,16 @@ class NcclTransport(GpuTransportBase):
                                or seg.param not in whole])
         forms: dict[Form, None] = {}
         for pairs in copies:
-            # grouped as ``_packing.foreach_copy`` groups one call's pairs for the kernel
-            groups: dict[tuple[Any, ...], list[tuple[Any, Any]]] = {}
-            for d, s in pairs:
-                groups.setdefault((d.dtype, s.dtype, tuple(d.shape), d.stride(), s.stride()),
-                                  []).append((d, s))
-            for (ddt, sdt, shape, dstride, sstride), g in groups.items():
-                if len(g) < MIN_PIECES or tuple(g[0][1].shape) != shape:
+            # grouped as ``foreach_copy`` groups one call's pairs for the kernel
+            for gd, gs in kernel_groups([d for d, _ in pairs], [s for _, s in pairs]):
+                d0, s0 = gd[0], gs[0]
+                if len(gd) < MIN_PIECES or s0.shape != d0.shape:
                     continue
                 # meta tensors sit at address 0: their byte offsets are their alignment
-                align = address_align([t.storage_offset() * t.element_size()
-                                       for pair in g for t in pair])
-                forms[Form(sdt, ddt, shape, sstride, dstride, align)] = None
+                align = address_align([int(t.storage_offset()) * t.element_size()
+                                       for t in (*gd, *gs)])
+                forms[Form(s0.dtype, d0.dtype, tuple(d0.shape), s0.stride(), d0.stride(),
+                           align)] = None
         return list(forms)
 
     def _packing(self, bucket: Bucket) -> BucketPacking:

@@ -8,6 +8,7 @@ transports are exercised exactly as the engine uses them.
 
 from __future__ import annotations
 
+import contextvars
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -226,6 +227,32 @@ async def run_world(name: str, plan: TransferPlan, *, bucket_bytes: int = 1 << 1
         for r in range(plan.world_size):
             tg.start_soon(rank_main, r)
     return results
+
+
+def forms_after_two_rounds(plan: TransferPlan, callback: set[str],
+                           rank_of: contextvars.ContextVar[int], got: dict[int, Any]
+                           ) -> Callable[[int, Transport], Any]:
+    """A ``run_world`` body for the copy-form tests: two rounds, from sources in the wire
+    dtype and then from fp32 masters (fresh, so 16-byte aligned), with load callbacks for
+    the workers' ``callback`` names; then the lane's ``_copy_forms()`` into ``got[rank]``.
+    ``rank_of`` holds the rank in its task, for recorders of the lane's copies."""
+
+    async def body(r: int, t: Any) -> None:
+        rank_of.set(r)
+        trainer = r < plan.trainer_ranks
+        sinks: dict[str, Any] | None = None
+        if not trainer:
+            sinks = dict(targets(plan, r))
+            for n in callback:
+                sinks[n] = lambda name, tensor: None
+        for rnd, dtype in ((0, None), (1, torch.float32)):
+            srcs = ({k: v.clone() for k, v in sources(plan, r, rnd, dtype).items()}
+                    if trainer else None)
+            await drive(t, round=rnd, deadline=time.monotonic() + 30, sources=srcs,
+                        sinks=sinks, max_inflight=2)
+        got[r] = t._copy_forms()
+
+    return body
 
 
 def raise_first(results: list[RankResult]) -> None:

@@ -30,6 +30,7 @@ from ._world import (
     R,
     drive,
     expected,
+    forms_after_two_rounds,
     make_plan,
     raise_first,
     run_world,
@@ -611,21 +612,7 @@ async def test_nccl_copy_forms_are_the_copies_the_round_launches(fake_world, mon
     monkeypatch.setattr(nccl_plane, "foreach_copy", recording)
     got: dict[int, list[Form]] = {}
 
-    async def body(r: int, t: Any) -> None:
-        rank_of.set(r)
-        trainer = r < plan.trainer_ranks
-        sinks: dict[str, Any] | None = None
-        if not trainer:
-            sinks = dict(targets(plan, r))
-            for n in callback:
-                sinks[n] = lambda name, tensor: None
-        for rnd, dtype in ((0, None), (1, torch.float32)):  # wire dtype, then fp32 masters
-            srcs = ({k: v.clone() for k, v in sources(plan, r, rnd, dtype).items()}
-                    if trainer else None)
-            await drive(t, round=rnd, deadline=time.monotonic() + 30, sources=srcs,
-                        sinks=sinks, max_inflight=2)
-        got[r] = t._copy_forms()
-
+    body = forms_after_two_rounds(plan, callback, rank_of, got)
     raise_first(await run_world("nccl", plan, bucket_bytes=1 << 20, body=body,
                                 in_place={2: in_place, 3: in_place}))
     assert sorted(got) == sorted(calls) == [0, 1, 2, 3]
