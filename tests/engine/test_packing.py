@@ -107,3 +107,27 @@ def _plans(draw: st.DrawFn) -> tuple[TransferPlan, int]:
 def test_random_plans_bit_exact(case: tuple[TransferPlan, int]) -> None:
     plan, bucket_bytes = case
     _simulate(plan, bucket_bytes, direct_min=48)
+
+
+def test_kernel_groups_keep_one_dtype_pair_geometry_and_device_per_group() -> None:
+    # The groups the Triton copy launches one by one (and the nccl lane foresees at
+    # connect): pairs of one dtype pair, shape, strides and devices, in first-seen order,
+    # each pair in exactly one group; and with the kernel declining (a CPU), every pair is
+    # handed back to the caller.
+    from m2n_async._data._packing import _copy_by_kernel, kernel_groups
+
+    base = torch.zeros(8, 8)
+    dsts = [torch.zeros(4, 4), torch.zeros(4, 4), base[:4, :4], torch.zeros(4, 4,
+            dtype=torch.bfloat16), torch.zeros(2, 8)]
+    srcs = [torch.ones(4, 4), torch.ones(4, 4), torch.ones(4, 4), torch.ones(4, 4),
+            torch.ones(2, 8)]
+    groups = kernel_groups(dsts, srcs)
+    assert [len(gd) for gd, _ in groups] == [2, 1, 1, 1]  # strided, bf16, other shape apart
+    assert [id(t) for gd, _ in groups for t in gd] == [id(t) for t in dsts]
+    for gd, gs in groups:
+        key = {(d.dtype, s.dtype, d.shape, d.stride(), s.stride())
+               for d, s in zip(gd, gs, strict=True)}
+        assert len(key) == 1
+    rest_d, rest_s = _copy_by_kernel(dsts, srcs)
+    assert sorted(map(id, rest_d)) == sorted(map(id, dsts))
+    assert sorted(map(id, rest_s)) == sorted(map(id, srcs))
