@@ -131,7 +131,7 @@ def split_buckets(plan: TransferPlan, buckets: Sequence[Bucket], max_params: int
             if (start, stop) == (b.start, b.stop):
                 nbytes = b.nbytes
             else:
-                nbytes = sum(plan.param_cost(i) for i in range(start, stop))
+                nbytes = sum(plan.param_costs()[start:stop])
             out.append(Bucket(len(out), start, stop, nbytes))
     return tuple(out)
 
@@ -389,6 +389,7 @@ class TransferPlan:
         self._geos: dict[int, _Geometry] = {}
         self._totals: tuple[list[int], list[int]] | None = None
         self._buckets: dict[int, tuple[Bucket, ...]] = {}
+        self._costs: list[int] | None = None
         self._digest: str | None = None
 
     # -- basic access ------------------------------------------------------------------
@@ -505,6 +506,20 @@ class TransferPlan:
         """Most bytes any one rank sends or receives for param ``i`` (its bucket cost)."""
         return self._param_geo(i).cost
 
+    def param_costs(self) -> list[int]:
+        """``param_cost`` of every param, in plan order (computed once per geometry, cached:
+        bucket splits and the cost model sum slices of it). Do not mutate."""
+        if self._costs is None:
+            by_gid: dict[int, int] = {}
+            out = []
+            for gid in self._geo_index():
+                c = by_gid.get(gid)
+                if c is None:
+                    c = by_gid[gid] = self._geo(gid).cost
+                out.append(c)
+            self._costs = out
+        return self._costs
+
     def _compute_totals(self) -> tuple[list[int], list[int]]:
         if self._totals is None:
             send = [0] * self.world_size
@@ -561,7 +576,7 @@ class TransferPlan:
         cached = self._buckets.get(bucket_bytes)
         if cached is not None:
             return cached
-        costs = [self._geo(gid).cost for gid in self._geo_index()]
+        costs = self.param_costs()
         out: list[Bucket] = []
         start, acc = 0, 0
         for i, c in enumerate(costs):

@@ -498,6 +498,14 @@ def test_split_buckets_is_a_pure_partition() -> None:
     assert [(b.index, b.start, b.stop) for b in parts] == [(0, 0, 3), (1, 3, 6), (2, 6, 7)]
     assert sum(b.nbytes for b in parts) == whole[0].nbytes
     assert split_buckets(plan, whole, 100) == whole
+    # Parameters of several sizes: each part's bytes are its own parameters' costs.
+    plan = make_plan([(f"q{i}", (2 * (i % 3 + 1),), torch.float32, (R, 0), None)
+                      for i in range(7)], (1, 2), (1, 1))
+    assert plan.param_costs() == [plan.param_cost(i) for i in range(7)]
+    parts = split_buckets(plan, plan.buckets(1 << 20), 3)
+    assert [b.nbytes for b in parts] == [
+        sum(plan.param_cost(i) for i in range(b.start, b.stop)) for b in parts]
+    assert len(set(b.nbytes for b in parts)) > 1  # the sizes differ between parts
 
 
 @pytest.mark.asyncio
