@@ -122,11 +122,17 @@ def test_interrupt_while_waiting_for_a_round_cancels_it_and_keeps_the_engine(
         # the loop (nothing happened: still READY) and the interrupt reaches the caller.
         main = threading.main_thread().ident
         assert main is not None and threading.get_ident() == main
-        timer = threading.Timer(0.3, signal.pthread_kill, (main, signal.SIGINT))
-        timer.start()
-        with pytest.raises(KeyboardInterrupt):
-            worker.receive(timeout=20)
-        timer.join()
+        # Python's own SIGINT handler, whatever this process inherited: a shell starts a
+        # background job with SIGINT ignored, and Python then installs no handler at all.
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            timer = threading.Timer(0.3, signal.pthread_kill, (main, signal.SIGINT))
+            timer.start()
+            with pytest.raises(KeyboardInterrupt):
+                worker.receive(timeout=20)
+            timer.join()
+        finally:
+            signal.signal(signal.SIGINT, previous)
         assert worker.state is EngineState.READY
         with ThreadPoolExecutor(1) as ex:  # and the engine still works
             got = ex.submit(worker.receive)
