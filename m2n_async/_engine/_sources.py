@@ -522,9 +522,15 @@ def _source_expectations(plan: TransferPlan, rank: int) -> _Expectations:
     import torch
 
     floats = frozenset(getattr(torch, n) for n in CAST_DTYPES)
+    # Once per geometry (its shape, dtype and layouts), not per parameter: 10^5 experts
+    # share a handful, and each entry costs a few microseconds.
+    per_geo: dict[int, _Expect] = {}
     out = _Expectations()
-    for p in plan.params:
-        wire = getattr(torch, p.spec.dtype)
-        out.append((wire, torch.Size(p.spec.layout.local_shape(p.spec.shape, rank)),
-                    floats if wire in floats else frozenset((wire,))))
+    for p, gid in zip(plan.params, plan._geo_index(), strict=True):
+        e = per_geo.get(gid)
+        if e is None:
+            wire = getattr(torch, p.spec.dtype)
+            e = per_geo[gid] = (wire, torch.Size(p.spec.layout.local_shape(p.spec.shape, rank)),
+                                floats if wire in floats else frozenset((wire,)))
+        out.append(e)
     return out
