@@ -507,17 +507,10 @@ class TransferPlan:
         return self._param_geo(i).cost
 
     def param_costs(self) -> list[int]:
-        """``param_cost`` of every param, in plan order (computed once per geometry, cached:
-        bucket splits and the cost model sum slices of it). Do not mutate."""
+        """``param_cost`` of every param, in plan order, cached: bucket splits sum slices of
+        it instead of a method call per param. Shared: do not mutate."""
         if self._costs is None:
-            by_gid: dict[int, int] = {}
-            out = []
-            for gid in self._geo_index():
-                c = by_gid.get(gid)
-                if c is None:
-                    c = by_gid[gid] = self._geo(gid).cost
-                out.append(c)
-            self._costs = out
+            self._costs = [self._geo(gid).cost for gid in self._geo_index()]
         return self._costs
 
     def _compute_totals(self) -> tuple[list[int], list[int]]:

@@ -18,6 +18,7 @@ from typing import Any
 import anyio
 import torch
 
+from m2n_async._data._kernels import Form, address_align
 from m2n_async._data._native import NativeThread
 from m2n_async._data._transport import (
     Rendezvous,
@@ -253,6 +254,14 @@ def forms_after_two_rounds(plan: TransferPlan, callback: set[str],
         got[r] = t._copy_forms()
 
     return body
+
+
+def launched_form(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> Form:
+    """The copy kernel's form of one launch over real tensors: the pairs ``(dsts[k],
+    srcs[k])``, of one shape, dtype pair and strides, aligned as all their addresses."""
+    d0, s0 = dsts[0], srcs[0]
+    return Form(s0.dtype, d0.dtype, tuple(d0.shape), s0.stride(), d0.stride(),
+                address_align([t.data_ptr() for t in (*dsts, *srcs)]))
 
 
 def raise_first(results: list[RankResult]) -> None:

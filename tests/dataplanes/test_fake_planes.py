@@ -31,6 +31,7 @@ from ._world import (
     drive,
     expected,
     forms_after_two_rounds,
+    launched_form,
     make_plan,
     raise_first,
     run_world,
@@ -590,7 +591,7 @@ async def test_nccl_copy_forms_are_the_copies_the_round_launches(fake_world, mon
     # round makes (a copy of at least MIN_PIECES pieces of one geometry), with the pieces'
     # alignment, for wire-dtype sources and fp32 masters: else they compile in the round.
     from m2n_async._data import nccl as nccl_plane
-    from m2n_async._data._kernels import MIN_PIECES, Form, address_align
+    from m2n_async._data._kernels import MIN_PIECES, Form
 
     defs = [(f"col{i}", (16, 64), torch.bfloat16, (R, 0), (R, 1)) for i in range(10)]
     defs += [(f"odd{i}", (4, 6), torch.bfloat16, (R, 0), (R, 1)) for i in range(9)]
@@ -623,10 +624,9 @@ async def test_nccl_copy_forms_are_the_copies_the_round_launches(fake_world, mon
             for d, s in zip(dsts, srcs, strict=True):
                 groups.setdefault((d.dtype, s.dtype, tuple(d.shape), d.stride(), s.stride()),
                                   []).append((d, s))
-            for (ddt, sdt, shape, dstride, sstride), g in groups.items():
+            for g in groups.values():
                 if len(g) >= MIN_PIECES:
-                    align = address_align([t.data_ptr() for pair in g for t in pair])
-                    launched.add(Form(sdt, ddt, shape, sstride, dstride, align))
+                    launched.add(launched_form([d for d, _ in g], [s for _, s in g]))
         assert launched, r  # the plan really makes kernel-sized copies
         assert len(forms) == len(set(forms))
         assert set(forms) == launched, (r, set(forms) ^ launched)

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from m2n_async import EngineConfig, TrainerEngine
-from m2n_async._data._kernels import MIN_PIECES, Form, address_align
+from m2n_async._data._kernels import MIN_PIECES, Form
 from m2n_async._proto.plan import M2N_MAX_CALL_BYTES, TransferPlan
 from m2n_async._proto.stacking import (
     COALESCE_BELOW_BYTES,
@@ -35,6 +35,7 @@ from ._world import (
     drive,
     expected,
     forms_after_two_rounds,
+    launched_form,
     make_plan,
     raise_first,
     run_world,
@@ -315,10 +316,7 @@ async def test_copy_forms_are_the_copies_the_round_launches(fake_world, monkeypa
 
     def recording(dsts: Any, srcs: Any, **kw: Any) -> bool:
         if len(dsts) >= MIN_PIECES:
-            d0, s0 = dsts[0], srcs[0]
-            align = address_align([t.data_ptr() for t in (*dsts, *srcs)])
-            launched.setdefault(rank_of.get(), set()).add(
-                Form(s0.dtype, d0.dtype, tuple(d0.shape), s0.stride(), d0.stride(), align))
+            launched.setdefault(rank_of.get(), set()).add(launched_form(dsts, srcs))
         return False
 
     monkeypatch.setattr(m2n_plane, "copy_many", recording)
