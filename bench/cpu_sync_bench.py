@@ -123,7 +123,8 @@ class RankFigures(msgspec.Struct):
     tiny_phases: dict[str, float] = {}  # this rank's last part-2 SyncResult.phases
     tiny_floor_s: list[float] = []     # raw + the copies without checks: torch's own floor
     tiny_table_s: list[float] = []     # raw + the copies through address tables, no checks
-    tiny_check_s: list[float] = []     # one fast check pass over the shards: its own floor
+    tiny_check_s: list[float] = []     # one fast check pass over the shards
+    tiny_recheck_s: list[float] = []   # the re-check of chunks that passed: the checks' floor
     lag_tiny: list[float] = []
 
 
@@ -371,6 +372,7 @@ async def _part_tiny(args: Args, rank: int, out: RankFigures) -> None:
         from m2n_async._data import _hostcopy
     except ImportError:  # a tree from before the address tables
         _hostcopy = None  # type: ignore[assignment]
+    from m2n_async._engine import _sources as _sources_mod
 
     # new_group is collective over the default group: every process creates it.
     tiny_worker = args.trainers  # the first worker process
@@ -428,7 +430,7 @@ async def _part_tiny(args: Args, rank: int, out: RankFigures) -> None:
 
         # The engine's own per-round fast pass (dtypes, shapes, device, contiguity) over the
         # same tensors, as each side runs it once per round: what no check can go below.
-        from m2n_async._engine._sources import device_predicates, laid_out
+        from m2n_async._engine._sources import _INLINE_PARAMS, device_predicates, laid_out
         on_cpu = device_predicates("cpu")[1]
         shapes = [t.shape for t in ordered]
         dtypes = [t.dtype for t in ordered]
@@ -436,6 +438,20 @@ async def _part_tiny(args: Args, rank: int, out: RankFigures) -> None:
         def check() -> None:
             assert all(map(operator.is_, map(operator.attrgetter("dtype"), ordered), dtypes))
             assert laid_out(ordered, shapes, on_cpu)
+
+        # What a round runs instead once a chunk has passed: one C-level re-check per chunk
+        # (an older tree has none: the fast pass again).
+        recheck_of = getattr(_sources_mod, "Recheck", None)
+        chunks = [tuple(ordered[a:a + _INLINE_PARAMS]) for a in range(0, n, _INLINE_PARAMS)]
+        rc = recheck_of() if recheck_of is not None else None
+        if rc is not None:
+            for a, ts in enumerate(chunks):
+                rc.passed(a, ts)
+
+        def recheck() -> None:
+            if rc is None:
+                return check()
+            assert all(rc.passes(a, ts) for a, ts in enumerate(chunks))
     else:
         targets = {s.name: (torch.zeros(16, dtype=wire), None) for s in specs}
         engine = await WorkerEngine.connect(
@@ -480,6 +496,9 @@ async def _part_tiny(args: Args, rank: int, out: RankFigures) -> None:
                 began = time.perf_counter()
                 check()
                 out.tiny_check_s.append(time.perf_counter() - began)
+                began = time.perf_counter()
+                recheck()
+                out.tiny_recheck_s.append(time.perf_counter() - began)
     finally:
         await engine.close()
 
@@ -700,8 +719,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{t_table:.4f} s = {(t_table - t_raw) / n * 1e6:.2f} us per parameter over "
               f"raw; the engine beyond it: {(t_eng - t_table) / n * 1e6:.2f} us")
         t_check = statistics.median(res[TINY_TRAINER].tiny_check_s)
-        print(f"   the engine's fast check pass alone (dtype, shape, device, contiguity; "
-              f"each side runs one per round): {t_check / n * 1e6:.2f} us per parameter")
+        t_recheck = statistics.median(res[TINY_TRAINER].tiny_recheck_s)
+        print(f"   the engine's checks alone, each side's once per round: the fast pass (dtype, "
+              f"shape, device, contiguity) {t_check / n * 1e6:.2f} us per parameter; the "
+              f"re-check of chunks that passed (one TensorGuards call each, every round after "
+              f"the first) {t_recheck / n * 1e6:.2f} us")
         for who, rr in (("trainer", res[TINY_TRAINER]), ("worker", res[ns.trainers])):
             ph = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in rr.tiny_phases.items())
             print(f"   {who} phases of the last round, ms: {ph}")

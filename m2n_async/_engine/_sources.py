@@ -35,6 +35,16 @@ the getters and expected values are a pure function of the plan, built once per 
 not by a Python loop per parameter, and once per round: ``precheck`` reads all of it, and
 the buckets then read nothing again (``_checked``). A chunk that fails the fast pass goes
 through the per-parameter check, which raises the error naming the parameter.
+
+A chunk that passed is re-checked next round by one C call (``Recheck``): torch's
+``TensorGuards``, the check dynamo runs before it reuses a compiled graph, records each
+tensor's Python type, dispatch keys, dtype, device, sizes, strides and ``requires_grad`` and
+compares a tuple of tensors with them, ~0.15 µs a tensor against ~0.5 µs for the fast pass's
+four attribute reads. It is stricter than the contract (equal strides are contiguous ones,
+an equal dtype is an accepted one), so a chunk it accepts is one the fast pass would accept;
+a chunk it refuses goes through the fast pass, which passes it (and records a new guard) or
+explains. ``torch._C._dynamo`` is private: where it is missing or its signature changed there
+is no guard, and every round runs the fast pass as before.
 """
 
 from __future__ import annotations
@@ -63,8 +73,8 @@ if TYPE_CHECKING:
     from m2n_async._proto.plan import Bucket
 
 __all__ = ["CallbackInterrupted", "Interrupts", "Weights", "_INLINE_PARAMS", "_Expect",
-           "_Expectations", "_Sources", "_source_expectations", "device_predicates",
-           "laid_out"]
+           "_Expectations", "_Sources", "_source_expectations", "Recheck",
+           "device_predicates", "laid_out"]
 
 #: How many names the plan does not carry an iterator's warning shows.
 _UNPLANNED_SHOWN = 5
@@ -268,18 +278,23 @@ class _Sources:
         if not isinstance(expect, _Expectations):  # a caller-built list: no tables
             return False
         on_device = self._all_on_device
-        for a, (get, oks, shapes) in enumerate(expect.chunks(self._names, start, stop)):
+        chunks = expect.chunks(self._names, start, stop)
+        recheck = expect.recheck
+        for a, (get, oks, shapes) in enumerate(chunks):
             if a:
                 await anyio.lowlevel.checkpoint()
             try:
                 ts = get(m)
                 if type(ts) is not tuple:  # an itemgetter of one name returns the value
                     ts = (ts,)
+                if recheck.passes((start, stop, a), ts):
+                    continue
                 if not (all(map(operator.contains, oks, map(_DTYPE, ts)))
                         and laid_out(ts, shapes, on_device)):
                     return False
             except (KeyError, AttributeError, TypeError):  # missing, or not a tensor
                 return False
+            recheck.passed((start, stop, a), ts)
         return True
 
     async def __call__(self, bucket: Bucket) -> Mapping[str, torch.Tensor]:
@@ -468,6 +483,48 @@ def device_predicates(device: str) -> tuple[Callable[[torch.Tensor], bool],
     return one, (lambda ts: all(map(one, ts)))
 
 
+class Recheck:
+    """Per chunk of tensors that passed the fast pass, torch's ``TensorGuards`` over them
+    (module docstring): ``passes`` is one C call per chunk. Keyed by the caller (a chunk's
+    range in the plan); holds no reference to a tensor."""
+
+    __slots__ = ("_guards",)
+
+    def __init__(self) -> None:
+        self._guards: dict[Any, Callable[..., bool]] = {}
+
+    def passes(self, key: Any, ts: tuple[Any, ...]) -> bool:
+        """Whether ``ts`` match, tensor for tensor, the chunk recorded under ``key``: False
+        when none is recorded (the caller then runs the fast pass)."""
+        check = self._guards.get(key)
+        if check is None:
+            return False
+        try:
+            return check(*ts)
+        except TypeError:  # another number of tensors than recorded
+            return False
+
+    def passed(self, key: Any, ts: tuple[Any, ...]) -> None:
+        """``ts`` passed the fast pass: record them under ``key`` for the next round."""
+        make = _tensor_guards()
+        if make is None:
+            return
+        try:
+            self._guards[key] = make(*ts, dynamic_dims_sizes=None,
+                                     dynamic_dims_strides=None).check
+        except Exception:  # a signature of another torch: no guard, the fast pass each round
+            self._guards.pop(key, None)
+
+
+def _tensor_guards() -> Any:
+    """torch's ``TensorGuards`` class, or None where this torch has none."""
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+    except ImportError:
+        return None
+    return TensorGuards
+
+
 def laid_out(ts: Sequence[torch.Tensor], shapes: Sequence[torch.Size],
              on_device: Callable[[tuple[torch.Tensor, ...]], bool]) -> bool:
     """Whether tensors ``ts`` have ``shapes``, are all on the device (``on_device``, from
@@ -502,10 +559,12 @@ class _Expectations(list[_Expect]):
 
     _names: Sequence[str] | None = None
     _chunks: dict[tuple[int, int], list[_Chunk]]
+    #: the chunks that passed, for a C-level re-check next round (keyed (start, stop, chunk))
+    recheck: Recheck
 
     def chunks(self, names: Sequence[str], start: int, stop: int) -> list[_Chunk]:
         if self._names is not names:
-            self._names, self._chunks = names, {}
+            self._names, self._chunks, self.recheck = names, {}, Recheck()
         got = self._chunks.get((start, stop))
         if got is None:
             got = self._chunks[start, stop] = []

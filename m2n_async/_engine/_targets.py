@@ -15,7 +15,8 @@ The per-round cost, as for the trainer's sources (``_sources``): the targets are
 objects (the engine's ``SinkMap``), so the tables of each bucket — the target tensors, their
 expected dtypes and shapes — are built once, at connect; a round reads each tensor's dtype,
 shape, device and contiguity with C-level ``map`` calls over chunks of ``_INLINE_PARAMS``,
-with a checkpoint between chunks. A chunk that fails the fast pass goes through
+with a checkpoint between chunks; a chunk that passed is re-checked next round by one C call
+(``_sources.Recheck``). A chunk that fails the fast pass goes through
 ``validate_local_buffer``, which explains.
 
 Where the pass runs: ``receive`` runs it over every bucket (``precheck``) before it waits for
@@ -40,7 +41,13 @@ from typing import TYPE_CHECKING, Any
 import anyio.lowlevel
 
 from m2n_async._data._transport import SinkMap
-from m2n_async._engine._sources import _DTYPE, _INLINE_PARAMS, device_predicates, laid_out
+from m2n_async._engine._sources import (
+    _DTYPE,
+    _INLINE_PARAMS,
+    Recheck,
+    device_predicates,
+    laid_out,
+)
 from m2n_async._proto.errors import PlanError
 from m2n_async._proto.plan import TransferPlan, validate_local_buffer
 
@@ -75,6 +82,8 @@ class TargetCheck:
         #: bucket -> its targets' addresses, per chunk, for the buckets that passed ``precheck``
         self._passed: dict[int, list[list[int]]] = {}
         self._prechecked_at: float | None = None
+        #: the chunks that passed, re-checked next round by one C call (``_sources.Recheck``)
+        self._recheck = Recheck()
 
     def _tables(self, start: int, stop: int, sinks: SinkMap, torch: Any) -> list[_Chunk]:
         got = self._chunks.get((start, stop))
@@ -138,12 +147,17 @@ class TargetCheck:
         """Whether every in-place target of ``bucket`` passes the fast pass; with
         ``explain``, the first chunk that does not raises the ``PlanError`` naming it."""
         on_device = self._all_on_device
+        recheck = self._recheck
         for a, (idx, ts, dtypes, shapes) in enumerate(
                 self._tables(bucket.start, bucket.stop, self._sinks, self._torch)):
             if a:
                 await anyio.lowlevel.checkpoint()
+            key = (bucket.start, bucket.stop, a)
+            if recheck.passes(key, ts):
+                continue
             if (all(map(operator.is_, map(_DTYPE, ts), dtypes))
                     and laid_out(ts, shapes, on_device)):
+                recheck.passed(key, ts)
                 continue
             if not explain:
                 return False

@@ -13,8 +13,10 @@ import anyio
 import pytest
 import torch
 
+from m2n_async._engine import _sources
 from m2n_async._engine._sources import (
     _INLINE_PARAMS,
+    Recheck,
     _Expectations,
     _source_expectations,
     _Sources,
@@ -87,9 +89,19 @@ _FAULTS: dict[str, Callable[[dict[str, torch.Tensor], str], None]] = {
 }
 
 
+@pytest.fixture(params=["guards", "no guards"])
+def guards(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Each test twice: with torch's ``TensorGuards`` re-checking the chunks that passed, and
+    as on a torch without them (the fast pass every round)."""
+    if request.param == "no guards":
+        monkeypatch.setattr(_sources, "_tensor_guards", lambda: None)
+        return False
+    return True
+
+
 @pytest.mark.parametrize("fault", sorted(_FAULTS))
 @pytest.mark.parametrize("where", [0, _INLINE_PARAMS + 2, _INLINE_PARAMS + 3, N - 2, N - 1])
-def test_a_change_after_a_good_round_is_refused(fault: str, where: int) -> None:
+def test_a_change_after_a_good_round_is_refused(fault: str, where: int, guards: bool) -> None:
     eng = _Engine()
     shards = source_shards(eng.plan, 0)
     eng.round(shards)  # passes, tables built
@@ -197,3 +209,78 @@ def test_device_checked_by_the_fast_pass() -> None:
     shards["p3"] = shards["p3"].to("meta")
     with pytest.raises(PlanError, match="'p3'"):
         eng.round(shards)
+
+
+def _counting_fast_pass(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many chunks run the fast pass (``laid_out``) from now on, as a one-item list."""
+    calls = [0]
+    real = _sources.laid_out
+
+    def counted(*args: object) -> bool:
+        calls[0] += 1
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_sources, "laid_out", counted)
+    return calls
+
+
+def test_chunks_that_passed_are_rechecked_without_the_fast_pass(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a round that passed, each chunk is re-checked by one C call: no chunk runs the
+    fast pass again while nothing changed; a changed shard sends only its own chunk through
+    it (and on to the error naming it)."""
+    calls = _counting_fast_pass(monkeypatch)
+    eng = _Engine()
+    shards = source_shards(eng.plan, 0)
+    eng.round(shards)
+    chunks = len(eng.expect.chunks(eng.names, 0, N))
+    assert calls[0] == chunks == 3
+    for _ in range(2):
+        eng.round(shards)
+    assert calls[0] == chunks  # torch's TensorGuards served both rounds
+    # new tensors of the same kind (a dict rebuilt each round, to_local() views) pass too
+    eng.round({k: v.clone() for k, v in shards.items()})
+    assert calls[0] == chunks
+    shards["p3"] = torch.zeros(5)
+    with pytest.raises(PlanError, match="'p3'"):
+        eng.round(shards)
+    assert calls[0] == chunks + 1
+
+
+def test_an_accepted_change_passes_and_is_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the guard refuses but the contract accepts (another accepted dtype, a tensor now
+    requiring grad) passes the fast pass, and the next round re-checks the new kind."""
+    calls = _counting_fast_pass(monkeypatch)
+    eng = _Engine()
+    shards = source_shards(eng.plan, 0)
+    eng.round(shards)
+    shards["half"] = shards["half"].float()  # an fp32 master for the bf16 wire
+    shards["p0"] = shards["p0"].clone().requires_grad_()
+    assert eng.round(shards)._checked
+    after = calls[0]
+    assert eng.round(shards)._checked
+    assert calls[0] == after
+
+
+def test_recheck_is_stricter_than_the_contract() -> None:
+    """``Recheck.passes`` only for tensors like those recorded: the type, dtype, device, sizes,
+    strides and requires_grad each count, and so does their number."""
+    base = (torch.zeros(4), torch.zeros(2, 3))
+    rc = Recheck()
+    assert not rc.passes("k", base)  # nothing recorded
+    rc.passed("k", base)
+    assert rc.passes("k", base)
+    assert rc.passes("k", (torch.ones(4), torch.ones(2, 3)))  # other tensors, the same kind
+    others = {
+        "dtype": (torch.zeros(4, dtype=torch.float64), base[1]),
+        "sizes": (torch.zeros(5), base[1]),
+        "strides": (base[0], torch.zeros(3, 2).t()),
+        "device": (torch.zeros(4, device="meta"), base[1]),
+        "requires_grad": (torch.zeros(4, requires_grad=True), base[1]),
+        "type": (torch.nn.Parameter(torch.zeros(4)), base[1]),
+        "fewer": base[:1],
+        "more": (*base, base[0]),
+    }
+    for what, ts in others.items():
+        assert not rc.passes("k", ts), what
+    assert not rc.passes("other key", base)

@@ -257,3 +257,39 @@ async def test_short_receive_timeouts_do_not_repeat_the_check(
         _check(PLAN, workers, 1)
     finally:
         await _close(*trainers, *workers)
+
+
+@pytest.mark.asyncio
+async def test_targets_that_passed_are_rechecked_without_the_fast_pass(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Once a chunk of targets passed, later rounds re-check it with one C call (torch's
+    # TensorGuards); a target given new storage of another kind goes through the fast pass
+    # again, which refuses it.
+    from m2n_async._engine import _targets
+
+    calls = [0]
+    real = _targets.laid_out
+
+    def counted(*args: Any) -> bool:
+        calls[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(_targets, "laid_out", counted)
+    trainers, workers = await _connect_all(MemoryStore(), PLAN)
+    try:
+        await _round(trainers, workers, lambda e: e.sync_weights(source_shards(PLAN, 0, 1)))
+        first = calls[0]
+        assert first >= 1
+        for version in (2, 3):
+            await _round(trainers, workers,
+                         lambda e, v=version: e.sync_weights(source_shards(PLAN, 0, v)))
+        _check(PLAN, workers, 3)
+        assert calls[0] == first
+        _renew(workers[0]._sinks["w_row"].tensor, "strided")
+        with pytest.raises(BaseExceptionGroup) as info:
+            await _round(trainers, workers,
+                         lambda e: e.sync_weights(source_shards(PLAN, 0, 4)))
+        assert info.group_contains(TransferError, match="contiguous")
+        assert calls[0] > first
+    finally:
+        await _close(*trainers, *workers)
