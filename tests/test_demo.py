@@ -247,7 +247,8 @@ def test_cpu_sync_bench_tiny(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     for piece in ("sync_weights / raw gloo", "host overhead per parameter",
-                  "fast check pass alone", "event-loop lag p99",
+                  "the fast pass (dtype, shape", "re-check of chunks that passed",
+                  "event-loop lag p99",
                   # the settings the flags change, and both goals of BENCHMARKS.md
                   "settings: EngineConfig(transport='gloo', bucket_bytes=64 MiB, "
                   "max_inflight=3); parts mixed, aligned, tiny (--tiny sizes)",
