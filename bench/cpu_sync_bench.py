@@ -16,7 +16,8 @@ each: a ``m2n_async.testing.LocalWorld``, started before anything is timed), sid
    6.4 MB) / 100,000 (goal <= 20 us; stretch goal <= 0.5 us, BENCHMARKS.md "CPU sync").
    Beside it, in the same rounds: raw Gloo plus the copies alone, once as torch's own
    (``torch.cat``, ``_foreach_copy_``) and once through the address tables the Gloo lane
-   uses (``_data/_hostcopy.py``: the floor), and the engine's per-round check pass alone.
+   uses (``_data/_hostcopy.py``: the floor), and the engine's checks alone: the fast pass
+   (a round's first) and the re-check of chunks that passed (every round after it).
 3. Event-loop lag. On trainer rank 0, a task sleeps 1 ms in a loop during every engine round
    and records how late it wakes; p99 over the rounds of each part (goal <= 5 ms).
 
@@ -123,7 +124,7 @@ class RankFigures(msgspec.Struct):
     tiny_phases: dict[str, float] = {}  # this rank's last part-2 SyncResult.phases
     tiny_floor_s: list[float] = []     # raw + the copies without checks: torch's own floor
     tiny_table_s: list[float] = []     # raw + the copies through address tables, no checks
-    tiny_check_s: list[float] = []     # one fast check pass over the shards
+    tiny_check_s: list[float] = []     # one fast pass of the checks over the shards
     tiny_recheck_s: list[float] = []   # the re-check of chunks that passed: the checks' floor
     lag_tiny: list[float] = []
 
