@@ -501,7 +501,7 @@ class Recheck:
             return False
         try:
             return check(*ts)
-        except TypeError:  # another number of tensors than recorded
+        except Exception:  # another number of tensors than recorded, or a kind it cannot read
             return False
 
     def passed(self, key: Any, ts: tuple[Any, ...]) -> None:
