@@ -284,3 +284,17 @@ def test_recheck_is_stricter_than_the_contract() -> None:
     for what, ts in others.items():
         assert not rc.passes("k", ts), what
     assert not rc.passes("other key", base)
+
+
+def test_recheck_keeps_no_tensor_alive() -> None:
+    """A guard records metadata only: shards dropped by the caller are freed."""
+    import gc
+    import weakref
+
+    t = torch.zeros(4)
+    ref = weakref.ref(t)
+    rc = Recheck()
+    rc.passed("k", (t,))
+    del t
+    gc.collect()
+    assert ref() is None
