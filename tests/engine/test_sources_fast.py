@@ -262,6 +262,31 @@ def test_an_accepted_change_passes_and_is_recorded(monkeypatch: pytest.MonkeyPat
     assert calls[0] == after
 
 
+def test_two_kinds_of_source_alternating_are_both_rechecked(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 rounds alternating with fp32-master rounds (two kinds of the same shards): once
+    each passed, both are re-checked without the fast pass; a third kind displaces the
+    older guard."""
+    calls = _counting_fast_pass(monkeypatch)
+    eng = _Engine()
+    wire = source_shards(eng.plan, 0)
+    masters = dict(wire, half=wire["half"].float())  # the last chunk's kind changes
+    eng.round(wire)
+    eng.round(masters)
+    settled = calls[0]
+    for _ in range(3):
+        eng.round(wire)
+        eng.round(masters)
+    assert calls[0] == settled
+    third = dict(wire, half=wire["half"].double())  # float64 masters: another accepted kind
+    eng.round(third)
+    assert calls[0] == settled + 1
+    eng.round(masters)  # the newer of the two older kinds is still kept
+    assert calls[0] == settled + 1
+    eng.round(wire)  # the oldest was displaced
+    assert calls[0] == settled + 2
+
+
 def test_recheck_is_stricter_than_the_contract() -> None:
     """``Recheck.passes`` only for tensors like those recorded: the type, dtype, device, sizes,
     strides and requires_grad each count, and so does their number."""
