@@ -46,8 +46,11 @@ a chunk it refuses goes through the fast pass, which passes it (and records a ne
 explains. Each chunk keeps the guards of the last two kinds that passed (``_GUARDS_KEPT``): a
 caller alternating bf16 sources with fp32 masters would otherwise pay the fast pass and a new
 guard every round (measured on the H100: the MoE precheck of 1,024 shards went from 0.6 to
-1.4 ms with one guard kept). ``torch._C._dynamo`` is private: where it is missing or its signature changed there
-is no guard, and every round runs the fast pass as before.
+1.4 ms with one guard kept). A chunk holding one tensor twice (tied weights under two names)
+is one no guard accepts: it keeps the fast pass. A nested tensor never reaches a guard (its
+strides raise inside torch's C++, where nothing can catch it); the checks refuse it by name.
+``torch._C._dynamo`` is private: where it is missing or its signature changed there is no
+guard, and every round runs the fast pass as before.
 """
 
 from __future__ import annotations
@@ -295,7 +298,8 @@ class _Sources:
                 if not (all(map(operator.contains, oks, map(_DTYPE, ts)))
                         and laid_out(ts, shapes, on_device)):
                     return False
-            except (KeyError, AttributeError, TypeError):  # missing, or not a tensor
+            # missing, not a tensor, or one whose shape raises (a nested tensor)
+            except (KeyError, AttributeError, TypeError, RuntimeError):
                 return False
             recheck.passed((start, stop, a), ts)
         return True
@@ -421,7 +425,7 @@ class _Sources:
             try:
                 bad = ((t.dtype is not dtype and t.dtype not in ok) or t.shape != shape
                        or not on_device(t) or not t.is_contiguous())
-            except AttributeError:  # None (missing) or not a tensor
+            except (AttributeError, RuntimeError):  # missing, not a tensor, or nested
                 bad = True
             if bad:
                 if t is None:
@@ -433,6 +437,10 @@ class _Sources:
                     raise PlanError(f"sync_weights: the local shard for parameter {n!r} "
                                     f"(rank {self._rank}) is a {type(t).__name__}, not a "
                                     f"tensor")
+                if t.is_nested:  # its shape and strides raise: named here instead
+                    raise PlanError(f"sync_weights: the local shard for parameter {n!r} "
+                                    f"(rank {self._rank}) is a nested tensor; a shard is a "
+                                    f"dense tensor of the local shape")
                 i = start + names.index(n)
                 validate_local_buffer(self._plan.params[i].spec, t, self._rank, "source",
                                       device=self._device, cast=True)
@@ -497,16 +505,23 @@ class Recheck:
     (module docstring): ``passes`` is one C call per chunk. Keyed by the caller (a chunk's
     range in the plan); holds no reference to a tensor."""
 
-    __slots__ = ("_guards",)
+    __slots__ = ("_guards", "_unguarded")
 
     def __init__(self) -> None:
         self._guards: dict[Any, list[Callable[..., bool]]] = {}
+        #: chunks no guard accepts even as they passed (the same tensor twice: tied weights)
+        self._unguarded: set[Any] = set()
 
     def passes(self, key: Any, ts: tuple[Any, ...]) -> bool:
         """Whether ``ts`` match, tensor for tensor, a chunk of tensors recorded under
         ``key``: False when none does (the caller then runs the fast pass)."""
         kept = self._guards.get(key)
         if not kept:
+            return False
+        # A guard reads each tensor's strides in C++ before comparing anything, and a
+        # nested tensor (of type Tensor, as the guard expects) raises there: an error no
+        # Python frame can catch, so the process would abort. The fast pass refuses it.
+        if any(map(_IS_NESTED, ts)):
             return False
         for i, check in enumerate(kept):
             try:
@@ -522,10 +537,16 @@ class Recheck:
     def passed(self, key: Any, ts: tuple[Any, ...]) -> None:
         """``ts`` passed the fast pass: record them under ``key`` for the next rounds."""
         make = _tensor_guards()
-        if make is None:
+        if make is None or key in self._unguarded:
             return
         try:
             check = make(*ts, dynamic_dims_sizes=None, dynamic_dims_strides=None).check
+            if not check(*ts):
+                # A guard refuses a tensor given twice (tied weights under two names): this
+                # chunk would pay a refusal, the fast pass and a new guard every round.
+                self._unguarded.add(key)
+                self._guards.pop(key, None)
+                return
         except Exception:  # a signature of another torch: no guard, the fast pass each round
             return
         kept = self._guards.setdefault(key, [])
@@ -561,6 +582,7 @@ _Expect = tuple[Any, "torch.Size", frozenset[Any]]
 _DTYPE = operator.attrgetter("dtype")
 _SHAPE = operator.attrgetter("shape")
 _IS_CPU = operator.attrgetter("is_cpu")
+_IS_NESTED = operator.attrgetter("is_nested")
 _IS_CUDA = operator.attrgetter("is_cuda")
 
 

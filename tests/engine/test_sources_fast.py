@@ -72,6 +72,14 @@ def test_tables_kept_across_rounds() -> None:
     assert all(eng.expect._chunks[k] is v for k, v in tables.items())
 
 
+def _nested(t: torch.Tensor) -> torch.Tensor:
+    import warnings
+
+    with warnings.catch_warnings():  # torch.nested says it is a prototype
+        warnings.simplefilter("ignore")
+        return torch.nested.nested_tensor([t.reshape(-1), t.reshape(-1)])
+
+
 def _replace(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([t.reshape(-1), t.reshape(-1)])
 
@@ -85,6 +93,8 @@ _FAULTS: dict[str, Callable[[dict[str, torch.Tensor], str], None]] = {
     "data_noncontiguous": lambda d, n: setattr(
         d[n], "data", torch.stack([d[n].data, d[n].data], dim=-1)[..., 0]),
     "resized": lambda d, n: d[n].resize_(1),
+    # a nested tensor: a torch guard reading its strides would abort the process
+    "nested": lambda d, n: d.__setitem__(n, _nested(d[n])),
     "missing": lambda d, n: d.__delitem__(n),
 }
 
@@ -323,3 +333,27 @@ def test_recheck_keeps_no_tensor_alive() -> None:
     del t
     gc.collect()
     assert ref() is None
+
+
+def test_a_chunk_with_a_tensor_twice_is_left_to_the_fast_pass(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same tensor under two names (tied weights): a torch guard refuses any repeated
+    argument, so that chunk gets no guard and runs the fast pass each round, without a new
+    guard built every round; the other chunks keep theirs."""
+    made = [0]
+    real = _sources._tensor_guards()
+    assert real is not None
+
+    def counting(*args: object, **kw: object) -> object:
+        made[0] += 1
+        return real(*args, **kw)
+
+    monkeypatch.setattr(_sources, "_tensor_guards", lambda: counting)
+    calls = _counting_fast_pass(monkeypatch)
+    eng = _Engine()
+    shards = source_shards(eng.plan, 0)
+    shards["p1"] = shards["p0"]  # both (4,) float32: tied
+    for _ in range(4):
+        assert eng.round(shards)._checked
+    assert made[0] == 3  # one guard tried per chunk, once
+    assert calls[0] == 3 + 3  # the first round's three chunks, then the tied chunk alone
