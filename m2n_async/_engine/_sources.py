@@ -437,10 +437,6 @@ class _Sources:
                     raise PlanError(f"sync_weights: the local shard for parameter {n!r} "
                                     f"(rank {self._rank}) is a {type(t).__name__}, not a "
                                     f"tensor")
-                if t.is_nested:  # its shape and strides raise: named here instead
-                    raise PlanError(f"sync_weights: the local shard for parameter {n!r} "
-                                    f"(rank {self._rank}) is a nested tensor; a shard is a "
-                                    f"dense tensor of the local shape")
                 i = start + names.index(n)
                 validate_local_buffer(self._plan.params[i].spec, t, self._rank, "source",
                                       device=self._device, cast=True)

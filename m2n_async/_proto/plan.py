@@ -768,6 +768,9 @@ def validate_local_buffer(spec_or_transfer: ParamSpec | ParamTransfer, tensor_li
         if not cast:
             raise PlanError(f"{where}: tensor dtype {got_dtype} != planned dtype {spec.dtype}")
         check_source_dtype(spec, got_dtype, rank)
+    if getattr(tensor_like, "is_nested", False):  # its shape raises: refused by name here
+        raise PlanError(f"{where}: a nested tensor; a local shard is a dense tensor of the "
+                        f"local shard shape")
     want = layout.local_shape(spec.shape, rank)
     got_shape = tuple(int(n) for n in tensor_like.shape)
     if got_shape != want:

@@ -289,6 +289,19 @@ def test_validate_local_buffer_accepts_torch_tensors() -> None:
     validate_local_buffer(t, torch.empty(8, 2, dtype=torch.bfloat16), 5, "destination")
 
 
+def test_validate_local_buffer_refuses_a_nested_tensor_by_name() -> None:
+    import warnings
+
+    with warnings.catch_warnings():  # torch.nested says it is a prototype
+        warnings.simplefilter("ignore")
+        nested = torch.nested.nested_tensor([torch.zeros(4, 8), torch.zeros(4, 8)])
+    t = ParamTransfer(spec(), DST)
+    for rank, side in ((1, "source"), (5, "destination")):
+        with pytest.raises(PlanError, match=rf"parameter 'w' \({side} side, rank {rank}\): "
+                                            r"a nested tensor"):
+            validate_local_buffer(t, nested.to(torch.bfloat16), rank, side)
+
+
 def test_a_tp_shard_on_a_tp_axis_of_size_one_asks_about_mesh_dims() -> None:
     # A worker that left mesh_dims at its default (4, 1) while its targets are TP shards.
     default = ParamTransfer(spec(), Layout(Mesh((4, 1), T), (REPLICATE, 1)))
