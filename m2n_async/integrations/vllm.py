@@ -1401,13 +1401,17 @@ class VLLMTrainerEngine:
                     rpc = executor.submit(client.init_weight_transfer_engine,
                                           _worker_payload(info, address, specs))
                 try:
-                    # settle=0: a worker whose init failed may never have joined the
-                    # handshake, so its peers would wait out phase_timeout: cancel at once.
-                    # A failed handshake is the answer: the RPC gets a short settle (for its
-                    # error as a note), not another wait as long as the handshake's.
+                    # A worker whose init failed may never have joined the handshake, so
+                    # its peers would wait out phase_timeout: cancel after _INIT_SETTLE_S,
+                    # not phase_timeout. The settle lets a handshake failing at the same
+                    # moment (a phase timeout every rank hits, the workers' reported first)
+                    # raise its own diagnosis, the RPC's error as a note. A failed handshake
+                    # is the answer: the RPC gets a short wait (for its error as a note),
+                    # not another as long as the handshake's.
                     try:
                         trainer = _wait_with_rpc(pending, rpc, "init_weight_transfer_engine",
-                                                 grace=info.update_timeout, settle=0.0,
+                                                 grace=info.update_timeout,
+                                                 settle=_INIT_SETTLE_S,
                                                  rpc_wait=_RPC_SETTLE_S)
                     except BaseException as exc:
                         _close_connected(pending)  # the RPC failed as the connect succeeded
@@ -1796,6 +1800,8 @@ def _close_connected(pending: Any) -> None:
 # What the round's error says on every trainer rank when rank 0's start RPC failed it.
 _NOTHING_SENT = "no weights were sent to any worker"
 _RPC_SETTLE_S = 5.0  # how long a failed RPC waits for the round to report the same failure
+#: How long the workers' failed init RPC waits for the trainer's own handshake to end.
+_INIT_SETTLE_S = 1.0
 # What a failed send_weights may take beyond update_timeout from the failing step's start:
 # the round failed on every rank (_RPC_SETTLE_S at most) and the cleanup finish.
 _FAILURE_GRACE_S = 5.0

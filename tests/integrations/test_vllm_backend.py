@@ -11,6 +11,7 @@ started (previous weights kept).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -676,3 +677,33 @@ def test_trainer_init_rejects_what_it_cannot_send() -> None:
     specs = backend.specs_from_source(job.sources[0], T, "bfloat16")
     assert specs[0].dtype == "bfloat16" and specs[0].layout.placements == (0, -1)
     assert specs[0].layout.mesh.dims == (T, 1)
+
+
+def test_a_handshake_failing_just_after_the_init_rpc_raises_its_own_diagnosis(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The workers' init RPC fails a moment before the trainer's handshake times out on the
+    # same missing ranks (each side's phase timer ran out; theirs was reported first): the
+    # trainer raises its own PhaseTimeoutError, explained, the RPC's error a note.
+    from m2n_async import PhaseTimeoutError
+
+    monkeypatch.setattr(backend, "_INIT_SETTLE_S", 5.0)  # wide: the order is the test
+
+    class EarlyTimeout(FanOutClient):
+        def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+            time.sleep(0.2)
+            raise RuntimeError("the workers' handshake timed out")
+
+    job = _job()
+    info = backend.TrainerInitInfo(rank=0, trainer_ranks=1, world_size=1 + TP + 2,
+                                   store_port=job.port, job="vllm-early-timeout",
+                                   transport="gloo", phase_timeout=1, round_timeout=5)
+    try:
+        with pytest.raises(PhaseTimeoutError) as err:
+            backend.VLLMTrainerEngine.trainer_init(info, client=EarlyTimeout(job.workers),
+                                                   source=ShardedSource(0, 1))
+        notes = "\n".join(err.value.__notes__)
+        assert "worker rank(s) [1, 2, 3, 4] never joined" in notes, notes
+        assert "init_weight_transfer_engine failed too" in notes, notes
+    finally:
+        for w in job.workers:
+            w.shutdown()
