@@ -373,7 +373,6 @@ async def _part_tiny(args: Args, rank: int, out: RankFigures) -> None:
         from m2n_async._data import _hostcopy
     except ImportError:  # a tree from before the address tables
         _hostcopy = None  # type: ignore[assignment]
-    from m2n_async._engine import _sources as _sources_mod
 
     # new_group is collective over the default group: every process creates it.
     tiny_worker = args.trainers  # the first worker process
@@ -431,6 +430,7 @@ async def _part_tiny(args: Args, rank: int, out: RankFigures) -> None:
 
         # The engine's own per-round fast pass (dtypes, shapes, device, contiguity) over the
         # same tensors, as each side runs it once per round: what no check can go below.
+        from m2n_async._engine import _sources as _sources_mod
         from m2n_async._engine._sources import _INLINE_PARAMS, device_predicates, laid_out
         on_cpu = device_predicates("cpu")[1]
         shapes = [t.shape for t in ordered]

@@ -55,6 +55,7 @@ guard, and every round runs the fast pass as before.
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import repeat
@@ -550,6 +551,7 @@ class Recheck:
         del kept[_GUARDS_KEPT:]
 
 
+@functools.cache  # looked up once, not per chunk and round
 def _tensor_guards() -> Any:
     """torch's ``TensorGuards`` class, or None where this torch has none."""
     try:
@@ -594,7 +596,8 @@ class _Expectations(list[_Expect]):
 
     _names: Sequence[str] | None = None
     _chunks: dict[tuple[int, int], list[_Chunk]]
-    #: the chunks that passed, for a C-level re-check next round (keyed (start, stop, chunk))
+    #: the chunks that passed, for a C-level re-check next round (keyed (start, stop, chunk));
+    #: set by ``chunks``, with the tables it goes with
     recheck: Recheck
 
     def chunks(self, names: Sequence[str], start: int, stop: int) -> list[_Chunk]:
