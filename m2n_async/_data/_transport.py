@@ -79,6 +79,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TRANSPORTS",
+    "CheckedSources",
     "Completion",
     "LoadCallback",
     "NativeCompletion",
@@ -145,6 +146,23 @@ class Sink:
 class SinkMap(dict[str, Sink]):
     """name -> ``Sink``, built once (the engine's, at connect). A transport takes it as it
     is; any other mapping handed to ``stage``/``unpack`` goes through ``sink_map`` first."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CheckedSources:
+    """One round's sources as the trainer's engine checked them before the round: each
+    plan parameter's local shard and its dtype, in plan order. A lane may take a bucket's
+    shards from here by plan index instead of looking each one up by name and reading its
+    dtype again (two passes over every tensor a round: ~0.15 µs a shard on the CPU), for
+    the ``sources`` mapping it was made from only (``for_sources``). The engine hands it to
+    the transport for one round (``Transport.use_checked``) and takes it back after."""
+
+    #: the mapping ``stage`` gets as ``sources`` (by identity)
+    mapping: Mapping[str, Any]
+    #: plan index -> the shard ``mapping`` holds under that parameter's name
+    tensors: Sequence[torch.Tensor]
+    #: plan index -> that shard's dtype (the wire dtype, or a float one cast while packing)
+    dtypes: Sequence[torch.dtype]
 
 
 #: A worker target as ``stage``/``unpack`` accept it: a ``Sink``, or (tests and benches that
@@ -436,6 +454,20 @@ class Transport(ABC):
         #: One attribute, so that a reader on another thread never pairs a mapping with the
         #: records of another.
         self._sink_cache: tuple[Mapping[str, SinkLike], SinkMap] | None = None
+        #: the round's checked sources (trainer; ``use_checked``), or None
+        self._checked: CheckedSources | None = None
+
+    def use_checked(self, checked: CheckedSources | None) -> None:
+        """Trainer: the round's sources as the engine checked them (``CheckedSources``), or
+        None to drop them (the engine does after the round's pipeline: the shards are not
+        kept alive past it). A lane that has no use for them ignores them."""
+        self._checked = checked
+
+    def for_sources(self, sources: Mapping[str, Any]) -> CheckedSources | None:
+        """The checked sources of this round when they were made from ``sources``, else
+        None (read by name then). Any thread."""
+        checked = self._checked
+        return checked if checked is not None and checked.mapping is sources else None
 
     @property
     def aborted(self) -> bool:

@@ -422,6 +422,8 @@ class _Cats(NamedTuple):
 
     ptr: int                                   # data_ptr of the message's buffer
     get: Callable[[Mapping[str, torch.Tensor]], Any]   # itemgetter of the segments' names
+    #: itemgetter of the segments' plan indices (``CheckedSources``' sequences)
+    pick: Callable[[Sequence[Any]], Any]
     wire: tuple[torch.dtype, ...]              # per segment, the wire dtype
     #: (destination, first, stop): segments [first, stop) of the message share their wire
     #: dtype and local shape but for dim 0, so they concatenate along dim 0 into the
@@ -943,6 +945,7 @@ class GlooTransport(Transport):
             groups.append((buf[lo:hi].view(dtype).view(rows, *rest), a, b))
             a = b
         got = _Cats(ptr, operator.itemgetter(*(self._names[s.param] for s in segs)),
+                    operator.itemgetter(*(s.param for s in segs)),
                     tuple(self._dtypes[s.param] for s in segs), tuple(groups))
         if cache:
             self._cat_cache[key] = got
@@ -956,24 +959,32 @@ class GlooTransport(Transport):
         shapes, device and contiguity of the sources. Sources whose addresses are the same
         as last round's (in a cached arena) are packed through ``HostGather`` tables instead
         (``_gather``); so are sources all of one other float dtype (fp32 masters), cast on
-        the way, which return the bytes cast."""
-        try:
-            ts = cats.get(sources)
-        except KeyError:
-            return None
-        if type(ts) is not tuple:  # an itemgetter of one name returns the value itself
-            ts = (ts,)
-        try:
-            uncast = all(map(operator.is_, map(_DTYPE, ts), cats.wire))
-        except AttributeError:  # not a tensor: the per-segment path reports it
-            return None
+        the way, which return the bytes cast. The round's ``CheckedSources`` give the
+        shards and their dtypes by plan index, with no lookup by name nor dtype read."""
+        checked = self.for_sources(sources)
+        if checked is not None:
+            ts, ds = cats.pick(checked.tensors), cats.pick(checked.dtypes)
+            if type(ts) is not tuple:  # an itemgetter of one index returns the value itself
+                ts, ds = (ts,), (ds,)
+        else:
+            try:
+                ts = cats.get(sources)
+            except KeyError:
+                return None
+            if type(ts) is not tuple:  # an itemgetter of one name returns the value itself
+                ts = (ts,)
+            try:
+                ds = tuple(map(_DTYPE, ts))
+            except AttributeError:  # not a tensor: the per-segment path reports it
+                return None
+        uncast = all(map(operator.is_, ds, cats.wire))
         if uncast:
             if not (cache and ts[0].is_cpu and self._gather(msg, cats, buf, ts, None)):
                 for out, a, b in cats.groups:
                     torch.cat(ts[a:b], out=out)
             return 0
-        src = ts[0].dtype
-        if (cache and ts[0].is_cpu and all(map(operator.is_, map(_DTYPE, ts), repeat(src)))
+        src = ds[0]
+        if (cache and ts[0].is_cpu and all(map(operator.is_, ds, repeat(src)))
                 and self._gather(msg, cats, buf, ts, src)):
             return msg.nbytes
         return None

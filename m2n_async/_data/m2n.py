@@ -53,7 +53,7 @@ from __future__ import annotations
 import logging
 import operator
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
@@ -149,6 +149,8 @@ class _Call(NamedTuple):
     members: tuple[_Param, ...]
     #: the members' sources from a mapping in one C-level call (a tuple for two or more)
     fetch: Callable[[Mapping[str, Any]], Any]
+    #: the same by plan index, from a sequence in plan order (``CheckedSources``)
+    pick: Callable[[Sequence[Any]], Any]
 
     @property
     def stacked(self) -> bool:
@@ -421,7 +423,8 @@ class M2NTransport(GpuTransportBase):
                 members = tuple(self._describe(i) for i in group)
                 geo = self._stack(members) if len(members) > 1 else members[0]
                 calls.append(_Call(group[0], geo, members,
-                                   operator.itemgetter(*(m.name for m in members))))
+                                   operator.itemgetter(*(m.name for m in members)),
+                                   operator.itemgetter(*(m.param for m in members))))
             got = self._calls[bucket.index] = tuple(calls)
             rank = self.ctx.rank
             moved = 0
@@ -775,6 +778,7 @@ class M2NTransport(GpuTransportBase):
         assert streams is not None
         stacks = None  # the arena is taken only if some stack needs packing
         chunk_start, chunk_bytes = -1, 0
+        checked = self.for_sources(sources)
         for k, call in enumerate(st.calls):
             p = call.geo
             if call.stacked:
@@ -782,15 +786,21 @@ class M2NTransport(GpuTransportBase):
                 # shape, contiguous, on this device, an accepted dtype. So no Python per
                 # member here: one itemgetter, one C-level dtype count (1024 experts: the
                 # per-member checks this replaces cost ~0.7 ms of host time before the
-                # reshard could be submitted).
-                try:
-                    srcs = call.fetch(sources)
-                except KeyError:
-                    for m in call.members:  # raises the PlanError naming the parameter
-                        lookup_tensor(sources, m.name, where)
-                    raise
+                # reshard could be submitted). With the round's ``CheckedSources``, the
+                # members and their dtypes come by plan index: no lookup by name, and no
+                # dtype read from a tensor.
+                if checked is not None:
+                    srcs, dtypes = call.pick(checked.tensors), call.pick(checked.dtypes)
+                else:
+                    try:
+                        srcs = call.fetch(sources)
+                    except KeyError:
+                        for m in call.members:  # raises the PlanError naming the parameter
+                            lookup_tensor(sources, m.name, where)
+                        raise
+                    dtypes = tuple(map(_DTYPE, srcs))
                 wire = p.dtype
-                same = sum(map(operator.is_, map(_DTYPE, srcs), repeat(wire)))
+                same = sum(map(operator.is_, dtypes, repeat(wire)))
                 casts = len(srcs) - same
                 ptrs = list(map(torch.Tensor.data_ptr, srcs))  # the C method: no frame per call
                 if casts:
@@ -813,9 +823,9 @@ class M2NTransport(GpuTransportBase):
                 # launches cost ~9 us each, which is the whole budget of a small expert;
                 # one Triton launch where it can (``_kernels``: 7x faster than foreach);
                 # one dtype pair makes the pieces uniform (one shape and contiguity: checked)
-                first = srcs[0].dtype
+                first = dtypes[0]
                 uniform = (first is wire and not casts) or all(
-                    map(operator.is_, map(_DTYPE, srcs), repeat(first)))
+                    map(operator.is_, dtypes, repeat(first)))
                 if not (uniform
                         and copy_many(parts, srcs,
                                       src_table=self._source_table(st, k, srcs, ptrs),

@@ -1070,12 +1070,19 @@ class TrainerEngine(_Engine):
                 self._poison_with(err)
                 raise err from None
         async def work() -> PipelineStats:
-            # Buckets and depth from the transport's context: the lane sized its arenas for
-            # these very buckets and that many in flight.
-            stats = await run_pipeline(transport, transport.ctx.buckets,
-                                       max_inflight=transport.ctx.settings.max_inflight,
-                                       sources=sources, progress=progress,
-                                       total_bytes=plan.send_bytes(rank))
+            # What the checks before the round read (each shard, its dtype) serves the lane:
+            # it need not look every shard up again. Dropped with the pipeline, so the
+            # shards are not kept alive past the round.
+            transport.use_checked(sources.checked)
+            try:
+                # Buckets and depth from the transport's context: the lane sized its arenas
+                # for these very buckets and that many in flight.
+                stats = await run_pipeline(transport, transport.ctx.buckets,
+                                           max_inflight=transport.ctx.settings.max_inflight,
+                                           sources=sources, progress=progress,
+                                           total_bytes=plan.send_bytes(rank))
+            finally:
+                transport.use_checked(None)
             _check_bytes(stats, plan.send_bytes(rank), "sent", rank)
             return stats
 

@@ -49,6 +49,14 @@ guard every round (measured on the H100: the MoE precheck of 1,024 shards went f
 1.4 ms with one guard kept). A chunk holding one tensor twice (tied weights under two names)
 is one no guard accepts: it keeps the fast pass. A nested tensor never reaches a guard (its
 strides raise inside torch's C++, where nothing can catch it); the checks refuse it by name.
+So a chunk is screened for nested tensors before its guard, unless it holds the very objects
+the guard was recorded with (weak references compared by identity: no tensor object becomes
+nested, ``.data =`` a nested tensor raises), which costs less than the screen.
+
+What ``precheck`` read of a stored mapping — each shard in plan order and its dtype (the fast
+pass reads it; a guard that matched vouches for the dtypes it was recorded with) — goes to
+the lane as ``CheckedSources`` for the round (``Transport.use_checked``): it takes a bucket's
+shards by plan index instead of looking each up by name and reading its dtype a second time.
 ``torch._C._dynamo`` is private: where it is missing or its signature changed there is no
 guard, and every round runs the fast pass as before.
 """
@@ -57,6 +65,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import repeat
 from types import MappingProxyType
@@ -66,6 +75,7 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
+from m2n_async._data._transport import CheckedSources
 from m2n_async._proto.errors import LocalProtocolError, M2NError, PlanError, TransferError
 from m2n_async._proto.plan import (
     CAST_DTYPES,
@@ -180,6 +190,8 @@ class _Sources:
         self._checked = False
         #: a mapping of stored tensors (lookups compute nothing): checked whole by ``precheck``
         self._stored = False
+        #: what ``precheck`` checked of a stored mapping, for the lanes (``CheckedSources``)
+        self.checked: CheckedSources | None = None
         self._limiter = anyio.CapacityLimiter(1)
         self._iter: Iterator[tuple[str, torch.Tensor]] | None = None
         self._pending: dict[str, torch.Tensor] = {}
@@ -278,7 +290,8 @@ class _Sources:
         """True when the shards of params ``[start, stop)`` in the stored mapping are tensors
         with an accepted dtype and their shape, on this device and contiguous: the fast pass
         of the module docstring. False as soon as a chunk fails it (the per-parameter check
-        then explains). Chunked with checkpoints between chunks, like that check."""
+        then explains). Chunked with checkpoints between chunks, like that check. What
+        passed is kept for the lanes (``checked``): each shard and its dtype."""
         m = self._map
         assert m is not None
         expect = self._expect
@@ -287,22 +300,32 @@ class _Sources:
         on_device = self._all_on_device
         chunks = expect.chunks(self._names, start, stop)
         recheck = expect.recheck
+        tensors: list[torch.Tensor] = []
+        dtypes: list[torch.dtype] = []
         for a, (get, oks, shapes) in enumerate(chunks):
             if a:
                 await anyio.lowlevel.checkpoint()
+            key = (start, stop, a)
             try:
                 ts = get(m)
                 if type(ts) is not tuple:  # an itemgetter of one name returns the value
                     ts = (ts,)
-                if recheck.passes((start, stop, a), ts):
+                if recheck.passes(key, ts):
+                    tensors += ts
+                    dtypes += recheck.kind(key)  # the guard compared each dtype
                     continue
-                if not (all(map(operator.contains, oks, map(_DTYPE, ts)))
+                ds = tuple(map(_DTYPE, ts))
+                if not (all(map(operator.contains, oks, ds))
                         and laid_out(ts, shapes, on_device)):
                     return False
             # missing, not a tensor, or one whose shape raises (a nested tensor)
             except (KeyError, AttributeError, TypeError, RuntimeError):
                 return False
-            recheck.passed((start, stop, a), ts)
+            recheck.passed(key, ts, ds)
+            tensors += ts
+            dtypes += ds
+        if start == 0 and stop == len(self._names):
+            self.checked = CheckedSources(m, tensors, dtypes)
         return True
 
     async def __call__(self, bucket: Bucket) -> Mapping[str, torch.Tensor]:
@@ -500,12 +523,19 @@ _GUARDS_KEPT = 2
 class Recheck:
     """Per chunk of tensors that passed the fast pass, torch's ``TensorGuards`` over them
     (module docstring): ``passes`` is one C call per chunk. Keyed by the caller (a chunk's
-    range in the plan); holds no reference to a tensor."""
+    range in the plan); holds no reference to a tensor (weak references only).
 
-    __slots__ = ("_guards", "_unguarded")
+    ``fixed``: the caller passes the same tensor objects every time, each refused at connect
+    if nested (the worker's targets): ``passes`` needs no nested screen, since a tensor
+    object never becomes nested (``.data =`` a nested tensor raises)."""
 
-    def __init__(self) -> None:
-        self._guards: dict[Any, list[Callable[..., bool]]] = {}
+    __slots__ = ("_fixed", "_guards", "_unguarded")
+
+    def __init__(self, *, fixed: bool = False) -> None:
+        self._fixed = fixed
+        #: per key, the latest kinds that passed: (guard, weak references to the tensors
+        #: it was recorded with, the caller's note of them), the latest matched first
+        self._guards: dict[Any, list[tuple[Callable[..., bool], tuple[Any, ...], Any]]] = {}
         #: chunks no guard accepts even as they passed (the same tensor twice: tied weights)
         self._unguarded: set[Any] = set()
 
@@ -518,9 +548,13 @@ class Recheck:
         # A guard reads each tensor's strides in C++ before comparing anything, and a
         # nested tensor (of type Tensor, as the guard expects) raises there: an error no
         # Python frame can catch, so the process would abort. The fast pass refuses it.
-        if any(map(_IS_NESTED, ts)):
+        # The very objects a guard was recorded with passed the fast pass, so none is
+        # nested: comparing identities (~0.04 us a tensor, and a new object usually stops
+        # the comparison at once) costs less than reading is_nested (~0.1 us).
+        if not (self._fixed or any(_same(ts, refs) for _, refs, _ in kept)) and any(
+                map(_IS_NESTED, ts)):
             return False
-        for i, check in enumerate(kept):
+        for i, (check, _, _) in enumerate(kept):
             try:
                 ok = check(*ts)
             except Exception:  # another number of tensors than recorded, or an odd kind
@@ -531,8 +565,16 @@ class Recheck:
                 return True
         return False
 
-    def passed(self, key: Any, ts: tuple[Any, ...]) -> None:
-        """``ts`` passed the fast pass: record them under ``key`` for the next rounds."""
+    def kind(self, key: Any) -> Any:
+        """The note recorded (``passed``) with the kind ``passes`` matched last under
+        ``key`` (the trainer's: the tensors' dtypes); None when nothing is recorded."""
+        kept = self._guards.get(key)
+        return kept[0][2] if kept else None
+
+    def passed(self, key: Any, ts: tuple[Any, ...], note: Any = None) -> None:
+        """``ts`` passed the fast pass: record them under ``key`` for the next rounds, with
+        ``note`` (what the caller read of them, true of any tensors the guard accepts:
+        ``kind`` returns it)."""
         make = _tensor_guards()
         if make is None or key in self._unguarded:
             return
@@ -546,9 +588,17 @@ class Recheck:
                 return
         except Exception:  # a signature of another torch: no guard, the fast pass each round
             return
+        # Only here, not when a guard passes new objects: a caller giving new tensors every
+        # round (``state_dict()`` detaches anew) would pay for the references every round.
+        refs = () if self._fixed else tuple(map(weakref.ref, ts))
         kept = self._guards.setdefault(key, [])
-        kept.insert(0, check)
+        kept.insert(0, (check, refs, note))
         del kept[_GUARDS_KEPT:]
+
+
+def _same(ts: tuple[Any, ...], refs: tuple[Any, ...]) -> bool:
+    """Whether ``ts`` are the very objects ``refs`` refer to (all alive, in order)."""
+    return len(ts) == len(refs) and all(map(operator.is_, ts, map(operator.call, refs)))
 
 
 @functools.cache  # looked up once, not per chunk and round

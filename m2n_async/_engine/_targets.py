@@ -82,8 +82,9 @@ class TargetCheck:
         #: bucket -> its targets' addresses, per chunk, for the buckets that passed ``precheck``
         self._passed: dict[int, list[list[int]]] = {}
         self._prechecked_at: float | None = None
-        #: the chunks that passed, re-checked next round by one C call (``_sources.Recheck``)
-        self._recheck = Recheck()
+        #: the chunks that passed, re-checked next round by one C call (``_sources.Recheck``);
+        #: fixed: the tables hold the targets themselves, refused at connect if nested
+        self._recheck = Recheck(fixed=True)
 
     def _tables(self, start: int, stop: int, sinks: SinkMap, torch: Any) -> list[_Chunk]:
         got = self._chunks.get((start, stop))

@@ -21,6 +21,7 @@ import torch
 from m2n_async._data._kernels import Form, address_align
 from m2n_async._data._native import NativeThread
 from m2n_async._data._transport import (
+    CheckedSources,
     Rendezvous,
     Staging,
     Transport,
@@ -113,9 +114,13 @@ class RankResult:
 async def drive(t: Transport, *, round: int, deadline: float,
                 sources: Mapping[str, torch.Tensor] | None,
                 sinks: Mapping[str, Any] | None, max_inflight: int,
-                keep: list[Staging] | None = None) -> int:
-    """One round of the bucket pipeline on one rank; returns bytes moved."""
+                keep: list[Staging] | None = None, checked: bool = False) -> int:
+    """One round of the bucket pipeline on one rank; returns bytes moved. ``checked``: the
+    trainer hands the transport ``CheckedSources`` of ``sources``, as the engine does."""
     t.begin_round(round, deadline)
+    if checked and sources is not None:
+        shards = [sources[p.spec.name] for p in t.ctx.plan.params]
+        t.use_checked(CheckedSources(sources, shards, [s.dtype for s in shards]))
     moved = 0
     pending: deque[tuple[Staging, Any]] = deque()
 
@@ -139,6 +144,7 @@ async def drive(t: Transport, *, round: int, deadline: float,
         while pending:
             await finish()
     finally:
+        t.use_checked(None)
         t.end_round()
     return moved
 
@@ -157,14 +163,15 @@ async def run_world(name: str, plan: TransferPlan, *, bucket_bytes: int = 1 << 1
                     host: str | None = None, close_timeout: float = 10.0,
                     connect_timeout: float = 20.0,
                     wrap_session: Callable[[Any], Any] | None = None,
-                    in_place: Mapping[int, frozenset[int]] | None = None
-                    ) -> list[RankResult]:
+                    in_place: Mapping[int, frozenset[int]] | None = None,
+                    checked: bool = False) -> list[RankResult]:
     """Run ``rounds`` rounds on every rank; returns per-rank results (errors captured).
     ``host``: where gloo binds (its ranks here share one process, so 127.0.0.1).
     ``connect_timeout``: the rendezvous timeout; ``wrap_session(session)``: what each rank
     connects through instead of its store session (to watch or tamper with the rendezvous);
     ranks rendezvous under ``DATA_PREFIX``. ``in_place``: per worker rank, the parameters
-    whose targets are tensors (``TransportContext.in_place``, as the engine passes it)."""
+    whose targets are tensors (``TransportContext.in_place``, as the engine passes it).
+    ``checked``: the trainers hand their transports ``CheckedSources`` (``drive``)."""
     store = MemoryStore()
     extra = {} if coalesce_below is None else {"coalesce_below": coalesce_below}
     settings = TransportSettings(max_inflight=max_inflight, device=device, coalesce=coalesce,
@@ -201,7 +208,7 @@ async def run_world(name: str, plan: TransferPlan, *, bucket_bytes: int = 1 << 1
                     res.moved += await drive(
                         t, round=rnd, deadline=time.monotonic() + deadline,
                         sources=sources(plan, r, rnd, src_dtype), sinks=None,
-                        max_inflight=max_inflight, keep=res.stagings)
+                        max_inflight=max_inflight, keep=res.stagings, checked=checked)
                 else:
                     sinks = sinks_for(r, rnd) if sinks_for else tsinks.setdefault(
                         r, targets(plan, r, device))

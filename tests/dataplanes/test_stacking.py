@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from m2n_async import EngineConfig, TrainerEngine
 from m2n_async._data._kernels import MIN_PIECES, Form
+from m2n_async._data._transport import CheckedSources, Transport
 from m2n_async._proto.plan import M2N_MAX_CALL_BYTES, TransferPlan
 from m2n_async._proto.stacking import (
     COALESCE_BELOW_BYTES,
@@ -335,3 +336,51 @@ async def test_copy_forms_are_the_copies_the_round_launches(fake_world, monkeypa
             assert len(forms) == 7 and {f.align for f in forms} == {4, 16}, (r, forms)
         else:  # the (8, 8) members of gate and down as one scatter, norm; too few odds
             assert len(forms) == 2 and {f.shape for f in forms} == {(8, 8), (16,)}, (r, forms)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("lane", ["m2n", "gloo"])
+@pytest.mark.parametrize("src_dtype", [None, torch.float32])
+async def test_checked_sources_are_read_by_plan_index(fake_world, lane, src_dtype):
+    """With the engine's ``CheckedSources`` the lanes take each shard and its dtype by plan
+    index (no lookup by name): the workers still get every parameter bit-exact, stacked
+    geometries interleaved, fp32 masters cast on the way; the lane reads the checked
+    sources only for the mapping they were made from."""
+    # Gloo reads them where a message is made of whole shards: layouts alike on both sides
+    other = (R, 1) if lane == "m2n" else (R, 0)
+    defs = []
+    for e in range(20):  # more than a gather table's minimum of segments per message
+        defs += [(f"e{e}.gate", (16, 8), torch.bfloat16, (R, 0), other),
+                 (f"e{e}.down", (8, 16), torch.bfloat16, (R, 0), (R, 0)),
+                 (f"e{e}.norm", (4,), torch.bfloat16, None, None)]
+    plan = make_plan(defs, (1, 2), (1, 2))
+    read: list[bool] = []
+    real = Transport.for_sources
+
+    def spying(self, srcs):
+        got = real(self, srcs)
+        read.append(got is not None)
+        return got
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Transport, "for_sources", spying)
+        results = await run_world(lane, plan, bucket_bytes=1 << 20, rounds=2,
+                                  src_dtype=src_dtype, checked=True,
+                                  host="127.0.0.1" if lane == "gloo" else None)
+    raise_first(results)  # bit-exact on both workers, both rounds
+    assert read and all(read)
+
+
+def test_checked_sources_serve_only_their_own_mapping() -> None:
+    from m2n_async._data.gloo import GlooTransport
+
+    t: Transport = GlooTransport.__new__(GlooTransport)  # no lane: the base's bookkeeping
+    t._checked = None
+    mine: dict[str, torch.Tensor] = {"a": torch.zeros(2)}
+    checked = CheckedSources(mine, [mine["a"]], [torch.float32])
+    assert t.for_sources(mine) is None
+    t.use_checked(checked)
+    assert t.for_sources(mine) is checked
+    assert t.for_sources(dict(mine)) is None  # an equal mapping is not the one checked
+    t.use_checked(None)
+    assert t.for_sources(mine) is None

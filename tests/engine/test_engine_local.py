@@ -6,6 +6,7 @@ The data plane is still real Gloo (one process group per rank, all in this proce
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -711,5 +712,77 @@ async def test_last_began_says_a_failed_receive_never_began_its_round() -> None:
             await workers[0].receive()
         assert workers[0].last_began == 1
         _check(plan, workers, 1)
+    finally:
+        await _close(*trainers, *workers)
+
+
+@pytest.mark.asyncio
+async def test_checked_sources_serve_the_round_and_are_dropped_after_it() -> None:
+    """A plain dict checked before the round reaches the lane as ``CheckedSources`` (each
+    shard by plan index); the transport holds it during the pipeline only, after a round
+    that failed too, so the caller's shards are not kept alive by the engine."""
+    import gc
+    import weakref
+
+    from m2n_async._data._transport import Transport
+
+    plan = make_plan(DEFS, (1, 2), (1, 2))
+    store = MemoryStore()
+    trainers, workers = await _connect_all(store, plan)
+    handed: dict[int, Any] = {}
+    real = Transport.use_checked
+
+    def spying(self: Transport, checked: Any) -> None:
+        if checked is not None:
+            handed[self.ctx.rank] = checked
+        real(self, checked)
+
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(Transport, "use_checked", spying)
+            shards = {e.rank: source_shards(plan, e.rank, 1) for e in trainers}
+            await _round(trainers, workers, lambda e: e.sync_weights(shards[e.rank]))
+        _check(plan, workers, 1)
+        assert sorted(handed) == [0, 1]
+        names = [p.spec.name for p in plan.params]
+        for r, c in handed.items():
+            assert c.mapping is shards[r]
+            assert all(map(operator.is_, c.tensors, (shards[r][n] for n in names)))
+            assert list(c.dtypes) == [shards[r][n].dtype for n in names]
+        del c
+        handed.clear()
+        assert all(e._transport is not None and e._transport._checked is None
+                   for e in trainers)
+        refs = [weakref.ref(t) for s in shards.values() for t in s.values()]
+        shards.clear()
+        gc.collect()
+        assert all(r() is None for r in refs)
+
+        failed: list[BaseException] = []
+
+        async def send(e: TrainerEngine) -> None:  # a round that fails in the pipeline
+            bad = source_shards(plan, e.rank, 2)
+            try:
+                if e.rank == 1:
+                    bad["rep"] = bad["rep"].to(torch.int16)
+                    await e.sync_weights(lambda names: {n: bad[n] for n in names})
+                else:
+                    await e.sync_weights(bad)
+            except TransferError as exc:
+                failed.append(exc)
+
+        async def recv(w: WorkerEngine) -> None:
+            with pytest.raises(TransferError):
+                await w.receive()
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for e in trainers:
+                    tg.start_soon(send, e)
+                for w in workers:
+                    tg.start_soon(recv, w)
+        assert len(failed) == 2
+        assert all(e._transport is not None and e._transport._checked is None
+                   for e in trainers)
     finally:
         await _close(*trainers, *workers)

@@ -357,3 +357,81 @@ def test_a_chunk_with_a_tensor_twice_is_left_to_the_fast_pass(
         assert eng.round(shards)._checked
     assert made[0] == 3  # one guard tried per chunk, once
     assert calls[0] == 3 + 3  # the first round's three chunks, then the tied chunk alone
+
+
+def _counting_nested_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many tensors' ``is_nested`` the re-check reads (its screen before a guard)."""
+    reads = [0]
+
+    def counted(t: torch.Tensor) -> bool:
+        reads[0] += 1
+        return bool(t.is_nested)
+
+    monkeypatch.setattr(_sources, "_IS_NESTED", counted)
+    return reads
+
+
+def test_the_objects_a_guard_was_recorded_with_skip_the_nested_screen(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The very tensors a chunk passed with are not nested (no object becomes nested), so
+    their re-check reads no ``is_nested``; new objects are screened, every round, until a
+    fast pass records them; a dead reference is no identity."""
+    reads = _counting_nested_reads(monkeypatch)
+    eng = _Engine()
+    shards = source_shards(eng.plan, 0)
+    eng.round(shards)  # the fast pass records the guards and these objects
+    eng.round(shards)
+    assert reads[0] == 0
+    copies = {k: v.clone() for k, v in shards.items()}  # state_dict()-like: new each time
+    eng.round(copies)
+    eng.round(copies)
+    assert reads[0] == 2 * N  # screened: identity is only what a fast pass recorded
+    reads[0] = 0
+    copies["half"] = copies["half"].float()  # the last chunk fails its guard: a fast pass
+    eng.round(copies)
+    last = N - 2 * _INLINE_PARAMS
+    assert reads[0] == N  # (the failing chunk was screened before its fast pass)
+    reads[0] = 0
+    eng.round(copies)
+    assert reads[0] == 2 * _INLINE_PARAMS  # the recorded chunk's objects skip the screen
+    del shards
+    import gc
+
+    gc.collect()
+    reads[0] = 0
+    eng.round(copies)
+    assert reads[0] == N - last
+
+
+def test_a_nested_tensor_under_an_old_objects_name_is_refused(guards: bool) -> None:
+    """Identity is by object: a nested tensor put where a recorded tensor was (that tensor
+    then dead, its address free for reuse) is screened and refused by name, not given to a
+    guard that would abort the process."""
+    import gc
+
+    eng = _Engine()
+    shards = source_shards(eng.plan, 0)
+    eng.round(shards)
+    eng.round(shards)
+    for name in (eng.names[0], eng.names[_INLINE_PARAMS + 3], eng.names[N - 2]):
+        del shards[name]
+        gc.collect()
+        shards[name] = _nested(torch.zeros(4))
+        with pytest.raises(PlanError, match=repr(name)):
+            eng.round(shards)
+        shards[name] = torch.zeros(4)
+
+
+def test_recheck_of_fixed_objects_reads_no_is_nested(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Recheck(fixed=True)`` (the worker's targets: the same objects, refused at connect
+    if nested) never screens; the default screens any object it did not record."""
+    reads = _counting_nested_reads(monkeypatch)
+    ts = (torch.zeros(4), torch.zeros(2, 3))
+    fixed, default = Recheck(fixed=True), Recheck()
+    for rc in (fixed, default):
+        rc.passed("k", ts)
+        assert rc.passes("k", ts)
+    assert reads[0] == 0
+    others = (torch.ones(4), torch.ones(2, 3))
+    assert fixed.passes("k", others) and reads[0] == 0
+    assert default.passes("k", others) and reads[0] == 2
