@@ -80,6 +80,7 @@ if TYPE_CHECKING:
 __all__ = [
     "TRANSPORTS",
     "CheckedSources",
+    "CheckedTargets",
     "Completion",
     "LoadCallback",
     "NativeCompletion",
@@ -163,6 +164,24 @@ class CheckedSources:
     tensors: Sequence[torch.Tensor]
     #: plan index -> that shard's dtype (the wire dtype, or a float one cast while packing)
     dtypes: Sequence[torch.dtype]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CheckedTargets:
+    """One bucket's in-place targets as the worker's engine checked them in this round: a
+    lane that reads the targets' addresses every round (to see a target given new storage)
+    may compare these instead of reading them again (a pass over every target: ~0.1 µs a
+    target on the CPU). Handed per bucket before its ``stage`` (``use_checked_targets``),
+    taken once (``checked_targets``)."""
+
+    #: the sinks mapping the check read (by identity: what ``stage`` gets as ``sinks``)
+    sinks: Mapping[str, Any]
+    #: plan indices of the bucket's parameters whose targets are tensors written in place,
+    #: in plan order (one object per bucket across rounds: a lane may cache what it decided
+    #: of them by identity)
+    params: tuple[int, ...]
+    #: their ``data_ptr()``, in the same order, read by the check in this round
+    addresses: list[int]
 
 
 #: A worker target as ``stage``/``unpack`` accept it: a ``Sink``, or (tests and benches that
@@ -456,12 +475,24 @@ class Transport(ABC):
         self._sink_cache: tuple[Mapping[str, SinkLike], SinkMap] | None = None
         #: the round's checked sources (trainer; ``use_checked``), or None
         self._checked: CheckedSources | None = None
+        #: bucket index -> its targets as checked this round (worker; ``use_checked_targets``)
+        self._checked_targets: dict[int, CheckedTargets] = {}
 
     def use_checked(self, checked: CheckedSources | None) -> None:
         """Trainer: the round's sources as the engine checked them (``CheckedSources``), or
         None to drop them (the engine does after the round's pipeline: the shards are not
         kept alive past it). A lane that has no use for them ignores them."""
         self._checked = checked
+
+    def use_checked_targets(self, bucket: int, checked: CheckedTargets) -> None:
+        """Worker, before ``stage`` of bucket ``bucket`` (the event loop's thread): its
+        in-place targets as the engine checked them in this round (``CheckedTargets``)."""
+        self._checked_targets[bucket] = checked
+
+    def checked_targets(self, bucket: int) -> CheckedTargets | None:
+        """What ``use_checked_targets`` handed for bucket ``bucket`` in this round, once;
+        None when nothing was (read the addresses then)."""
+        return self._checked_targets.pop(bucket, None)
 
     def for_sources(self, sources: Mapping[str, Any]) -> CheckedSources | None:
         """The checked sources of this round when they were made from ``sources``, else
@@ -534,11 +565,13 @@ class Transport(ABC):
         waits take it as their timeout so a dead or stuck peer cannot hang this rank."""
         self.check_usable()
         self._round, self._deadline = round, deadline
+        self._checked_targets.clear()  # nothing handed for an earlier round serves this one
 
     def end_round(self) -> None:
         """The round's buckets are all released (successfully or not)."""
         self._deadline = None
         self._sink_cache = None  # the caller's targets: not kept alive past the round
+        self._checked_targets.clear()  # a verdict serves its own round only
 
     def sink_records(self, sinks: Mapping[str, SinkLike]) -> SinkMap:
         """``sinks`` as ``Sink`` records: the engine's ``SinkMap`` as it is; any other

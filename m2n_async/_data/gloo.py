@@ -506,7 +506,8 @@ class GlooTransport(Transport):
         #: bucket -> its in-place targets and their storage addresses when the two caches
         #: above were built for it: a target whose ``.data`` was reassigned since (the same
         #: tensor, the same mapping, new storage) makes the bucket's views stale
-        self._target_ptrs: dict[int, tuple[list[torch.Tensor], list[int]]] = {}
+        #: bucket -> its in-place targets' plan indices, the tensors and their addresses
+        self._target_ptrs: dict[int, tuple[tuple[int, ...], list[torch.Tensor], list[int]]] = {}
         # Per message (by id: messages live as long as the cached packings): the arena views
         # of packed messages, reused while the message's buffer address stays the same.
         self._copy_cache: dict[int, _Copies] = {}
@@ -1155,15 +1156,24 @@ class GlooTransport(Transport):
         records = self._check_sinks(sinks)
         index = bp.bucket.index
         got = self._recv_cache.get(index)
+        checked = self.checked_targets(index)
         if got is not None:
-            tensors, ptrs = self._target_ptrs[index]
-            if list(map(_DATA_PTR, tensors)) == ptrs:  # one C-level pass per round
+            params, tensors, ptrs = self._target_ptrs[index]
+            if checked is not None and checked.sinks is sinks and (
+                    checked.params is params or checked.params == params):
+                # The engine's check read these very targets' addresses in this round.
+                now = checked.addresses
+                self._target_ptrs[index] = (checked.params, tensors, ptrs)  # is, next round
+            else:
+                now = list(map(_DATA_PTR, tensors))  # one C-level pass per round
+            if now == ptrs:
                 return got
             self._unpack_cache.pop(index, None)  # its views are of the old storage too
         names = self._names
-        tensors = [s.tensor for i in bp.params
-                   if (s := records.get(names[i])) is not None and s.in_place]
-        self._target_ptrs[index] = (tensors, list(map(_DATA_PTR, tensors)))
+        params = tuple(i for i in bp.params
+                       if (s := records.get(names[i])) is not None and s.in_place)
+        tensors = [records[names[i]].tensor for i in params]
+        self._target_ptrs[index] = (params, tensors, list(map(_DATA_PTR, tensors)))
         out: list[tuple[int, Message, torch.Tensor | None]] = []
         need = 0
         for peer in bp.peers:

@@ -1316,7 +1316,8 @@ class WorkerEngine(_Engine):
             resolved = getattr(transport, "device", None)
             self._target_check = TargetCheck(plan, self._sinks, rank, str(resolved)
                                              if resolved is not None else
-                                             (transport.ctx.settings.device or "cpu"))
+                                             (transport.ctx.settings.device or "cpu"),
+                                             hand=transport.use_checked_targets)
         # While the trainers check their sources and start the round: off its path
         # (``_targets``); the round checks again what failed, or all if it starts late.
         try:

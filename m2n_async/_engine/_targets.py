@@ -25,22 +25,25 @@ the pass is off the round's path. When the round starts within ``FRESH_S`` of th
 bucket that passed is only looked at for targets given new storage since (their addresses,
 read anyway by the lanes: new storage is what could take a write past its end), and checked
 whole if one was; a later start (a worker that waited for the next step of training) checks
-each bucket whole again before staging it. A bucket that failed is checked again in the
-round, where it fails the round as above: nothing fails before the round, which the trainers
-would otherwise wait out. A target changed by another thread or task while ``receive`` runs
-is a race with the round whichever pass runs: change targets between rounds.
+each bucket whole again before staging it. The addresses read in the round go to the lane
+with the bucket (``CheckedTargets``, ``Transport.use_checked_targets``): it compares them with
+those it built its copies for instead of reading every target's address a second time. A
+bucket that failed is checked again in the round, where it fails the round as above:
+nothing fails before the round, which the trainers would otherwise wait out. A target
+changed by another thread or task while ``receive`` runs is a race with the round whichever
+pass runs: change targets between rounds.
 """
 
 from __future__ import annotations
 
 import operator
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio.lowlevel
 
-from m2n_async._data._transport import SinkMap
+from m2n_async._data._transport import CheckedTargets, SinkMap
 from m2n_async._engine._sources import (
     _DTYPE,
     _INLINE_PARAMS,
@@ -69,7 +72,10 @@ _Chunk = tuple[list[int], tuple[Any, ...], list[Any], list[Any]]
 class TargetCheck:
     """The in-place targets of each bucket, checked every round (module docstring)."""
 
-    def __init__(self, plan: TransferPlan, sinks: SinkMap, rank: int, device: str) -> None:
+    def __init__(self, plan: TransferPlan, sinks: SinkMap, rank: int, device: str,
+                 hand: Callable[[int, CheckedTargets], None] | None = None) -> None:
+        """``hand(bucket, checked)``: where a bucket's targets go once checked in the round
+        with their addresses read (the transport's ``use_checked_targets``)."""
         import torch
 
         self._plan = plan
@@ -79,8 +85,11 @@ class TargetCheck:
         self._chunks: dict[tuple[int, int], list[_Chunk]] = {}  # per bucket, on first use
         self._sinks = sinks
         self._torch = torch
-        #: bucket -> its targets' addresses, per chunk, for the buckets that passed ``precheck``
-        self._passed: dict[int, list[list[int]]] = {}
+        #: bucket -> its targets' addresses, for the buckets that passed ``precheck``
+        self._passed: dict[int, list[int]] = {}
+        #: bucket (start, stop) -> its in-place targets' plan indices and the tensors, flat
+        self._flat: dict[tuple[int, int], tuple[tuple[int, ...], tuple[Any, ...]]] = {}
+        self._hand = hand
         self._prechecked_at: float | None = None
         #: the chunks that passed, re-checked next round by one C call (``_sources.Recheck``);
         #: fixed: the tables hold the targets themselves, refused at connect if nested
@@ -116,11 +125,19 @@ class TargetCheck:
         data_ptr = self._torch.Tensor.data_ptr
         for bucket in buckets:
             if await self._fast(bucket):
-                self._passed[bucket.index] = [
-                    list(map(data_ptr, ts))
-                    for _, ts, _, _ in self._tables(bucket.start, bucket.stop, self._sinks,
-                                                    self._torch)]
+                self._passed[bucket.index] = list(map(data_ptr, self._flat_of(bucket)[1]))
         self._prechecked_at = time.monotonic()
+
+    def _flat_of(self, bucket: Bucket) -> tuple[tuple[int, ...], tuple[Any, ...]]:
+        """The bucket's in-place targets, flat: their plan indices and the tensors (built
+        once per bucket, from its chunk tables)."""
+        key = (bucket.start, bucket.stop)
+        got = self._flat.get(key)
+        if got is None:
+            tables = self._tables(bucket.start, bucket.stop, self._sinks, self._torch)
+            got = self._flat[key] = (tuple(i for idx, _, _, _ in tables for i in idx),
+                                     tuple(t for _, ts, _, _ in tables for t in ts))
+        return got
 
     def started(self) -> None:
         """The round began: keep ``precheck``'s verdicts only if it ended within
@@ -137,10 +154,11 @@ class TargetCheck:
         since (their addresses: a quarter of the pass's cost); one that did is checked."""
         seen = self._passed.pop(bucket.index, None)  # a verdict serves one round
         if seen is not None:
-            data_ptr = self._torch.Tensor.data_ptr
-            tables = self._tables(bucket.start, bucket.stop, self._sinks, self._torch)
-            if all(list(map(data_ptr, ts)) == ptrs
-                   for (_, ts, _, _), ptrs in zip(tables, seen, strict=True)):
+            params, ts = self._flat_of(bucket)
+            now = list(map(self._torch.Tensor.data_ptr, ts))
+            if now == seen:
+                if self._hand is not None:  # the lane need not read them again
+                    self._hand(bucket.index, CheckedTargets(self._sinks, params, now))
                 return
         await self._fast(bucket, explain=True)
 

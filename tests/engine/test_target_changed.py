@@ -293,3 +293,43 @@ async def test_targets_that_passed_are_rechecked_without_the_fast_pass(
         assert calls[0] > first
     finally:
         await _close(*trainers, *workers)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("how", ["unchanged", "same"])
+async def test_the_lane_takes_the_addresses_the_round_check_read(
+        monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """A prompt round reads each target's address once, in the engine's check: the Gloo
+    lane compares what the check read (``CheckedTargets``) instead of reading it again.
+    New storage given while the worker waited is not handed over (the check explains it
+    whole) and the lane, reading the address itself, writes into the new storage."""
+    from m2n_async._data import gloo
+
+    reads: list[int] = []
+    real = gloo._DATA_PTR
+
+    def counted(t: torch.Tensor) -> int:
+        reads.append(id(t))
+        return real(t)
+
+    monkeypatch.setattr(gloo, "_DATA_PTR", counted)
+    handed: list[Any] = []
+    from m2n_async._data._transport import Transport
+
+    use = Transport.use_checked_targets
+
+    def spying(self: Transport, bucket: int, checked: Any) -> None:
+        handed.append(checked)
+        use(self, bucket, checked)
+
+    monkeypatch.setattr(Transport, "use_checked_targets", spying)
+    trainer, worker, _ = await _renewed_while_waiting(monkeypatch, 30.0, how)
+    assert trainer.version == worker.version == 2  # and bit-exact (the helper checks)
+    target = id(handed[0].sinks["w_row"].tensor)  # round 1 was checked before it too
+    assert handed[0].params == (0,)
+    if how == "unchanged":
+        assert len(handed) == 2  # both rounds: the lane read the address once, to build
+        assert reads.count(target) == 1
+    else:
+        assert len(handed) == 1  # not round 2's: the lane read the new address and rebuilt
+        assert reads.count(target) == 3
