@@ -503,10 +503,10 @@ class GlooTransport(Transport):
         self._unpack_cache: dict[int, _UnpackPlan] = {}
         self._recv_cache: dict[int, tuple[list[tuple[int, Message, torch.Tensor | None]],
                                           int]] = {}
-        #: bucket -> its in-place targets and their storage addresses when the two caches
-        #: above were built for it: a target whose ``.data`` was reassigned since (the same
-        #: tensor, the same mapping, new storage) makes the bucket's views stale
-        #: bucket -> its in-place targets' plan indices, the tensors and their addresses
+        #: bucket -> its in-place targets (plan indices, tensors) and their storage addresses
+        #: when the two caches above were built for it: a target whose ``.data`` was
+        #: reassigned since (the same tensor, the same mapping, new storage) makes the
+        #: bucket's views stale
         self._target_ptrs: dict[int, tuple[tuple[int, ...], list[torch.Tensor], list[int]]] = {}
         # Per message (by id: messages live as long as the cached packings): the arena views
         # of packed messages, reused while the message's buffer address stays the same.
