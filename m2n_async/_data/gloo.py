@@ -1170,9 +1170,10 @@ class GlooTransport(Transport):
                 return got
             self._unpack_cache.pop(index, None)  # its views are of the old storage too
         names = self._names
-        params = tuple(i for i in bp.params
-                       if (s := records.get(names[i])) is not None and s.in_place)
-        tensors = [records[names[i]].tensor for i in params]
+        placed = [(i, s.tensor) for i in bp.params
+                  if (s := records.get(names[i])) is not None and s.in_place]
+        params = tuple(i for i, _ in placed)
+        tensors = [t for _, t in placed]
         self._target_ptrs[index] = (params, tensors, list(map(_DATA_PTR, tensors)))
         out: list[tuple[int, Message, torch.Tensor | None]] = []
         need = 0
