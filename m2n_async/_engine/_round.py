@@ -79,6 +79,9 @@ NOTE_CHARS = 2000
 #: How long a rank whose data plane failed without naming a peer asks the store whether a
 #: peer died or recorded a failure first (a tombstone follows a killed peer within moments).
 _ATTRIBUTE_S = 1.0
+#: While it waits for a cause, how often a rank whose data plane failed looks for a peer
+#: that left cleanly (two store reads each time, on a failing round only).
+_LEFT_RECHECK_S = 0.1
 
 
 #: The loop probe's period: one wake-up per period per round, a few microseconds of the loop
@@ -481,7 +484,8 @@ class RoundDriver:
     async def _find_cause(self, core: Round, *, within: float) -> Failure | None:
         """A cause the store knows of now: a peer that left without reporting (recorded
         here), the round's abort record, or — waiting up to ``within`` — a peer's loss
-        (recorded here) or a record. None if there is none (or the store failed)."""
+        (recorded here), a record, or a peer that left (looked for every
+        ``_LEFT_RECHECK_S``). None if there is none (or the store failed)."""
         try:
             left = await self.left_ranks(core)
             if left:
@@ -489,15 +493,24 @@ class RoundDriver:
             watch = list(self.watch)
             with anyio.move_on_after(within):
                 while True:
-                    try:
-                        raw = await self.store.get(core.keys.abort, wait=within > 0,
-                                                   watch=watch)
-                    except PeerLostError as exc:
-                        if await drop_departed(self.store, exc, watch, self.done_keys(core)):
-                            continue
-                        lost = self.group.lost_rank(exc)
-                        return None if lost is None else await self.post(core, core.lost(lost))
-                    return None if raw is None else core.failure_of(raw)
+                    # A clean leave wakes no waiter, and a leaving engine closes its data
+                    # plane before its liveness key goes: its peers' sends may fail first.
+                    # So the wait is cut into slices, the leavers looked for after each.
+                    with anyio.move_on_after(_LEFT_RECHECK_S):
+                        try:
+                            raw = await self.store.get(core.keys.abort, wait=within > 0,
+                                                       watch=watch)
+                        except PeerLostError as exc:
+                            if await drop_departed(self.store, exc, watch,
+                                                   self.done_keys(core)):
+                                continue
+                            lost = self.group.lost_rank(exc)
+                            return (None if lost is None
+                                    else await self.post(core, core.lost(lost)))
+                        return None if raw is None else core.failure_of(raw)
+                    left = await self.left_ranks(core)
+                    if left:
+                        return await self.post(core, await self.left_failure(core, left[0]))
         except M2NError:
             pass
         return None

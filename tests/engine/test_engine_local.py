@@ -786,3 +786,31 @@ async def test_checked_sources_serve_the_round_and_are_dropped_after_it() -> Non
                    for e in trainers)
     finally:
         await _close(*trainers, *workers)
+
+
+@pytest.mark.asyncio
+async def test_a_peer_whose_liveness_key_goes_after_its_connections_is_found_leaving() -> None:
+    """A rank that leaves closes its data plane before its liveness key goes, so a peer's
+    send may fail first, naming nobody. While that peer waits for a cause, it keeps
+    looking for leavers: the key gone 0.3 s later makes the failure the leaver's."""
+    plan = make_plan(DEFS, (1, 2), (1, 1))
+    store = MemoryStore()
+    trainers, workers = await _connect_all(store, plan)
+    try:
+        rounds = trainers[0]._rounds
+        assert rounds is not None
+        leaver = workers[0].rank
+        core = rounds.core(trainers[0]._round + 1)
+
+        async def leave_late() -> None:
+            await anyio.sleep(0.3)
+            await store.session().delete(rounds.group.alive_key(leaver))
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(leave_late)
+                cause = await rounds._find_cause(core, within=1.0)
+        assert cause is not None and cause.rank == leaver, cause
+        assert "left the job" in core.error(cause).args[0], core.error(cause)
+    finally:
+        await _close(*trainers, *workers)
