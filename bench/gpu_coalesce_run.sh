@@ -10,7 +10,9 @@
 # one buffer: the m2n lane reshards the stacks in place). API_MARKS=1 adds each model step's
 # public-API timeline (bench/api_marks.py) under $OUT/api-marks-<step>. A model step suffixed
 # -thread or -process (dense-thread, moe-process) hosts the store on a thread of trainer rank 0
-# or in a process of its own instead of rank 0's event loop (--store).
+# or in a process of its own instead of rank 0's event loop (--store). ITERS=N times each
+# model step's fast paths N times (--iters; the bench's default, 5, otherwise): the medians of
+# more rounds narrow the ratios' run-to-run spread at a few seconds a step.
 set -u
 OUT=${OUT:-/tmp/m2n-gpu-out}
 mkdir -p "$OUT"
@@ -38,18 +40,19 @@ run_step() {  # name, command...
   git log --oneline -1; } >"$OUT/env.log" 2>&1
 
 for s in "${steps[@]}"; do
-    marks=()
-    [ -n "${API_MARKS:-}" ] && marks=(--api-marks "$OUT/api-marks-$s")
+    extra=()
+    [ -n "${API_MARKS:-}" ] && extra=(--api-marks "$OUT/api-marks-$s")
+    [ -n "${ITERS:-}" ] && extra+=(--iters "$ITERS")
     case $s in
         moe|mixed|dense|large)
             run_step "$s" "$PY" bench/gpu_sync_bench.py --model "$s" --timeout 420 --out "$JSON" \
-                ${marks[@]+"${marks[@]}"} ;;
+                ${extra[@]+"${extra[@]}"} ;;
         moe-thread|mixed-thread|dense-thread|large-thread|moe-process|mixed-process|dense-process|large-process)
             run_step "$s" "$PY" bench/gpu_sync_bench.py --model "${s%-*}" --store "${s##*-}" \
-                --no-broadcast --timeout 420 --out "$JSON" ${marks[@]+"${marks[@]}"} ;;
+                --no-broadcast --timeout 420 --out "$JSON" ${extra[@]+"${extra[@]}"} ;;
         moe-one-buffer|mixed-one-buffer)  # each stack's members back to back in one buffer
             run_step "$s" "$PY" bench/gpu_sync_bench.py --model "${s%-one-buffer}" --one-buffer \
-                --no-broadcast --timeout 420 --out "$JSON" ${marks[@]+"${marks[@]}"} ;;
+                --no-broadcast --timeout 420 --out "$JSON" ${extra[@]+"${extra[@]}"} ;;
         threshold)
             run_step threshold "$PY" bench/gpu_sync_bench.py --threshold-sweep --timeout 420 \
                 --out "$JSON" ;;
