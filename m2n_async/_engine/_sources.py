@@ -48,10 +48,13 @@ caller alternating bf16 sources with fp32 masters would otherwise pay the fast p
 guard every round (measured on the H100: the MoE precheck of 1,024 shards went from 0.6 to
 1.4 ms with one guard kept). A chunk holding one tensor twice (tied weights under two names)
 is one no guard accepts: it keeps the fast pass. A nested tensor never reaches a guard (its
-strides raise inside torch's C++, where nothing can catch it); the checks refuse it by name.
-So a chunk is screened for nested tensors before its guard, unless it holds the very objects
-the guard was recorded with (weak references compared by identity: no tensor object becomes
-nested, ``.data =`` a nested tensor raises), which costs less than the screen.
+strides raise inside torch's C++, where nothing can catch it, and the process aborts); the
+checks refuse it by name. So every chunk is screened for nested tensors before its guard
+(~0.06 µs a tensor), including one of the very objects the guard was recorded with:
+``torch.utils.swap_tensors`` turns a tensor object into a nested one in place. The guards
+hold no reference to a tensor, weak ones included: a weak reference makes
+``swap_tensors`` refuse the tensor, and with it ``Module.to`` under
+``torch.__future__.set_swap_module_params_on_conversion(True)``.
 
 What ``precheck`` read of a stored mapping — each shard in plan order and its dtype (the fast
 pass reads it; a guard that matched vouches for the dtypes it was recorded with) — goes to
@@ -65,7 +68,6 @@ from __future__ import annotations
 
 import functools
 import operator
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import repeat
 from types import MappingProxyType
@@ -522,20 +524,16 @@ _GUARDS_KEPT = 2
 
 class Recheck:
     """Per chunk of tensors that passed the fast pass, torch's ``TensorGuards`` over them
-    (module docstring): ``passes`` is one C call per chunk. Keyed by the caller (a chunk's
-    range in the plan); holds no reference to a tensor (weak references only).
+    (module docstring): ``passes`` is one C call per chunk, after the nested screen. Keyed
+    by the caller (a chunk's range in the plan); holds no reference to a tensor, not even a
+    weak one (module docstring)."""
 
-    ``fixed``: the caller passes the same tensor objects every time, each refused at connect
-    if nested (the worker's targets): ``passes`` needs no nested screen, since a tensor
-    object never becomes nested (``.data =`` a nested tensor raises)."""
+    __slots__ = ("_guards", "_unguarded")
 
-    __slots__ = ("_fixed", "_guards", "_unguarded")
-
-    def __init__(self, *, fixed: bool = False) -> None:
-        self._fixed = fixed
-        #: per key, the latest kinds that passed: (guard, weak references to the tensors
-        #: it was recorded with, the caller's note of them), the latest matched first
-        self._guards: dict[Any, list[tuple[Callable[..., bool], tuple[Any, ...], Any]]] = {}
+    def __init__(self) -> None:
+        #: per key, the latest kinds that passed: (guard, the caller's note of the tensors
+        #: it was recorded with), the latest matched first
+        self._guards: dict[Any, list[tuple[Callable[..., bool], Any]]] = {}
         #: chunks no guard accepts even as they passed (the same tensor twice: tied weights)
         self._unguarded: set[Any] = set()
 
@@ -547,14 +545,12 @@ class Recheck:
             return False
         # A guard reads each tensor's strides in C++ before comparing anything, and a
         # nested tensor (of type Tensor, as the guard expects) raises there: an error no
-        # Python frame can catch, so the process would abort. The fast pass refuses it.
-        # The very objects a guard was recorded with passed the fast pass, so none is
-        # nested: comparing identities (~0.04 us a tensor, and a new object usually stops
-        # the comparison at once) costs less than reading is_nested (~0.1 us).
-        if not (self._fixed or any(_same(ts, refs) for _, refs, _ in kept)) and any(
-                map(_IS_NESTED, ts)):
+        # Python frame can catch, so the process would abort. The fast pass refuses it by
+        # name. Screened every time, even for the objects the guard was recorded with:
+        # ``torch.utils.swap_tensors`` makes a tensor object nested in place.
+        if any(map(_IS_NESTED, ts)):
             return False
-        for i, (check, _, _) in enumerate(kept):
+        for i, (check, _) in enumerate(kept):
             try:
                 ok = check(*ts)
             except Exception:  # another number of tensors than recorded, or an odd kind
@@ -569,7 +565,7 @@ class Recheck:
         """The note recorded (``passed``) with the kind ``passes`` matched last under
         ``key`` (the trainer's: the tensors' dtypes); None when nothing is recorded."""
         kept = self._guards.get(key)
-        return kept[0][2] if kept else None
+        return kept[0][1] if kept else None
 
     def passed(self, key: Any, ts: tuple[Any, ...], note: Any = None) -> None:
         """``ts`` passed the fast pass: record them under ``key`` for the next rounds, with
@@ -588,17 +584,9 @@ class Recheck:
                 return
         except Exception:  # a signature of another torch: no guard, the fast pass each round
             return
-        # Only here, not when a guard passes new objects: a caller giving new tensors every
-        # round (``state_dict()`` detaches anew) would pay for the references every round.
-        refs = () if self._fixed else tuple(map(weakref.ref, ts))
         kept = self._guards.setdefault(key, [])
-        kept.insert(0, (check, refs, note))
+        kept.insert(0, (check, note))
         del kept[_GUARDS_KEPT:]
-
-
-def _same(ts: tuple[Any, ...], refs: tuple[Any, ...]) -> bool:
-    """Whether ``ts`` are the very objects ``refs`` refer to (all alive, in order)."""
-    return len(ts) == len(refs) and all(map(operator.is_, ts, map(operator.call, refs)))
 
 
 @functools.cache  # looked up once, not per chunk and round

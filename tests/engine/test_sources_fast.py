@@ -371,36 +371,61 @@ def _counting_nested_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return reads
 
 
-def test_the_objects_a_guard_was_recorded_with_skip_the_nested_screen(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The very tensors a chunk passed with are not nested (no object becomes nested), so
-    their re-check reads no ``is_nested``; new objects are screened, every round, until a
-    fast pass records them; a dead reference is no identity."""
+def test_every_recheck_screens_for_nested_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The re-check reads every tensor's ``is_nested`` before its guard, every round, the
+    very objects it was recorded with included (``swap_tensors`` makes one nested in place)."""
     reads = _counting_nested_reads(monkeypatch)
     eng = _Engine()
     shards = source_shards(eng.plan, 0)
-    eng.round(shards)  # the fast pass records the guards and these objects
-    eng.round(shards)
+    eng.round(shards)  # the fast pass records the guards
     assert reads[0] == 0
-    copies = {k: v.clone() for k, v in shards.items()}  # state_dict()-like: new each time
-    eng.round(copies)
-    eng.round(copies)
-    assert reads[0] == 2 * N  # screened: identity is only what a fast pass recorded
-    reads[0] = 0
-    copies["half"] = copies["half"].float()  # the last chunk fails its guard: a fast pass
-    eng.round(copies)
-    last = N - 2 * _INLINE_PARAMS
-    assert reads[0] == N  # (the failing chunk was screened before its fast pass)
-    reads[0] = 0
-    eng.round(copies)
-    assert reads[0] == 2 * _INLINE_PARAMS  # the recorded chunk's objects skip the screen
-    del shards
-    import gc
+    eng.round(shards)
+    assert reads[0] == N
+    eng.round({k: v.clone() for k, v in shards.items()})
+    assert reads[0] == 2 * N
 
-    gc.collect()
-    reads[0] = 0
-    eng.round(copies)
-    assert reads[0] == N - last
+
+def test_a_source_swapped_for_a_nested_tensor_is_refused_by_name(guards: bool) -> None:
+    """``torch.utils.swap_tensors`` turns the very object a guard was recorded with into a
+    nested tensor: it is screened and refused by name, not given to a guard that would abort
+    the process."""
+    eng = _Engine()
+    shards = source_shards(eng.plan, 0)
+    eng.round(shards)
+    eng.round(shards)
+    for name in (eng.names[0], eng.names[_INLINE_PARAMS + 3], eng.names[N - 2]):
+        t = shards[name]
+        torch.utils.swap_tensors(t, _nested(torch.zeros(4)))
+        assert shards[name] is t and t.is_nested
+        with pytest.raises(PlanError, match=f"{name!r}.*nested"):
+            eng.round(shards)
+        shards[name] = torch.zeros(4)
+
+
+def test_sources_stay_swappable() -> None:
+    """The checks keep no reference to a source, not even a weak one: ``swap_tensors``
+    refuses a tensor that has one, and ``Module.to`` swaps parameters under
+    ``set_swap_module_params_on_conversion(True)`` (and for wrapper subclasses)."""
+    import weakref
+
+    eng = _Engine()
+    shards = source_shards(eng.plan, 0)
+    eng.round(shards)
+    eng.round(shards)
+    assert all(weakref.getweakrefcount(t) == 0 for t in shards.values())
+    module = torch.nn.Module()
+    module.p = torch.nn.Parameter(shards[eng.names[0]].clone())
+    params = dict(shards)
+    params[eng.names[0]] = module.p
+    eng.round(params)
+    eng.round(params)
+    old = torch.__future__.get_swap_module_params_on_conversion()
+    try:
+        torch.__future__.set_swap_module_params_on_conversion(True)
+        module.to(torch.float64)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(old)
+    assert module.p.dtype is torch.float64
 
 
 def test_a_nested_tensor_under_an_old_objects_name_is_refused(guards: bool) -> None:
@@ -420,18 +445,3 @@ def test_a_nested_tensor_under_an_old_objects_name_is_refused(guards: bool) -> N
         with pytest.raises(PlanError, match=repr(name)):
             eng.round(shards)
         shards[name] = torch.zeros(4)
-
-
-def test_recheck_of_fixed_objects_reads_no_is_nested(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``Recheck(fixed=True)`` (the worker's targets: the same objects, refused at connect
-    if nested) never screens; the default screens any object it did not record."""
-    reads = _counting_nested_reads(monkeypatch)
-    ts = (torch.zeros(4), torch.zeros(2, 3))
-    fixed, default = Recheck(fixed=True), Recheck()
-    for rc in (fixed, default):
-        rc.passed("k", ts)
-        assert rc.passes("k", ts)
-    assert reads[0] == 0
-    others = (torch.ones(4), torch.ones(2, 3))
-    assert fixed.passes("k", others) and reads[0] == 0
-    assert default.passes("k", others) and reads[0] == 2

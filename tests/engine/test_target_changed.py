@@ -32,6 +32,13 @@ def _renew(t: torch.Tensor, how: str) -> None:
             t.data = torch.zeros(4, 6)
         elif how == "strided":  # the same shape, not contiguous
             t.data = torch.zeros(12, 12)[:, :6]
+        elif how == "swapped-nested":  # the very object made nested (no .data = can)
+            import warnings
+
+            with warnings.catch_warnings():  # torch.nested says it is a prototype
+                warnings.simplefilter("ignore")
+                nested = torch.nested.nested_tensor([torch.zeros(6), torch.zeros(6)])
+            torch.utils.swap_tensors(t, nested)
         else:
             raise AssertionError(how)
 
@@ -76,6 +83,7 @@ async def test_new_storage_of_the_planned_kind_is_written() -> None:
     ("bfloat16", "tensor dtype bfloat16 != planned dtype float32"),
     ("smaller", "tensor shape (4, 6) != local shard shape (12, 6)"),
     ("strided", "contiguous"),
+    ("swapped-nested", "a nested tensor"),
 ])
 async def test_new_storage_of_another_kind_fails_the_round_naming_the_parameter(
         how: str, says: str) -> None:
@@ -87,6 +95,28 @@ async def test_new_storage_of_another_kind_fails_the_round_naming_the_parameter(
         assert says in str(exc) and "the target changed after connect" in str(exc), exc
     assert str(trainer) == str(worker)
     assert engine == (1, "poisoned")
+
+
+@pytest.mark.asyncio
+async def test_sources_and_targets_swapped_between_rounds_are_followed() -> None:
+    # ``torch.utils.swap_tensors`` (what ``Module.to`` does under swap-on-conversion, and for
+    # wrapper subclasses) refuses a tensor anything holds a weak reference to: the engine and
+    # the lane hold none, so the caller's very objects can be swapped between rounds, and the
+    # next round reads and writes the storage they hold then.
+    trainers, workers = await _connect_all(MemoryStore(), PLAN)
+    try:
+        shards = source_shards(PLAN, 0, 1)
+        for _ in range(2):  # the second round re-checks with the guards the first recorded
+            await _round(trainers, workers, lambda e: e.sync_weights(shards))
+        _check(PLAN, workers, 1)
+        target = workers[0]._sinks["w_row"].tensor
+        torch.utils.swap_tensors(target, torch.zeros(12, 6))
+        torch.utils.swap_tensors(shards["w_row"], source_shards(PLAN, 0, 2)["w_row"].clone())
+        assert workers[0]._sinks["w_row"].tensor is target  # the same object, new storage
+        await _round(trainers, workers, lambda e: e.sync_weights(shards))
+        _check(PLAN, workers, 2)
+    finally:
+        await _close(*trainers, *workers)
 
 
 @pytest.mark.asyncio
