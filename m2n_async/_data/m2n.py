@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import logging
 import operator
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -259,8 +258,27 @@ class _StackArenas:
 
 def _stack_view(first: Any, shape: tuple[int, ...]) -> Any:
     """A contiguous tensor of ``shape`` over the storage of ``first`` (a stack's first
-    member), starting where ``first`` starts (``M2NTransport._span`` checked the bounds)."""
-    return first.as_strided(shape, contiguous_strides(shape), first.storage_offset())
+    member), starting where ``first`` starts (``M2NTransport._span`` checked the bounds).
+
+    Taken of ``first.detach()``: a view of ``first`` itself would hold ``first`` as its
+    base, and ``torch.utils.swap_tensors`` refuses a tensor something else references."""
+    return first.detach().as_strided(shape, contiguous_strides(shape), first.storage_offset())
+
+
+def _storage_ref(t: Any) -> Any:
+    """A weak reference to ``t``'s storage (``_same_storage``). Not a weak reference to
+    ``t``: ``torch.utils.swap_tensors`` (``Module.to`` under swap-on-conversion) refuses a
+    tensor with any weak reference, while one to its storage leaves the tensor alone."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())  # type: ignore[no-untyped-call]
+
+
+def _same_storage(ref: Any, t: Any) -> bool:
+    """``t`` lies in the very storage ``ref`` (``_storage_ref``) was taken of, still alive.
+    The reference keeps the storage object's own memory allocated while it lives, so no
+    other storage can take its address in the meantime: equal means the same storage."""
+    return not ref.expired() and ref.cdata == t.untyped_storage()._cdata
 
 
 #: Stacked buffers start at multiples of this many bytes inside an arena (any dtype's
@@ -288,7 +306,7 @@ class M2NTransport(GpuTransportBase):
         # does not take part in, per param; the side it does, for tensors seen twice.
         self._absent_side: dict[int, Any] = {}
         self._own_side: dict[int, tuple[Any, int, Any]] = {}
-        self._seen_once: dict[int, tuple[weakref.ref[Any], int]] = {}
+        self._seen_once: dict[int, tuple[Any, int]] = {}  # key -> (_storage_ref, pointer)
         # Stacked calls: arenas per pipeline slot, their views and the worker's scatter lists
         # per bucket, built once (``_StackArenas``).
         self._arenas = _StackArenas(ctx.settings.max_inflight)
@@ -300,9 +318,10 @@ class M2NTransport(GpuTransportBase):
         #: (bucket, call) -> the last ``SOURCE_TABLES`` (addresses, device pointer table)
         #: pairs of its sources, the latest first
         self._src_tables: dict[tuple[int, int], list[tuple[list[int], Any]]] = {}
-        #: (bucket, call) -> the first member, the members' addresses and, once the same
-        #: member was seen in two rounds running, the stacked view over them (``_span``)
-        self._spans: dict[tuple[int, int], tuple[weakref.ref[Any], list[int], Any]] = {}
+        #: (bucket, call) -> the first member's storage (``_storage_ref``), the members'
+        #: addresses and, once the same storage and addresses were seen in two rounds
+        #: running, the stacked view over them (``_span``)
+        self._spans: dict[tuple[int, int], tuple[Any, list[int], Any]] = {}
         #: worker: (bucket, call) -> (the sink records, the members' target tensors, or None
         #: when some member is not a tensor written in place): decided once per records
         self._span_targets: dict[tuple[int, int], tuple[Any, tuple[Any, ...] | None]] = {}
@@ -712,9 +731,9 @@ class M2NTransport(GpuTransportBase):
         DDP keeps the parameters as views of one) and of experts addressed as ``w[e]`` of
         one stacked weight. Else None.
 
-        Returns (buffer, kept): ``kept`` when the view is cached, because the same first
-        member at the same addresses was seen in the round before (the caller keeps these
-        tensors); a view built for one round only would otherwise hold storage the caller
+        Returns (buffer, kept): ``kept`` when the view is cached, because the members lay at
+        the same addresses in the same storage in the round before (the caller keeps that
+        storage); a view built for one round only would otherwise hold storage the caller
         already dropped (a lazily cast source, say) until the next round.
         """
         k = len(tensors)
@@ -726,7 +745,7 @@ class M2NTransport(GpuTransportBase):
             return None
         t0 = tensors[0]
         hit = self._spans.get(key)
-        again = hit is not None and hit[0]() is t0 and hit[1] == ptrs
+        again = hit is not None and hit[1] == ptrs and _same_storage(hit[0], t0)
         if again and hit is not None and hit[2] is not None:
             # the kept view holds the storage, so nothing else can be at these addresses
             return hit[2], True
@@ -744,7 +763,7 @@ class M2NTransport(GpuTransportBase):
             self._spans.pop(key, None)
             return None
         view = _stack_view(t0, shape)
-        self._spans[key] = (weakref.ref(t0), ptrs, view if again else None)
+        self._spans[key] = (_storage_ref(t0), ptrs, view if again else None)
         return view, again
 
     def _target_span(self, bucket: int, k: int, call: _Call, records: Mapping[str, Any]
@@ -886,9 +905,10 @@ class M2NTransport(GpuTransportBase):
         GPUs moves in a small tensor, so descriptors are reused across rounds: the absent side
         (``None`` buffer) always; the own side when the caller's tensor is the very object of
         the previous round with the same storage pointer. A descriptor holds its tensor, so a
-        tensor is kept only once it was seen in two consecutive rounds — proof the caller
-        keeps it anyway; a fresh tensor per round (a lazy cast, a stack's staging) is never
-        retained."""
+        tensor is kept only once its storage was seen at the same address in two consecutive
+        rounds — proof the caller keeps it anyway; a fresh tensor per round (a lazy cast, a
+        stack's staging) is never retained. What was seen once is remembered by a weak
+        reference to the storage, never to the tensor (``_storage_ref``)."""
         trainer = self.ctx.role == "trainer"
         out = []
         for call, buf, owned in zip(st.calls, st.buffers, st.persistent, strict=True):
@@ -919,10 +939,10 @@ class M2NTransport(GpuTransportBase):
         self._own_side.pop(key, None)
         if owned:
             seen = self._seen_once.pop(key, None)
-            if seen is not None and seen[0]() is buf and seen[1] == ptr:
+            if seen is not None and seen[1] == ptr and _same_storage(seen[0], buf):
                 self._own_side[key] = (buf, ptr, desc)
             else:
-                self._seen_once[key] = (weakref.ref(buf), ptr)
+                self._seen_once[key] = (_storage_ref(buf), ptr)
         return desc
 
     def transfer(self, staging: Staging) -> Completion:

@@ -355,3 +355,51 @@ async def test_a_stack_with_one_load_callback_is_scattered(fake_world: Any) -> N
 
     raise_first(await run_world("m2n", PLAN, body=body, bucket_bytes=1 << 20))
     assert all(st.in_place_stacks == 0 for st in kept[2] + kept[3])
+
+
+async def test_tensors_the_lane_has_seen_stay_swappable(fake_world: Any) -> None:
+    # Rounds 0-1: the same sources and targets (the stack's members back to back in one
+    # buffer, the norms their own tensors), so after round 1 the lane reuses their
+    # descriptors and keeps the stack's view. Before round 2 every one of them is swapped
+    # with ``torch.utils.swap_tensors`` (what ``Module.to`` does under swap-on-conversion):
+    # that refuses a tensor with a weak reference, or one that a view keeps as its base, so
+    # the lane must hold neither. Rounds 2-3 follow the swapped tensors, bit-exact: each
+    # member now has storage of its own, so the stack is packed and scattered. The members
+    # are tensor objects of their own given the buffer's views through ``.data`` (as
+    # Megatron's DDP does with its parameters), not views: a view of one of those has that
+    # member as its base.
+    src: dict[int, dict[str, torch.Tensor]] = {}
+    dst: dict[int, dict[str, torch.Tensor]] = {}
+
+    def own_objects(views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = dict(views)
+        for n in STACKED:
+            out[n] = torch.empty(0, dtype=views[n].dtype)
+            out[n].data = views[n]
+        return out
+
+    def swap_all(mine: dict[str, torch.Tensor]) -> None:
+        for t in mine.values():
+            torch.utils.swap_tensors(t, torch.zeros_like(t))
+
+    def src_of(rank: int, rnd: int) -> dict[str, torch.Tensor]:
+        fresh = sources(PLAN, rank, rnd)
+        if rank not in src:
+            src[rank] = own_objects(flat_views(fresh, STACKED)[1])
+        elif rnd == 2:
+            swap_all(src[rank])
+        for n, v in src[rank].items():
+            v.copy_(fresh[n])
+        return src[rank]
+
+    def dst_of(rank: int, rnd: int, last: Any) -> dict[str, torch.Tensor]:
+        if rank not in dst:
+            dst[rank] = own_objects(flat_views(targets(PLAN, rank), STACKED, fill=False)[1])
+        elif rnd == 2:
+            swap_all(dst[rank])
+        return dst[rank]
+
+    kept = await run(src_of, dst_of, rounds=4)
+    for rank, stagings in kept.items():
+        assert [st.in_place_stacks for st in stagings[:-1]] == [1, 1, 0, 0], rank
+        assert all(st.zero_copy == 2 for st in stagings[:-1]), rank  # the norms, every round
