@@ -15,7 +15,9 @@ who never come, from another thread, with ``TransferError`` naming the reason, a
 usable afterwards; ``close`` is idempotent and lets go of every tensor it was handed; later
 rounds reuse what the first one cached (views, descriptors, arenas) only where it is still
 right — new source tensors, sources updated in place, a new sinks mapping with new targets;
-sources and targets that are parameters requiring grad move like plain tensors.
+sources and targets that are parameters requiring grad move like plain tensors; sources and
+targets swapped between rounds by ``torch.utils.swap_tensors`` (``Module.to`` under
+swap-on-conversion) stay swappable and are followed.
 """
 
 from __future__ import annotations
@@ -284,10 +286,64 @@ async def moves_parameters_requiring_grad(rank: int, t: Transport) -> None:
                        "still referenced after close")
 
 
+def _swap_all(tensors: Mapping[str, torch.Tensor], fresh: Mapping[str, torch.Tensor]
+              ) -> dict[str, torch.Tensor]:
+    """Swap every tensor of ``tensors`` with its ``fresh`` counterpart (a parameter with a
+    parameter) by ``torch.utils.swap_tensors``, as ``Module.to`` does under swap-on-
+    conversion. The objects keep their names and take the new storage; returned: the
+    counterparts, which now hold the old storage."""
+    old = {}
+    for k, x in tensors.items():
+        y = fresh[k]
+        if isinstance(x, torch.nn.Parameter):
+            y = torch.nn.Parameter(y, requires_grad=x.requires_grad)
+        torch.utils.swap_tensors(x, y)  # refused if anything holds x by a weak reference
+        old[k] = y
+    return old
+
+
+async def follows_tensors_swapped_between_rounds(rank: int, t: Transport) -> None:
+    """Sources and targets (parameters requiring grad where floating, as a module's) are
+    swapped with ``torch.utils.swap_tensors`` for tensors of new storage after round 0 (what
+    a lane remembers of a tensor seen once) and again after round 2 (what it caches of
+    tensors seen in consecutive rounds). A lane that keeps a weak reference to one, or a
+    view that has one as its base, makes the swap raise. The rounds after a swap read and
+    write the new storage, and a worker's swapped-out storage is not written again."""
+    swaps = (0, 2)  # after these rounds
+    if rank < t.ctx.trainer_ranks:
+        src = _requiring_grad(_sources(t, 0))
+        for rnd in range(4):
+            if rnd - 1 in swaps:
+                _sync(t)
+                _swap_all(src, _sources(t, rnd))
+            else:
+                with torch.no_grad():  # an optimizer step: the same parameters, in place
+                    for k, v in _sources(t, rnd).items():
+                        src[k].copy_(v)
+            await _round(t, rnd, sources=src)
+        return
+    targets = _requiring_grad(_targets(t))
+    old: dict[str, torch.Tensor] = {}
+    for rnd in range(4):
+        if rnd - 1 in swaps:
+            _sync(t)
+            old = _swap_all(targets, _targets(t))
+            with torch.no_grad():
+                _refill(old)
+        with torch.no_grad():
+            _refill(targets)
+        await _round(t, rnd, sinks=targets)
+        _check_landed(t, targets, rnd, f"round {rnd}")
+        _sync(t)
+        stale = [k for k, x in old.items() if not bool((_bytes(x) == SENTINEL).all())]
+        assert not stale, (f"{t.name} rank {rank}: round {rnd} wrote the swapped-out "
+                           f"storage of {stale}")
+
 CHECKS: dict[str, Check] = {
     "bit_exact": moves_bytes_bit_exact,
     "abort": abort_wakes_a_pending_completion,
     "close": close_is_idempotent_and_releases,
     "reuse": second_round_reuses_state,
     "grad": moves_parameters_requiring_grad,
+    "swap": follows_tensors_swapped_between_rounds,
 }

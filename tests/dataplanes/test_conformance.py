@@ -57,6 +57,14 @@ async def test_moves_parameters_requiring_grad(fake_world: fake_nccl.FakeWorld, 
     await _run(lane, "grad", layout)
 
 
+@pytest.mark.asyncio
+@pytest.mark.parametrize("layout", ["2+2", "2+3"])
+@pytest.mark.parametrize("lane", LANES)
+async def test_follows_tensors_swapped_between_rounds(fake_world: fake_nccl.FakeWorld,
+                                                      lane: str, layout: str) -> None:
+    await _run(lane, "swap", layout)
+
+
 def test_every_check_runs_here() -> None:
     # a check added to the suite needs its test above (and in tests/gpu)
-    assert set(conformance.CHECKS) == {"bit_exact", "abort", "close", "reuse", "grad"}
+    assert set(conformance.CHECKS) == {"bit_exact", "abort", "close", "reuse", "grad", "swap"}
