@@ -30,7 +30,9 @@ Per bucket:
   ``NCCL_RESHARD_PACK_BUFFSIZES`` is raised everywhere) or the same reshards one by one, in
   the same order. Then an event; the completion fires when it completed. The ``DistTensor``
   descriptors are built on the loop thread and reused across rounds where that is safe
-  (``_descriptors``): between GPUs, building them cost as much as the small reshards.
+  (``_descriptors``): between GPUs, building them cost as much as the small reshards. They
+  describe a buffer by its address, so the lane holds none of the caller's tensors (nor a
+  view, nor a weak reference to one) from one round to the next.
 * ``unpack`` (worker): copies staged tensors into their targets on the unpack stream (after
   the transfer event) and calls load callbacks once the bytes are there.
 
@@ -182,8 +184,8 @@ class M2NStaging(Staging):
     stacked_params: int = 0
     #: stacked calls sent from / received into the caller's own storage (``_span``)
     in_place_stacks: int = 0
-    #: per buffer: it outlives the round (the caller's own tensor, zero-copy, or a view of a
-    #: stack arena), so its descriptor may be reused
+    #: per buffer: it outlives the round at its address (a view of a stack arena; the
+    #: caller's own tensor, zero-copy), so the worker's scatter lists over it may be reused
     persistent: list[bool] = field(default_factory=list)
     #: trainer: the sources the pack stream copies from, held until the bucket is released:
     #: the copies are only enqueued, and a lazy source dropped meanwhile could be reused by
@@ -261,14 +263,16 @@ def _stack_view(first: Any, shape: tuple[int, ...]) -> Any:
     member), starting where ``first`` starts (``M2NTransport._span`` checked the bounds).
 
     Taken of ``first.detach()``: a view of ``first`` itself would hold ``first`` as its
-    base, and ``torch.utils.swap_tensors`` refuses a tensor something else references."""
+    base while the round runs, and ``torch.utils.swap_tensors`` refuses a tensor something
+    else references."""
     return first.detach().as_strided(shape, contiguous_strides(shape), first.storage_offset())
 
 
 def _storage_ref(t: Any) -> Any:
     """A weak reference to ``t``'s storage (``_same_storage``). Not a weak reference to
     ``t``: ``torch.utils.swap_tensors`` (``Module.to`` under swap-on-conversion) refuses a
-    tensor with any weak reference, while one to its storage leaves the tensor alone."""
+    tensor with any weak reference, while one to its storage leaves the tensor alone, and
+    it keeps no memory of the caller's once the caller lets the storage go."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
     return StorageWeakRef(t.untyped_storage())  # type: ignore[no-untyped-call]
@@ -302,11 +306,10 @@ class M2NTransport(GpuTransportBase):
         settings = ctx.settings
         #: 0: coalescing off (every parameter its own reshard)
         self.coalesce_below = settings.coalesce_below if settings.coalesce else 0
-        # Descriptor reuse across rounds (module doc, "Descriptors"): the side this rank
-        # does not take part in, per param; the side it does, for tensors seen twice.
+        # Descriptor reuse across rounds (``_descriptors``): the side this rank does not
+        # take part in, per call; the side it does, per call, with the address it describes.
         self._absent_side: dict[int, Any] = {}
-        self._own_side: dict[int, tuple[Any, int, Any]] = {}
-        self._seen_once: dict[int, tuple[Any, int]] = {}  # key -> (_storage_ref, pointer)
+        self._own_side: dict[int, tuple[int, Any]] = {}
         # Stacked calls: arenas per pipeline slot, their views and the worker's scatter lists
         # per bucket, built once (``_StackArenas``).
         self._arenas = _StackArenas(ctx.settings.max_inflight)
@@ -318,10 +321,9 @@ class M2NTransport(GpuTransportBase):
         #: (bucket, call) -> the last ``SOURCE_TABLES`` (addresses, device pointer table)
         #: pairs of its sources, the latest first
         self._src_tables: dict[tuple[int, int], list[tuple[list[int], Any]]] = {}
-        #: (bucket, call) -> the first member's storage (``_storage_ref``), the members'
-        #: addresses and, once the same storage and addresses were seen in two rounds
-        #: running, the stacked view over them (``_span``)
-        self._spans: dict[tuple[int, int], tuple[Any, list[int], Any]] = {}
+        #: (bucket, call) -> the first member's storage (``_storage_ref``) and the members'
+        #: addresses, as ``_span`` last checked them in full
+        self._spans: dict[tuple[int, int], tuple[Any, list[int]]] = {}
         #: worker: (bucket, call) -> (the sink records, the members' target tensors, or None
         #: when some member is not a tensor written in place): decided once per records
         self._span_targets: dict[tuple[int, int], tuple[Any, tuple[Any, ...] | None]] = {}
@@ -610,8 +612,8 @@ class M2NTransport(GpuTransportBase):
                     if call.stacked:
                         span = self._target_span(st.bucket.index, k, call, records)
                         if span is not None:  # received straight into the targets
-                            st.buffers.append(span[0])
-                            st.persistent.append(span[1])
+                            st.buffers.append(span)
+                            st.persistent.append(False)
                             st.in_place_stacks += 1
                             st.stacked_params += len(call.members)
                             continue
@@ -722,7 +724,7 @@ class M2NTransport(GpuTransportBase):
         return table
 
     def _span(self, key: tuple[int, int], tensors: tuple[Any, ...], ptrs: list[int],
-              shape: tuple[int, ...], dtype: Any) -> tuple[Any, bool] | None:
+              shape: tuple[int, ...], dtype: Any) -> Any | None:
         """The stacked buffer of call ``key`` over its members' own bytes, when the members
         (``tensors``, at addresses ``ptrs``) lie back to back in stack order inside one
         storage, contiguous, of the member shape ``shape[1:]`` and ``dtype``, on this device:
@@ -731,10 +733,12 @@ class M2NTransport(GpuTransportBase):
         DDP keeps the parameters as views of one) and of experts addressed as ``w[e]`` of
         one stacked weight. Else None.
 
-        Returns (buffer, kept): ``kept`` when the view is cached, because the members lay at
-        the same addresses in the same storage in the round before (the caller keeps that
-        storage); a view built for one round only would otherwise hold storage the caller
-        already dropped (a lazily cast source, say) until the next round.
+        Checked in full once; after that, while the first member lies in the very storage
+        checked (``_same_storage``) and the members at the same addresses, the view is only
+        rebuilt: the engine checks every member's dtype, shape, device and contiguity each
+        round, and no other storage can take those addresses while that one lives. The
+        view is the round's own: one kept across rounds would hold the caller's storage
+        after the caller let it go (a lazily cast source, weights offloaded between rounds).
         """
         k = len(tensors)
         step = _numel(shape[1:]) * dtype.itemsize
@@ -745,12 +749,11 @@ class M2NTransport(GpuTransportBase):
             return None
         t0 = tensors[0]
         hit = self._spans.get(key)
-        again = hit is not None and hit[1] == ptrs and _same_storage(hit[0], t0)
-        if again and hit is not None and hit[2] is not None:
-            # the kept view holds the storage, so nothing else can be at these addresses
-            return hit[2], True
-        # Checked again in the second round too: the members may have been given storage of
-        # their own at the very same addresses (a freed block split by the allocator).
+        if hit is not None and hit[1] == ptrs and _same_storage(hit[0], t0):
+            return _stack_view(t0, shape)
+        # Checked in full whenever the storage is not the one checked: the members may
+        # have been given storage of their own at the very same addresses (a freed block
+        # split by the allocator).
         if not (t0.device == self.device
                 and all(map(operator.is_, map(_DTYPE, tensors), repeat(dtype)))
                 and all(map(_torch().Tensor.is_contiguous, tensors))
@@ -762,12 +765,11 @@ class M2NTransport(GpuTransportBase):
         if not base <= first <= first + k * step <= base + storage.nbytes():
             self._spans.pop(key, None)
             return None
-        view = _stack_view(t0, shape)
-        self._spans[key] = (_storage_ref(t0), ptrs, view if again else None)
-        return view, again
+        self._spans[key] = (_storage_ref(t0), ptrs)
+        return _stack_view(t0, shape)
 
     def _target_span(self, bucket: int, k: int, call: _Call, records: Mapping[str, Any]
-                     ) -> tuple[Any, bool] | None:
+                     ) -> Any | None:
         """Worker: ``_span`` over the targets of stacked call ``k``, when every member's sink
         is a tensor written in place. Which members' targets those are is decided once per
         records mapping (the engine's is fixed at connect); their addresses are read every
@@ -784,7 +786,7 @@ class M2NTransport(GpuTransportBase):
             hit = self._span_targets[key] = (records, tensors)
         tensors = hit[1]
         if tensors is None:
-            self._spans.pop(key, None)  # a view kept from earlier rounds: let it go
+            self._spans.pop(key, None)
             return None
         ptrs = list(map(_torch().Tensor.data_ptr, tensors))  # the C method: one C-level pass
         return self._span(key, tensors, ptrs, call.geo.dst_shape, call.geo.dtype)
@@ -823,13 +825,13 @@ class M2NTransport(GpuTransportBase):
                 casts = len(srcs) - same
                 ptrs = list(map(torch.Tensor.data_ptr, srcs))  # the C method: no frame per call
                 if casts:
-                    self._spans.pop((st.bucket.index, k), None)  # a kept view: let it go
+                    self._spans.pop((st.bucket.index, k), None)
                     span = None
                 else:
                     span = self._span((st.bucket.index, k), srcs, ptrs, p.src_shape, wire)
                 if span is not None:  # sent from the sources themselves: nothing to pack
-                    st.buffers.append(span[0])
-                    st.persistent.append(span[1])
+                    st.buffers.append(span)
+                    st.persistent.append(False)
                     st.in_place_stacks += 1
                     st.stacked_params += len(srcs)
                     continue
@@ -903,46 +905,39 @@ class M2NTransport(GpuTransportBase):
 
         Building a ``DistTensor`` costs tens of µs of Python, as much as an M2N call between
         GPUs moves in a small tensor, so descriptors are reused across rounds: the absent side
-        (``None`` buffer) always; the own side when the caller's tensor is the very object of
-        the previous round with the same storage pointer. A descriptor holds its tensor, so a
-        tensor is kept only once its storage was seen at the same address in two consecutive
-        rounds — proof the caller keeps it anyway; a fresh tensor per round (a lazy cast, a
-        stack's staging) is never retained. What was seen once is remembered by a weak
-        reference to the storage, never to the tensor (``_storage_ref``)."""
+        (``None`` buffer) always; the own side while its buffer is at the same address. The
+        own side describes its buffer by that address (a raw pointer, which ``DistTensor``
+        takes with the shape and dtype given): it is then the same descriptor whatever
+        tensor lies there, and it holds no tensor, so nothing of the caller's is kept alive
+        past the round. The staging holds the buffers while the reshards run."""
         trainer = self.ctx.role == "trainer"
         out = []
-        for call, buf, owned in zip(st.calls, st.buffers, st.persistent, strict=True):
+        for call, buf in zip(st.calls, st.buffers, strict=True):
             absent = self._absent_side.get(call.key)
             if absent is None:
                 absent = self._side(None, call.geo, src=not trainer)
                 self._absent_side[call.key] = absent
-            own = self._own_side_of(call, buf, owned, trainer)
+            own = self._own_side_of(call, buf, trainer)
             out.append((own, absent) if trainer else (absent, own))
         return out
 
-    def _side(self, buf: Any, p: _Param, *, src: bool) -> Any:
-        """The ``DistTensor`` of ``p``'s source (``src``) or destination side over ``buf``."""
+    def _side(self, buf: int | None, p: _Param, *, src: bool) -> Any:
+        """The ``DistTensor`` of ``p``'s source (``src``) or destination side at address
+        ``buf`` (None: the side this rank takes no part in)."""
         if src:
             return self._m2n.DistTensor(buf, p.src_shape, p.dtype, mesh=p.src_mesh,
                                         placements=p.src_placements)
         return self._m2n.DistTensor(buf, p.dst_shape, p.dtype, mesh=p.dst_mesh,
                                     placements=p.dst_placements)
 
-    def _own_side_of(self, call: _Call, buf: Any, owned: bool, trainer: bool) -> Any:
+    def _own_side_of(self, call: _Call, buf: Any, trainer: bool) -> Any:
         key = call.key
         ptr = buf.data_ptr()
-        if owned:
-            hit = self._own_side.get(key)
-            if hit is not None and hit[0] is buf and hit[1] == ptr:
-                return hit[2]
-        desc = self._side(buf, call.geo, src=trainer)
-        self._own_side.pop(key, None)
-        if owned:
-            seen = self._seen_once.pop(key, None)
-            if seen is not None and seen[1] == ptr and _same_storage(seen[0], buf):
-                self._own_side[key] = (buf, ptr, desc)
-            else:
-                self._seen_once[key] = (_storage_ref(buf), ptr)
+        hit = self._own_side.get(key)
+        if hit is not None and hit[0] == ptr:
+            return hit[1]
+        desc = self._side(ptr, call.geo, src=trainer)
+        self._own_side[key] = (ptr, desc)
         return desc
 
     def transfer(self, staging: Staging) -> Completion:
@@ -1081,8 +1076,7 @@ class M2NTransport(GpuTransportBase):
             staging.ready = staging.transferred = None
 
     def _release_native_resources(self) -> list[Any]:
-        self._own_side.clear()  # the caller's tensors are theirs again
-        self._seen_once.clear()
+        self._own_side.clear()
         self._scatter.clear()
         self._tables.clear()
         self._src_tables.clear()

@@ -339,6 +339,52 @@ async def follows_tensors_swapped_between_rounds(rank: int, t: Transport) -> Non
         assert not stale, (f"{t.name} rank {rank}: round {rnd} wrote the swapped-out "
                            f"storage of {stale}")
 
+def _let_go(tensors: Mapping[str, torch.Tensor]) -> list[Any]:
+    """Give every tensor of ``tensors`` storage of its own through ``.data`` (weights
+    offloaded between rounds and brought back, the caller's old memory freed); returned:
+    weak references to the old storages."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    old = []
+    for x in tensors.values():
+        old.append(StorageWeakRef(x.untyped_storage()))
+        x.data = x.data.clone()
+    return old
+
+
+async def holds_no_storage_between_rounds(rank: int, t: Transport) -> None:
+    """After two rounds with the same tensors (whatever a lane caches from them is cached),
+    each source and target is given new storage through ``.data``: the old storage is freed
+    at once, held by no lane between rounds (by a view, a descriptor or a table). The one
+    exception is the gloo lane's worker: it receives into views of its targets kept from
+    round to round, which go when the next round finds the targets' new addresses. The
+    next round reads and writes the new storage."""
+    trainer = rank < t.ctx.trainer_ranks
+    late = t.name == "gloo" and not trainer
+    # clones: a shard that is a view of the whole tensor would hold it as its base
+    mine = {k: v.clone() for k, v in _sources(t, 0).items()} if trainer else _targets(t)
+    old: list[Any] = []
+
+    def held() -> list[str]:
+        gc.collect()
+        return [k for k, ref in zip(mine, old, strict=True) if not ref.expired()]
+
+    for rnd in range(3):
+        if rnd == 2:
+            _sync(t)
+            old = _let_go(mine)
+            assert late or not held(), (f"{t.name} rank {rank}: storage held between rounds: "
+                                        f"{held()}")
+        if trainer:
+            for k, v in _sources(t, rnd).items():
+                mine[k].copy_(v)
+        else:
+            _refill(mine)
+        await _round(t, rnd, **({"sources": mine} if trainer else {"sinks": mine}))
+        if not trainer:
+            _check_landed(t, mine, rnd, f"round {rnd}")
+    assert not held(), f"{t.name} rank {rank}: storage held after the next round: {held()}"
+
 CHECKS: dict[str, Check] = {
     "bit_exact": moves_bytes_bit_exact,
     "abort": abort_wakes_a_pending_completion,
@@ -346,4 +392,5 @@ CHECKS: dict[str, Check] = {
     "reuse": second_round_reuses_state,
     "grad": moves_parameters_requiring_grad,
     "swap": follows_tensors_swapped_between_rounds,
+    "let_go": holds_no_storage_between_rounds,
 }

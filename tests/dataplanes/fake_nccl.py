@@ -16,6 +16,7 @@ pointers the transports pass).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import queue
 import sys
@@ -239,9 +240,15 @@ class Config:
 
 
 class DistTensor:
+    """A buffer is a contiguous tensor, or a raw pointer (an int, with ``local_shape`` and
+    ``dtype`` given), as the real ``DistTensor`` takes; None: the side this rank takes no
+    part in. A raw pointer is read when the reshard runs, as the real one is on the GPU."""
+
     def __init__(self, buffer: Any, local_shape: tuple[int, ...], dtype: Any, *, mesh: Mesh,
                  placements: tuple[Any, ...]) -> None:
-        if buffer is not None:
+        if isinstance(buffer, int):
+            assert buffer > 0, f"raw pointer {buffer}"
+        elif buffer is not None:
             assert buffer.is_contiguous(), "M2N buffers must be contiguous"
             assert tuple(buffer.shape) == tuple(local_shape), (buffer.shape, local_shape)
             assert buffer.dtype == dtype, (buffer.dtype, dtype)
@@ -253,6 +260,16 @@ class DistTensor:
 
     def key(self) -> tuple[Any, ...]:
         return (self.local_shape, str(self.dtype), self.mesh.key(), self.placements)
+
+    def tensor(self) -> torch.Tensor:
+        """The buffer as a CPU tensor of ``local_shape`` (a raw pointer: the memory there)."""
+        if not isinstance(self.buffer, int):
+            return self.buffer
+        nbytes = self.dtype.itemsize
+        for n in self.local_shape:
+            nbytes *= n
+        raw = (ctypes.c_char * nbytes).from_address(self.buffer)
+        return torch.frombuffer(raw, dtype=torch.uint8).view(self.dtype).view(self.local_shape)
 
 
 def _box(global_shape: tuple[int, ...], d: DistTensor, rank: int) -> tuple[slice, ...]:
@@ -295,7 +312,7 @@ def _reshard_now(comm: Comm, src: DistTensor, dst: DistTensor) -> None:
             raise FakeNcclError(f"rank {comm.rank}: reshard #{seq} metadata {meta} differs "
                                 f"from another rank's {slot.meta} (real M2N would hang)")
         if in_src:
-            slot.srcs[comm.rank] = src.buffer.clone()
+            slot.srcs[comm.rank] = src.tensor().clone()
             slot.cond.notify_all()
         if in_dst:
             gshape = _global_shape(src)
@@ -311,7 +328,7 @@ def _reshard_now(comm: Comm, src: DistTensor, dst: DistTensor) -> None:
             full = torch.empty(gshape, dtype=src.dtype)
             for r, buf in slot.srcs.items():
                 full[_box(gshape, src, r)] = buf
-            dst.buffer.copy_(full[_box(gshape, dst, comm.rank)])
+            dst.tensor().copy_(full[_box(gshape, dst, comm.rank)])
 
 
 class Handle:

@@ -65,6 +65,15 @@ async def test_follows_tensors_swapped_between_rounds(fake_world: fake_nccl.Fake
     await _run(lane, "swap", layout)
 
 
+@pytest.mark.asyncio
+@pytest.mark.parametrize("layout", ["2+2", "2+3"])
+@pytest.mark.parametrize("lane", LANES)
+async def test_holds_no_storage_between_rounds(fake_world: fake_nccl.FakeWorld, lane: str,
+                                               layout: str) -> None:
+    await _run(lane, "let_go", layout)
+
+
 def test_every_check_runs_here() -> None:
     # a check added to the suite needs its test above (and in tests/gpu)
-    assert set(conformance.CHECKS) == {"bit_exact", "abort", "close", "reuse", "grad", "swap"}
+    assert set(conformance.CHECKS) == {"bit_exact", "abort", "close", "reuse", "grad", "swap",
+                                    "let_go"}

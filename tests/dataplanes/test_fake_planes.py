@@ -250,10 +250,12 @@ async def test_abort_wakes_a_rank_waiting_on_a_silent_peer(fake_world, name):
     assert all(res.transport.aborted for res in results if res.rank >= 2)
 
 
-async def test_m2n_reuses_descriptors_only_of_tensors_the_caller_keeps(fake_world):
+async def test_m2n_reuses_descriptors_by_address_and_holds_no_tensor(fake_world):
     # Building DistTensor descriptors costs as much as a small reshard between GPUs, so the
-    # m2n transport reuses them across rounds, but it must never hold on to a tensor the
-    # caller dropped (a lazy cast per round) nor use a stale storage pointer.
+    # m2n transport reuses them across rounds while the buffer is at the same address. A
+    # descriptor describes the address (a raw pointer), so it holds no tensor: the lane
+    # never keeps one the caller dropped (a lazy cast per round), and never uses a stale
+    # address.
     import gc
     import weakref
 
@@ -270,6 +272,10 @@ async def test_m2n_reuses_descriptors_only_of_tensors_the_caller_keeps(fake_worl
             for k, v in expected(plan, rank, rnd).items():
                 assert torch.equal(mine[k].view(torch.uint8), v.view(torch.uint8)), (rank, k)
 
+    def described(t: Transport) -> dict[int, Any]:
+        assert all(type(d.buffer) is int and d.buffer == ptr for ptr, d in t._own_side.values())
+        return {i: d for i, (_, d) in t._own_side.items()}
+
     async def body(rank: int, t: Transport) -> None:
         trainer = rank < plan.trainer_ranks
         mine = sources(plan, rank, 0) if trainer else targets(plan, rank)
@@ -279,12 +285,11 @@ async def test_m2n_reuses_descriptors_only_of_tensors_the_caller_keeps(fake_worl
                 for k, v in sources(plan, rank, rnd).items():
                     mine[k].copy_(v)  # new weights in place: the same tensor objects
             await round_(t, rank, rnd, mine)
-            kept.append({i: e[2] for i, e in t._own_side.items()})
-        # seen once after round 0, kept from round 1 on, the same descriptors since
-        assert kept[0] == {}
-        assert sorted(kept[1]) == [0, 1]
-        assert all(kept[r][i] is kept[1][i] for r in (2, 3) for i in (0, 1))
-        # new storage behind the same tensor object: the old descriptor is not used again
+            kept.append(described(t))
+        # built in round 0, the same descriptors since
+        assert sorted(kept[0]) == [0, 1]
+        assert all(kept[r][i] is kept[0][i] for r in (1, 2, 3) for i in (0, 1))
+        # new storage behind the same tensor objects: the old descriptors are not used again
         if trainer:
             for k, v in sources(plan, rank, 4).items():
                 mine[k].data = v.clone()
@@ -292,7 +297,9 @@ async def test_m2n_reuses_descriptors_only_of_tensors_the_caller_keeps(fake_worl
             for k in names:
                 mine[k].data = torch.zeros_like(mine[k])
         await round_(t, rank, 4, mine)
-        assert t._own_side == {}
+        now = described(t)
+        assert all(now[i] is not kept[0][i] for i in (0, 1))
+        assert [now[i].buffer for i in (0, 1)] == [mine[n].data_ptr() for n in names]
         # a fresh tensor every round (a lazy cast) is never retained
         refs = []
         for rnd in range(5, 8):
@@ -302,7 +309,7 @@ async def test_m2n_reuses_descriptors_only_of_tensors_the_caller_keeps(fake_worl
             del fresh
             gc.collect()
             assert all(r() is None for rs in refs for r in rs), (rank, rnd)
-            assert t._own_side == {}
+            described(t)
 
     results = await run_world("m2n", plan, body=body)
     raise_first(results)
