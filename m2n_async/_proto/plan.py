@@ -37,6 +37,7 @@ different ranks, which layouts covering the whole mesh rarely do.
 from __future__ import annotations
 
 import hashlib
+from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from typing import Final, NamedTuple, Protocol
 
@@ -161,6 +162,61 @@ def _intersect(a: Box, b: Box) -> Box | None:
     return tuple(out)
 
 
+class _BoxIndex:
+    """The shard boxes of one layout, indexed so that the boxes meeting a given box are found
+    without testing every one: testing all pairs costs ``S * D`` intersections per geometry,
+    ~3 s at 2048 x 1536 shards on a CPU core, while aligned layouts meet in ``~S + D`` pairs.
+
+    Along each dim the distinct intervals of an even split are disjoint and sorted, so the
+    ones meeting ``[lo, hi)`` are one run, found by bisection; the boxes on the dim whose run
+    holds the fewest are the candidates, tested in full by the caller. Boxes whose intervals
+    along some dim overlap without being equal (no layout here makes them) are not indexed:
+    every box is a candidate then. Candidates come in ascending box order, as the all-pairs
+    loop would take them (the water-fill depends on that order)."""
+
+    __slots__ = ("_dims", "_n")
+
+    def __init__(self, boxes: Sequence[Box]) -> None:
+        self._n = len(boxes)
+        #: per dim: the distinct intervals' starts and ends, sorted, and for each run of
+        #: them, through prefix counts, how many boxes it holds; None: not indexed
+        self._dims: list[tuple[list[int], list[int], list[list[int]], list[int]]] | None = []
+        ndim = len(boxes[0]) if boxes else 0
+        for d in range(ndim):
+            groups: dict[tuple[int, int], list[int]] = {}
+            for j, box in enumerate(boxes):
+                groups.setdefault(box[d], []).append(j)
+            ivs = sorted(groups)
+            if any(ivs[i][1] > ivs[i + 1][0] for i in range(len(ivs) - 1)):
+                self._dims = None
+                return
+            members = [groups[iv] for iv in ivs]
+            counts = [0]
+            for m in members:
+                counts.append(counts[-1] + len(m))
+            self._dims.append(([lo for lo, _ in ivs], [hi for _, hi in ivs], members, counts))
+
+    def meeting(self, box: Box) -> Sequence[int]:
+        """The indices of the boxes that may meet ``box``, ascending (a superset)."""
+        if not self._dims:
+            return range(self._n)
+        best: tuple[int, int, int, int] | None = None
+        for d, (starts, ends, _, counts) in enumerate(self._dims):
+            lo, hi = box[d]
+            a = bisect_left(ends, lo + 1)  # the first interval ending after lo
+            b = bisect_left(starts, hi)  # the intervals from b on start at or after hi
+            if a >= b:
+                return ()
+            if best is None or counts[b] - counts[a] < best[0]:
+                best = (counts[b] - counts[a], d, a, b)
+        assert best is not None
+        _, d, a, b = best
+        members = self._dims[d][2]
+        if b - a == 1:
+            return members[a]  # one interval: its boxes, ascending as grouped
+        return sorted(j for i in range(a, b) for j in members[i])
+
+
 def _waterfill(needs: list[_Need], replicas: int) -> list[tuple[int, _Need]]:
     """Assign the needs of one source shard to replica slots ``0..replicas-1``.
 
@@ -232,10 +288,11 @@ class _Geometry:
         # pieces per source shard as (slot, need); slot indexes the shard's replica tuple
         self.slot_pieces: list[list[tuple[int, _Need]]] = []
         self.recv: dict[int, int] = {}
+        index = _BoxIndex(d_boxes)
         for k, sbox in enumerate(s_boxes):
             needs: list[_Need] = []
-            for j, dbox in enumerate(d_boxes):
-                ov = _intersect(sbox, dbox)
+            for j in index.meeting(sbox):
+                ov = _intersect(sbox, d_boxes[j])
                 if ov is None:
                     continue
                 fan_in[j] += 1

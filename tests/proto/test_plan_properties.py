@@ -336,3 +336,40 @@ def test_cuts_never_leave_pieces_below_the_floor(replicas: int, workers: int, ro
     quota = max(-(-whole * workers // replicas), floor)
     assert sum(loads) == whole * workers
     assert max(loads) <= quota + max(2 * floor, whole // max(shape))
+
+
+@SETTINGS
+@given(plans(max_params=4))
+def test_the_box_index_finds_what_testing_every_pair_finds(plan: TransferPlan) -> None:
+    # The geometry looks up the destination shards a source shard meets through an index
+    # (``_BoxIndex``); every pair tested in ascending order must give the same geometry,
+    # water-fill included (it depends on the order of the needs).
+    for pt in plan.params:
+        shape, item = pt.spec.shape, pt.spec.itemsize
+        d_boxes = [pt.dst.shard_box(shape, j) for j in range(pt.dst.num_shards)]
+        index = plan_mod._BoxIndex(d_boxes)
+        for k in range(pt.src.num_shards):
+            sbox = pt.src.shard_box(shape, k)
+            found = list(index.meeting(sbox))
+            meets = [j for j, b in enumerate(d_boxes) if plan_mod._intersect(sbox, b)]
+            assert found == sorted(found) and set(meets) <= set(found), (sbox, found, meets)
+        fast = plan_mod._Geometry(shape, item, pt.src, pt.dst)
+        with mock.patch.object(plan_mod._BoxIndex, "meeting",
+                               lambda self, box: range(self._n)):
+            every = plan_mod._Geometry(shape, item, pt.src, pt.dst)
+        assert (fast.slot_pieces, fast.fan_in, fast.fan_out, fast.recv) == (
+            every.slot_pieces, every.fan_in, every.fan_out, every.recv)
+
+
+def test_the_box_index_narrows_aligned_and_staggered_shards() -> None:
+    # 12 source slabs against 8 destination slabs of one dim: each source slab meets one or
+    # two destination slabs, and only those are candidates; across dims, every one is.
+    rows = 96
+    src = Layout(Mesh((12, 1), 0), (0, REPLICATE))
+    dst = Layout(Mesh((8, 1), 12), (0, REPLICATE))
+    index = plan_mod._BoxIndex([dst.shard_box((rows, 4), j) for j in range(8)])
+    assert [list(index.meeting(src.shard_box((rows, 4), k))) for k in range(12)] == [
+        [0], [0, 1], [1], [2], [2, 3], [3], [4], [4, 5], [5], [6], [6, 7], [7]]
+    cross = Layout(Mesh((8, 1), 12), (1, REPLICATE))
+    index = plan_mod._BoxIndex([cross.shard_box((rows, 8), j) for j in range(8)])
+    assert list(index.meeting(src.shard_box((rows, 8), 3))) == list(range(8))
