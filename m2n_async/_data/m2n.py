@@ -932,6 +932,16 @@ class M2NTransport(GpuTransportBase):
 
     def _own_side_of(self, call: _Call, buf: Any, trainer: bool) -> Any:
         key = call.key
+        p = call.geo
+        shape = p.src_shape if trainer else p.dst_shape
+        # The descriptor names an address only, and M2N reads or writes ``shape`` elements
+        # of ``p.dtype`` there: a buffer of another size or kind (a bug here, never the
+        # caller's: the sources and targets were checked) would be overrun, not refused.
+        if buf.dtype != p.dtype or buf.shape != shape or not buf.is_contiguous():
+            raise LocalProtocolError(
+                f"m2n: the buffer of reshard {call.label} is {buf.dtype} {tuple(buf.shape)}"
+                f"{'' if buf.is_contiguous() else ', not contiguous'}, where the reshard "
+                f"moves {p.dtype} {shape}")
         ptr = buf.data_ptr()
         hit = self._own_side.get(key)
         if hit is not None and hit[0] == ptr:

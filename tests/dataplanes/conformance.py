@@ -304,10 +304,10 @@ def _swap_all(tensors: Mapping[str, torch.Tensor], fresh: Mapping[str, torch.Ten
 
 async def follows_tensors_swapped_between_rounds(rank: int, t: Transport) -> None:
     """Sources and targets (parameters requiring grad where floating, as a module's) are
-    swapped with ``torch.utils.swap_tensors`` for tensors of new storage after round 0 (what
-    a lane remembers of a tensor seen once) and again after round 2 (what it caches of
-    tensors seen in consecutive rounds). A lane that keeps a weak reference to one, or a
-    view that has one as its base, makes the swap raise. The rounds after a swap read and
+    swapped with ``torch.utils.swap_tensors`` for tensors of new storage after round 0 and
+    again after round 2, with what a lane builds from them in one round, or caches over
+    consecutive ones, in place. A lane that keeps a weak reference to one, or a view that
+    has one as its base, makes the swap raise. The rounds after a swap read and
     write the new storage, and a worker's swapped-out storage is not written again."""
     swaps = (0, 2)  # after these rounds
     if rank < t.ctx.trainer_ranks:

@@ -637,3 +637,27 @@ async def test_nccl_copy_forms_are_the_copies_the_round_launches(fake_world, mon
         assert launched, r  # the plan really makes kernel-sized copies
         assert len(forms) == len(set(forms))
         assert set(forms) == launched, (r, set(forms) ^ launched)
+
+
+async def test_m2n_refuses_a_buffer_its_descriptor_does_not_describe(fake_world):
+    # Own-side descriptors name an address only: a buffer of another size, dtype or layout
+    # than the reshard moves would be overrun by M2N, so the lane refuses it by name.
+    from m2n_async._proto.errors import LocalProtocolError
+
+    plan = make_plan([("w", (32, 16), torch.bfloat16, (R, 0), (R, 1))], (1, 2), (1, 2))
+
+    async def body(rank: int, t: Transport) -> None:
+        trainer = rank < plan.trainer_ranks
+        mine = sources(plan, rank, 0) if trainer else targets(plan, rank)
+        await drive(t, round=0, deadline=time.monotonic() + 30,
+                    sources=mine if trainer else None, sinks=None if trainer else mine,
+                    max_inflight=2)
+        (call,) = t._calls[0]
+        good = mine["w"]
+        assert t._own_side_of(call, good, trainer) is t._own_side[call.key][1]
+        for bad in (good.float(), good[:1].clone(), good.t().contiguous().t(),
+                    torch.zeros(good.numel() + 1, dtype=good.dtype)):
+            with pytest.raises(LocalProtocolError, match="the buffer of reshard 'w' is"):
+                t._own_side_of(call, bad, trainer)
+
+    raise_first(await run_world("m2n", plan, body=body))

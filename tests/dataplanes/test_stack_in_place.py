@@ -382,7 +382,7 @@ async def test_a_stack_with_one_load_callback_is_scattered(fake_world: Any) -> N
 async def test_tensors_the_lane_has_seen_stay_swappable(fake_world: Any) -> None:
     # Rounds 0-1: the same sources and targets (the stack's members back to back in one
     # buffer, the norms their own tensors), so after round 1 the lane reuses their
-    # descriptors and keeps the stack's view. Before round 2 every one of them is swapped
+    # descriptors and skips the stack's full check. Before round 2 every one of them is swapped
     # with ``torch.utils.swap_tensors`` (what ``Module.to`` does under swap-on-conversion):
     # that refuses a tensor with a weak reference, or one that a view keeps as its base, so
     # the lane must hold neither. Rounds 2-3 follow the swapped tensors, bit-exact: each

@@ -351,7 +351,8 @@ def test_the_box_index_finds_what_testing_every_pair_finds(plan: TransferPlan) -
         for k in range(pt.src.num_shards):
             sbox = pt.src.shard_box(shape, k)
             found = list(index.meeting(sbox))
-            meets = [j for j, b in enumerate(d_boxes) if plan_mod._intersect(sbox, b)]
+            meets = [j for j, b in enumerate(d_boxes)
+                     if plan_mod._intersect(sbox, b) is not None]
             assert found == sorted(found) and set(meets) <= set(found), (sbox, found, meets)
         fast = plan_mod._Geometry(shape, item, pt.src, pt.dst)
         with mock.patch.object(plan_mod._BoxIndex, "meeting",
