@@ -312,9 +312,10 @@ async def test_targets_given_own_storage_at_the_same_addresses(fake_world: Any) 
         assert [st.in_place_stacks for st in kept[rank][:-1]] == [1, 0], rank
 
 
-async def test_a_kept_view_is_let_go_when_the_sources_need_a_cast(fake_world: Any) -> None:
-    # rounds 0-2: bf16 sources in one buffer (the view is kept from round 1); round 3: fp32
-    # masters, packed with the cast. The view over the bf16 buffer must not be held on.
+async def test_a_span_is_forgotten_when_the_sources_need_a_cast(fake_world: Any) -> None:
+    # rounds 0-2: bf16 sources in one buffer, sent in place (the span checked in full once);
+    # round 3: fp32 masters, packed with the cast. Nothing of the bf16 buffer's stays
+    # recorded: a later round over it is checked in full again.
     bufs: dict[int, dict[str, torch.Tensor]] = {}
 
     def src_of(rank: int, rnd: int) -> dict[str, torch.Tensor]:
