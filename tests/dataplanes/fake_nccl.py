@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import os
 import queue
 import sys
@@ -265,9 +266,7 @@ class DistTensor:
         """The buffer as a CPU tensor of ``local_shape`` (a raw pointer: the memory there)."""
         if not isinstance(self.buffer, int):
             return self.buffer
-        nbytes = self.dtype.itemsize
-        for n in self.local_shape:
-            nbytes *= n
+        nbytes = self.dtype.itemsize * math.prod(self.local_shape)
         raw = (ctypes.c_char * nbytes).from_address(self.buffer)
         return torch.frombuffer(raw, dtype=torch.uint8).view(self.dtype).view(self.local_shape)
 

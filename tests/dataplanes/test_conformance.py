@@ -44,33 +44,15 @@ async def test_close_is_idempotent_and_releases(fake_world: fake_nccl.FakeWorld,
 @pytest.mark.asyncio
 @pytest.mark.parametrize("layout", ["2+2", "2+3"])
 @pytest.mark.parametrize("lane", LANES)
-async def test_second_round_reuses_state(fake_world: fake_nccl.FakeWorld, lane: str,
-                                         layout: str) -> None:
-    await _run(lane, "reuse", layout)
-
-
-@pytest.mark.asyncio
-@pytest.mark.parametrize("layout", ["2+2", "2+3"])
-@pytest.mark.parametrize("lane", LANES)
-async def test_moves_parameters_requiring_grad(fake_world: fake_nccl.FakeWorld, lane: str,
-                                               layout: str) -> None:
-    await _run(lane, "grad", layout)
-
-
-@pytest.mark.asyncio
-@pytest.mark.parametrize("layout", ["2+2", "2+3"])
-@pytest.mark.parametrize("lane", LANES)
-async def test_follows_tensors_swapped_between_rounds(fake_world: fake_nccl.FakeWorld,
-                                                      lane: str, layout: str) -> None:
-    await _run(lane, "swap", layout)
-
-
-@pytest.mark.asyncio
-@pytest.mark.parametrize("layout", ["2+2", "2+3"])
-@pytest.mark.parametrize("lane", LANES)
-async def test_holds_no_storage_between_rounds(fake_world: fake_nccl.FakeWorld, lane: str,
-                                               layout: str) -> None:
-    await _run(lane, "let_go", layout)
+@pytest.mark.parametrize("check", [
+    "reuse",   # later rounds reuse cached state only where it still holds
+    "grad",    # parameters requiring grad move like plain tensors
+    "swap",    # tensors swapped by swap_tensors between rounds are followed
+    "let_go",  # storage given up between rounds is not held
+])
+async def test_across_rounds(fake_world: fake_nccl.FakeWorld, check: str, lane: str,
+                             layout: str) -> None:
+    await _run(lane, check, layout)
 
 
 def test_every_check_runs_here() -> None:
