@@ -339,6 +339,7 @@ async def follows_tensors_swapped_between_rounds(rank: int, t: Transport) -> Non
         assert not stale, (f"{t.name} rank {rank}: round {rnd} wrote the swapped-out "
                            f"storage of {stale}")
 
+
 def _let_go(tensors: Mapping[str, torch.Tensor]) -> list[Any]:
     """Give every tensor of ``tensors`` storage of its own through ``.data`` (weights
     offloaded between rounds and brought back, the caller's old memory freed); returned:
@@ -384,6 +385,7 @@ async def holds_no_storage_between_rounds(rank: int, t: Transport) -> None:
         if not trainer:
             _check_landed(t, mine, rnd, f"round {rnd}")
     assert not held(), f"{t.name} rank {rank}: storage held after the next round: {held()}"
+
 
 CHECKS: dict[str, Check] = {
     "bit_exact": moves_bytes_bit_exact,
