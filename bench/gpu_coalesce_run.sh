@@ -12,7 +12,8 @@
 # -thread or -process (dense-thread, moe-process) hosts the store on a thread of trainer rank 0
 # or in a process of its own instead of rank 0's event loop (--store). ITERS=N times each
 # model step's fast paths N times (--iters; the bench's default, 5, otherwise): the medians of
-# more rounds narrow the ratios' run-to-run spread at a few seconds a step.
+# more rounds narrow the ratios' run-to-run spread at a few seconds a step. SETTLE=F passes
+# --settle F (how long a rank waits after each timed call, times that call; 0: not at all).
 set -u
 OUT=${OUT:-/tmp/m2n-gpu-out}
 mkdir -p "$OUT"
@@ -43,6 +44,7 @@ for s in "${steps[@]}"; do
     extra=()
     [ -n "${API_MARKS:-}" ] && extra=(--api-marks "$OUT/api-marks-$s")
     [ -n "${ITERS:-}" ] && extra+=(--iters "$ITERS")
+    [ -n "${SETTLE:-}" ] && extra+=(--settle "$SETTLE")
     case $s in
         moe|mixed|dense|large)
             run_step "$s" "$PY" bench/gpu_sync_bench.py --model "$s" --timeout 420 --out "$JSON" \

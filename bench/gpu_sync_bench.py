@@ -61,6 +61,7 @@ default to 256 MiB (the GPU lanes' default ``bucket_bytes``).
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import os
@@ -101,6 +102,8 @@ def _max_call_bytes() -> int:
 MAX_CALL_BYTES = _max_call_bytes()
 
 #: Per-rank sizes of the threshold sweep (bytes).
+#: The longest a rank waits after a timed call before the next barrier (``--settle``).
+SETTLE_MAX_S = 0.25
 THRESHOLD_SIZES = tuple(64 << 10 << (2 * k) for k in range(6))  # 64 KiB .. 64 MiB
 
 
@@ -388,6 +391,7 @@ class _Sections:
 
 
 async def bench_rank(ctx: _world.RankCtx) -> dict[str, Any]:
+    import anyio
     import torch
 
     case = ctx.case
@@ -396,6 +400,7 @@ async def bench_rank(ctx: _world.RankCtx) -> dict[str, Any]:
     trainer = ctx.rank < t_ranks
     dev = ctx.device
     iters, slow = case["iters"], case["slow_iters"]
+    settle = float(case.get("settle", 0.0))
     below = case["coalesce_below"]
     deadline = float(case["round_deadline"])
     sources = _world.source_shards(plan, ctx.rank, 0, dev) if trainer else None
@@ -453,7 +458,14 @@ async def bench_rank(ctx: _world.RankCtx) -> dict[str, Any]:
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 await fn()
-                times[name].append(time.perf_counter() - t0)
+                elapsed = time.perf_counter() - t0
+                times[name].append(elapsed)
+                if settle:
+                    # a rank done early would otherwise send its next barrier to the store
+                    # while the slowest rank still finishes: in rank 0's loop, serving it
+                    # delays rank 0's own completion hand-off, and only on paths whose end
+                    # goes through the loop (the lane's) -- not a cost of the path timed
+                    await anyio.sleep(min(SETTLE_MAX_S, settle * elapsed))
         for name, ts in times.items():
             out[name] = ts[1:]
             out.setdefault("first_s", {})[name] = ts[0]  # dropped above: warm-up, compiles
@@ -1272,10 +1284,13 @@ def summarize(run: dict[str, Any], trainer_ranks: int = 2,
     for name in names:
         n = min(len(v[name]) for v in res.values())
         per_iter = [max(v[name][i] for v in res.values()) for i in range(n)]
+        slowest = [max(res, key=lambda r, i=i: res[r][name][i]) for i in range(n)]
         med = statistics.median(per_iter)
         summary[name] = {"median_s": round(med, 6), "GBps": round(nbytes / med / 1e9, 2),
                          "GBps_per_receiving_gpu": round(max(gpu_in.values()) / med / 1e9, 2),
-                         "all_s": [round(x, 6) for x in per_iter]}
+                         "all_s": [round(x, 6) for x in per_iter],
+                         # which rank bounded each iteration (rank 0 serves the store)
+                         "slowest_rank": dict(sorted(collections.Counter(slowest).items()))}
         if split:
             summary[name][f"efficiency_vs_{link_gbps:g}GBps"] = round(bound_s / med, 3)
     s = {k: v["median_s"] for k, v in summary.items()}
@@ -1449,6 +1464,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sources and targets as views of one buffer per rank, each stack's "
                          "members back to back (a flat parameter buffer): the m2n lane "
                          "reshards those stacks in place")
+    ap.add_argument("--settle", type=float, default=1.0, metavar="F",
+                    help="after each timed call a rank waits F times what it took (at most "
+                         f"{SETTLE_MAX_S} s) before the next barrier, so no rank's barrier "
+                         "request reaches the store while another still finishes its call; "
+                         "0: the next barrier at once (the bench before this option)")
     ap.add_argument("--store", choices=("rank0", "thread", "process"), default="rank0",
                     help="where the store runs: trainer rank 0's event loop (default, a job "
                          "serving it from its training loop), a thread of rank 0 "
@@ -1501,7 +1521,7 @@ def build_case(args: argparse.Namespace) -> dict[str, Any]:
     return {"model": args.model, "iters": args.iters, "slow_iters": args.slow_iters,
             "bucket_bytes": args.bucket_bytes, "max_inflight": args.max_inflight,
             "max_cta": args.max_cta, "diagnose": args.diagnose, "one_buffer": args.one_buffer,
-            "store": args.store,
+            "store": args.store, "settle": args.settle,
             "coalesce_below": (COALESCE_BELOW_BYTES if args.coalesce_below is None
                                else args.coalesce_below),
             "round_deadline": args.round_deadline, "timeline": bool(args.timeline),
