@@ -42,6 +42,8 @@ def test_two_plus_two_on_separate_gpus(bench) -> None:
     assert s["bytes_received_by_workers"] == 4 * gib
     # per iteration the slowest rank counts: raw is [0.02, 0.012, 0.01, 0.03] -> median 0.016
     assert s["raw"]["median_s"] == pytest.approx(0.016)
+    # the rank that bounded each iteration (ties: the lowest rank): the worker once
+    assert s["raw"]["slowest_rank"] == {0: 3, 2: 1}
     assert s["raw"]["GBps_per_receiving_gpu"] == pytest.approx(2 * gib / 0.016 / 1e9, rel=1e-3)
     bound = 2 * gib / 370e9
     assert s["gpus"]["lower_bound_s"] == pytest.approx(bound, rel=1e-4)
