@@ -459,6 +459,13 @@ def _staging_need(bp: BucketPacking, direct: Callable[[Message], bool]) -> int:
     return sum(m.nbytes for p in bp.peers for m in p.messages if not direct(m))
 
 
+def _drop_issued(call: NativeCall[list[tuple[Any, int]]]) -> None:
+    """Done callback of a bucket's issue call whose wait failed before it took the ops:
+    empty the list of ops the call returned (``GlooTransport._wait_bucket``)."""
+    if call.exception() is None:
+        call.result().clear()
+
+
 class GlooTransport(Transport):
     """CPU data plane over ``ProcessGroupGloo`` point-to-point (module docstring)."""
 
@@ -1269,10 +1276,18 @@ class GlooTransport(Transport):
     def _wait_bucket(self, staged: GlooStaging, issue: NativeCall[list[tuple[Any, int]]]
                      ) -> None:
         """Wait thread: wait for the bucket's ops in order, each bounded by the deadline."""
-        if not issue.join(self.remaining()):
-            raise TimeoutError(f"gloo: bucket {staged.bucket.index}'s ops were not issued "
-                               f"before the round deadline at {self.ctx.where(round=self.round)}")
-        issued = issue.result()  # re-raises the issue's failure
+        try:
+            if not issue.join(self.remaining()):  # remaining() raises once the deadline passed
+                raise TimeoutError(f"gloo: bucket {staged.bucket.index}'s ops were not issued "
+                                   f"before the round deadline at "
+                                   f"{self.ctx.where(round=self.round)}")
+            issued = issue.result()  # re-raises the issue's failure
+        except BaseException:
+            # The ops, once issued, are the issue call's result and hold the Gloo context;
+            # a failure's traceback keeps this frame and so the call: empty the list when
+            # the call ends (at once if it has), or ``close`` would not free the group.
+            issue.add_done_callback(_drop_issued)
+            raise
         # A pair's messages complete in order (one TCP stream, matched in order per tag), so
         # wait for each peer's LAST message first: one blocking wait (one wake-up of this
         # thread) per peer instead of one per message; the earlier waits then return at once
