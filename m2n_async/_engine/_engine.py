@@ -70,6 +70,7 @@ from m2n_async._engine._sources import (
     _Expect,
     _source_expectations,
     _Sources,
+    is_async_callable,
 )
 from m2n_async._engine._targets import TargetCheck, check_targets, target_expectations
 from m2n_async._proto.cost import COSTS_ENV, DEFAULT_LANES, cost_inputs, parse_costs
@@ -897,7 +898,9 @@ class TrainerEngine(_Engine):
         ``sync_weights(model, version=step)``, so versions keep increasing across
         reconnects.
         ``timeout`` (rank 0): the round deadline for every rank (default
-        ``config.round_timeout``). ``progress(bytes_done, bytes_total)`` after each bucket.
+        ``config.round_timeout``). ``progress(bytes_done, bytes_total)`` after each bucket,
+        on the event loop: a plain function (an ``async def`` raises ``LocalProtocolError``
+        at once, as in ``receive``).
         A ``KeyboardInterrupt`` or ``SystemExit`` raised by ``progress`` or by a lazy source
         fails the round as its error would (``TransferError`` on every rank, naming this
         rank, ``cause="error"``; the engine POISONED), and this call then raises that
@@ -1262,7 +1265,8 @@ class WorkerEngine(_Engine):
         zero bound would time out even when the round has already started, so poll with a
         short timeout instead.
         ``progress(bytes_done, bytes_total)`` after each bucket (one that is neither None nor
-        callable raises ``LocalProtocolError`` at once, as such a timeout; a
+        a plain callable — an ``async def`` is never awaited — raises ``LocalProtocolError``
+        at once, as such a timeout; a
         ``KeyboardInterrupt`` or ``SystemExit`` raised by it or by a load callback: as in
         ``sync_weights``). Returns the ``SyncResult`` once every rank reported success; the
         version advances only then. Raises the same ``TransferError`` as every other rank
@@ -1449,6 +1453,10 @@ def _check_progress(progress: object, what: str) -> None:
     if progress is not None and not callable(progress):
         raise LocalProtocolError(f"{what}: progress must be a callable(bytes_done, "
                                  f"bytes_total) or None, got {type(progress).__name__}")
+    if is_async_callable(progress):  # called on the loop between buckets, never awaited
+        raise LocalProtocolError(f"{what}: progress must be a plain function, got an async "
+                                 f"one ({progress!r}): the engine calls it after each bucket "
+                                 f"without awaiting it, so its body would never run")
 
 
 def _sink_map(targets: Mapping[str, Any], interrupts: Interrupts) -> SinkMap:

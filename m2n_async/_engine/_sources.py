@@ -67,6 +67,7 @@ guard, and every round runs the fast pass as before.
 from __future__ import annotations
 
 import functools
+import inspect
 import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import repeat
@@ -124,6 +125,24 @@ class CallbackInterrupted(Exception):
         return f"{type(self).__name__}({str(self)!r})"
 
 
+def is_async_callable(fn: object) -> bool:
+    """Whether calling ``fn`` returns a coroutine: an ``async def`` (also behind
+    ``functools.partial``) or an object whose ``__call__`` is one."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
+def refuse_awaitable(got: Any, where: str) -> None:
+    """Raise the ``TypeError`` for callback ``where`` that returned the awaitable ``got``
+    (an async callback whose body has not run), closing a coroutine first so that it is not
+    reported again as never awaited."""
+    close = getattr(got, "close", None)
+    if inspect.iscoroutine(got) and close is not None:
+        close()
+    raise TypeError(f"{where} returned {type(got).__name__}, an awaitable: the engine calls it "
+                    f"and does not await it, so its body never ran. Use a plain function "
+                    f"that does its work before it returns")
+
+
 class Interrupts:
     """One engine's record of the first interrupt its callbacks raised in a round, for the
     call to raise once the round failed. Kept here, not looked for in the round error's
@@ -139,11 +158,14 @@ class Interrupts:
 
         def call(*args: Any) -> Any:
             try:
-                return fn(*args)
+                got = fn(*args)
             except Exception:
                 raise
             except BaseException as exc:
                 raise self.interrupted(where, exc) from exc
+            if inspect.isawaitable(got):  # an async callback: its work would never run
+                refuse_awaitable(got, where)
+            return got
 
         return call
 

@@ -26,6 +26,7 @@ tensor into per-part targets: contiguous slices are written in place, others are
 from __future__ import annotations
 
 import fnmatch
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -68,7 +69,9 @@ class LoadTarget:
     tensor is valid only during the call (the staging is reused), so ``load`` copies what it
     needs before returning. Callbacks run one at a time, in plan order, once the bucket's
     bytes have arrived — on the transport's unpack thread (CPU) or after the unpack stream
-    synchronized (CUDA) — so ``load`` must not touch the event loop.
+    synchronized (CUDA) — so ``load`` must not touch the event loop. It is a plain
+    function: an ``async def`` is refused here (``PlanError``), and an awaitable returned
+    by ``load`` fails the round naming the parameter, since nothing would await it.
 
     Quacks like a tensor for plan validation (``shape``, ``dtype``, ``device``,
     ``is_contiguous()``), so the engine checks it against the plan like any target.
@@ -84,6 +87,12 @@ class LoadTarget:
         object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
         if not callable(self.load):
             raise PlanError(f"LoadTarget.load must be callable, got {type(self.load).__name__}")
+        if inspect.iscoroutinefunction(self.load) or inspect.iscoroutinefunction(
+                type(self.load).__call__):
+            # called on a thread and never awaited: the copy would never happen
+            raise PlanError(f"LoadTarget.load must be a plain function, got an async one "
+                            f"({self.load!r}): it is called on the transport's thread, off "
+                            f"the event loop, and must copy before it returns")
 
     def is_contiguous(self) -> bool:
         """Always true: the engine stages the received shard contiguously."""

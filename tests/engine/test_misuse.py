@@ -10,8 +10,10 @@ only look iterable (a str, a bare tensor) are refused before the round.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -24,6 +26,7 @@ from m2n_async import (
     EngineState,
     LoadTarget,
     LocalProtocolError,
+    PlanError,
     TrainerEngine,
     TransferError,
     WorkerEngine,
@@ -106,6 +109,72 @@ async def test_system_exit_in_a_load_callback_fails_the_round_at_once() -> None:
         _failed_for(got_t, 1, f"load callback for parameter {spec.name!r}")
         assert seen == [spec.name]
         assert t.state is w.state is EngineState.POISONED
+    finally:
+        await _close(t, w)
+
+
+async def _load_async(name: str, tensor: torch.Tensor) -> None:  # never awaited
+    raise AssertionError("an async load callback's body ran")
+
+
+class _AsyncCall:
+    async def __call__(self, *args: Any) -> None:
+        raise AssertionError("an async __call__ ran")
+
+
+@pytest.mark.parametrize("load", [_load_async, _AsyncCall(),
+                                  functools.partial(_load_async, "bound")],
+                         ids=["async-def", "async-call", "partial"])
+def test_an_async_load_callback_is_refused_when_declared(load: Any) -> None:
+    # called on a thread and never awaited, its copy would never happen while the round
+    # committed a version
+    with pytest.raises(PlanError, match=r"LoadTarget\.load must be a plain function"):
+        LoadTarget((4,), torch.float32, None, load)
+
+
+@pytest.mark.asyncio
+async def test_a_load_callback_that_returns_an_awaitable_fails_the_round() -> None:
+    # a plain function handing back a coroutine (``lambda n, t: copy_async(n, t)``) passes
+    # the declaration; what it returns fails the round naming the parameter, instead of a
+    # version committed with the target never written
+    spec = PLAN.params[0].spec
+
+    def load(name: str, tensor: torch.Tensor) -> Any:
+        return _load_async(name, tensor)
+
+    targets = {1: {p.spec.name: LoadTarget(p.dst.local_shape(p.spec.shape, 1),
+                                           getattr(torch, p.spec.dtype), p.dst.placements,
+                                           load)
+                   for p in PLAN.params}}
+    (t,), (w,) = await _connect_all(MemoryStore(), PLAN, targets=targets)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the coroutine is closed, not left unawaited
+            got_t, got_w = await _both(t, w,
+                                       lambda e: e.sync_weights(source_shards(PLAN, 0, 1)))
+        for got in (got_t, got_w):
+            _failed_for(got, 1, f"load callback for parameter {spec.name!r}")
+            assert "returned coroutine, an awaitable" in str(got), str(got)
+        assert t.state is w.state is EngineState.POISONED
+    finally:
+        await _close(t, w)
+
+
+@pytest.mark.asyncio
+async def test_an_async_progress_callback_is_refused_at_once() -> None:
+    (t,), (w,) = await _connect_all(MemoryStore(), PLAN)
+
+    async def progress(done: int, total: int) -> None:
+        raise AssertionError("never awaited")
+
+    try:
+        with pytest.raises(LocalProtocolError, match="progress must be a plain function"):
+            await t.sync_weights(source_shards(PLAN, 0, 1), progress=progress)
+        with pytest.raises(LocalProtocolError, match="progress must be a plain function"):
+            await w.receive(progress=progress)
+        assert t.state is w.state is EngineState.READY  # nothing happened
+        got_t, got_w = await _both(t, w, lambda e: e.sync_weights(source_shards(PLAN, 0, 1)))
+        assert got_t.version == got_w.version == 1
     finally:
         await _close(t, w)
 
