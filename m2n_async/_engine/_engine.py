@@ -741,9 +741,18 @@ class _Engine:
                 if self._rounds is not None:
                     # The round's record names this rank before its data plane goes: a peer
                     # whose transfer then fails finds the cause there, and is not blamed.
-                    # (When every rank had reported ok already, the round still commits.)
-                    core = self._rounds.core(self._round + 1)
+                    k = self._round + 1
+                    core = self._rounds.core(k)
                     await self._rounds.post(core, core.closed(self.rank))
+                    # When every rank had reported ok already, the round commits all the
+                    # same: then this rank leaves as after it, cleanly (trainer rank 0 ends
+                    # the job at the next round), not as lost in the next one.
+                    start = await self._rounds.committed_start(k, self.config.abort_grace)
+                    if start is not None:
+                        reason = None
+                        if self._role == "trainer" and self.rank == 0:
+                            await self._rounds.close_job(k + 1, start.version,
+                                                         self.config.round_timeout, error=why)
             await self._release(abort_reason=reason)
             self._state = EngineState.CLOSED
 
@@ -1191,9 +1200,10 @@ class WorkerEngine(_Engine):
         target and vice versa (checked in the handshake). A tensor target holds the wire
         bytes as they are, so it must have the parameter's planned (wire) dtype — the worker
         side never casts; a ``LoadTarget`` whose ``load`` copies into a tensor of another
-        dtype does —, this rank's local shard shape, be contiguous and on the engine's
-        device: one that is not fails the ``runtime_ready`` phase on every rank, one
-        ``PreflightError`` naming this rank, the parameter and what is wrong. Raises as
+        dtype does —, this rank's local shard shape, be contiguous, on the engine's
+        device and share no memory with another parameter's target: one that is not fails
+        the ``runtime_ready`` phase on every rank, one ``PreflightError`` naming this rank,
+        the parameter and what is wrong. Raises as
         ``TrainerEngine.connect``.
 
         Malformed ``targets`` (not a mapping, or a value that is neither ``(tensor,

@@ -778,6 +778,27 @@ class RoundDriver:
             except M2NError as exc:
                 log.debug("round key cleanup failed on rank %d: %r", self.rank, exc)
 
+    async def committed_start(self, round_: int, within: float) -> RoundStart | None:
+        """For a ``close()`` during ``round_``, once it posted its record: the round's start
+        if every rank reports ok within ``within`` seconds — the round commits all the same
+        (no record undoes a set of ok reports), so the closing rank leaves as after it —,
+        else None. The record makes every rank's part end promptly, so the reports come
+        unless a rank is frozen, and then ``within`` bounds the wait.
+
+        Cancellation: the caller shields it (``close``)."""
+        core = self.core(round_)
+        with anyio.move_on_after(within):
+            try:
+                raw = await self.store.gather(core.keys.done_prefix, self.world_size)
+                reports = core.decode_reports(raw)
+                if isinstance(reports, Failure) or core.judge(reports) is not Judgement.COMMIT:
+                    return None
+                start = await self.store.get(core.keys.start)
+                return None if start is None else decode_as(start, RoundStart)
+            except M2NError:  # a store that fails: the round's outcome is not known here
+                return None
+        return None
+
     async def close_job(self, round_: int, version: int, round_timeout: float,
                         error: str | None = None) -> bool:
         """Trainer rank 0 tells the ranks waiting for ``round_`` that it will not come: the

@@ -121,6 +121,43 @@ def check_targets(plan: TransferPlan, declared: Sequence[Any], rank: int, device
             continue
         for p, t in zip(params[a:a + _INLINE_PARAMS], ts, strict=True):
             validate_local_buffer(p, t, rank, "destination", device=device)
+    _check_disjoint(plan, declared)
+
+
+_NBYTES = operator.attrgetter("nbytes")
+
+
+def _check_disjoint(plan: TransferPlan, declared: Sequence[Any]) -> None:
+    """``PlanError`` naming two parameters whose in-place targets share memory (one tensor
+    given twice, or overlapping views): a round would write both parameters' bytes there,
+    the later one winning, and commit. Each target is contiguous (checked before), so its
+    bytes are one range; sorted by start, a range that begins before the previous one ends
+    overlaps it. One sort at connect (10^5 targets: ~0.05 s on the CPU dev box)."""
+    import torch
+
+    idx = [i for i, t in enumerate(declared) if isinstance(t, torch.Tensor)]
+    ts = [declared[i] for i in idx]
+    starts = list(map(torch.Tensor.data_ptr, ts))
+    ends = list(map(operator.add, starts, map(_NBYTES, ts)))
+    # no bytes, no memory to share: an empty shard, a meta tensor (address 0)
+    order = sorted((k for k in range(len(ts)) if starts[k] and ends[k] > starts[k]),
+                   key=starts.__getitem__)
+    if len(order) < 2:
+        return
+    prev = order[0]
+    for k in order[1:]:
+        if starts[k] < ends[prev]:
+            a, b = sorted((idx[prev], idx[k]))
+            same = starts[k] == starts[prev] and ends[k] == ends[prev]
+            raise PlanError(
+                f"the targets of parameters {plan.params[a].spec.name!r} and "
+                f"{plan.params[b].spec.name!r} share memory "
+                f"({'the same bytes' if same else 'overlapping bytes'}): a round "
+                f"would write both parameters' bytes there and commit whichever landed last. "
+                f"Give each parameter a target of its own; a tied weight is one parameter "
+                f"(named_parameters() yields it once): leave its second name out of the plan")
+        if ends[k] > ends[prev]:
+            prev = k
 
 
 #: One chunk: the plan indices of its in-place targets, the tensors, their wire dtypes and

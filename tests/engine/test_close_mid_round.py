@@ -182,6 +182,12 @@ async def test_a_round_that_commits_after_close_leaves_the_engine_closed() -> No
         assert res["state_before_close"] == "updating"
         assert res["state_after_close"] == "closed"
         assert tr.state.value == "closed", (tr.state, res)
+        assert res["trainer"].version == res["worker"].version == 1, res
+        # The round committed, so rank 0 left as after it: the job ended cleanly, and the
+        # worker's next receive says so (not a round 2 failed by rank 0 "lost").
+        with anyio.fail_after(10), pytest.raises(PeerLostError) as lost:
+            await wk.receive()
+        assert "closed" in str(lost.value) and "lost" not in str(lost.value), lost.value
     finally:
         await wk.close()
         await tr.close()

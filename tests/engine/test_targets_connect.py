@@ -192,3 +192,37 @@ def test_same_verdict_as_the_per_target_check_on_any_device(device: str) -> None
             except PlanError as exc:
                 got = str(exc)
             assert got == want, (device, i, how)
+
+
+@pytest.mark.parametrize("how", ["same-tensor", "two-views-of-the-same-bytes",
+                                 "overlapping-views"])
+def test_targets_that_share_memory_are_refused_naming_both(how: str) -> None:
+    # a round would write both parameters' bytes into the shared memory and commit
+    declared = _targets_of(PLAN, RANK)
+    a, b = 3, _INLINE_PARAMS + 1  # the same geometry, in two chunks
+    shape, n = declared[a].shape, declared[a].numel()
+    if how == "same-tensor":
+        declared[b] = declared[a]
+    else:
+        buf = torch.zeros(2 * n, dtype=declared[a].dtype)
+        shift = n // 2 if how == "overlapping-views" else 0
+        declared[a] = buf[:n].view(shape)
+        declared[b] = buf[shift:shift + n].view(shape)
+    assert _per_target(PLAN, declared, RANK) is None  # each target fits on its own
+    got = _fast(PLAN, declared, RANK)
+    assert got is not None and f"'p{a}'" in got and f"'p{b}'" in got, got
+    assert "share memory" in got
+    assert ("the same bytes" in got) == (how != "overlapping-views"), got
+
+
+def test_targets_back_to_back_in_one_buffer_pass() -> None:
+    # views of one flat buffer that do not overlap (a flat parameter buffer) are fine
+    declared = _targets_of(PLAN, RANK)
+    total = sum(t.numel() * t.element_size() for t in declared)
+    buf = torch.zeros(total, dtype=torch.uint8)
+    off = 0
+    for i, t in enumerate(declared):
+        nb = t.numel() * t.element_size()
+        declared[i] = buf[off:off + nb].view(t.dtype).view(t.shape)
+        off += nb
+    assert _fast(PLAN, declared, RANK) is None
