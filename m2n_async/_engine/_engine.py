@@ -687,7 +687,9 @@ class _Engine:
 
         A READY trainer rank 0 first tells the workers that no more rounds will come (their
         ``updates()`` ends, ``receive()`` raises ``PeerLostError``). A round in progress on
-        this engine is aborted (peers fail fast); on trainer rank 0, so is a round that a
+        this engine is aborted (peers fail fast) — unless every rank had already reported
+        ok: it commits all the same, and this engine leaves as after it (rank 0 then ends
+        the job as when READY); on trainer rank 0, so is a round that a
         ``sync_weights`` running beside this call has just published, and one it had not
         published yet happens on no rank (that ``sync_weights`` raises ``TransferError``).
         A ``receive()`` (or a trainer's ``sync_weights``) of this engine waiting for a round
@@ -867,7 +869,8 @@ class TrainerEngine(_Engine):
         ``torch.nn.Module``, a callable ``f(names) -> Mapping`` called once per bucket, or an
         iterable of ``(name, tensor)`` pairs — lazy sources are materialized bucket by bucket.
         A module's tensors, or an iterable's names, that the plan does not carry are skipped
-        (not sent, not held) with one warning per engine naming them. Each shard is checked
+        (not sent, not held) with one warning per engine naming them; an iterable that
+        yields a plan name twice fails the round naming it. Each shard is checked
         against the plan (present, dtype, local shape, contiguity, device): a dict (or
         ``MappingProxyType``) of tensors whole, before the round; a module and
         ``module_shards(...)`` for their dtypes before the round and the rest when each

@@ -219,6 +219,8 @@ class _Sources:
         self._limiter = anyio.CapacityLimiter(1)
         self._iter: Iterator[tuple[str, torch.Tensor]] | None = None
         self._pending: dict[str, torch.Tensor] = {}
+        #: the plan names the iterator yielded so far: a second one is refused, not dropped
+        self._yielded: set[str] = set()
         self._call: Callable[[Sequence[str]], Mapping[str, torch.Tensor]] | None = None
         self._map: Mapping[str, torch.Tensor] | None = None
         self._expect = expect
@@ -420,6 +422,10 @@ class _Sources:
                     self.iter_unplanned.append(repr(name))
                 self.iter_unplanned_count += 1
                 continue
+            if name in self._yielded:  # which one would be meant? neither is sent
+                raise PlanError(f"sync_weights: the weights iterator yielded parameter "
+                                f"{name!r} twice (rank {self._rank}); each name once")
+            self._yielded.add(name)
             self._pending[name] = tensor
         return {n: self._pending.pop(n) for n in names}
 

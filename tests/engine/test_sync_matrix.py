@@ -324,6 +324,8 @@ FAILING: dict[str, tuple[Callable[[dict[str, torch.Tensor]], Any], str]] = {
     "pairs ending early": (lambda s: [("a", s["a"])],
                            r"iterator ended without parameters \['b'\] \(rank 0\)"),
     "pairs of another arity": (lambda s: [("a", s["a"], 1)], r"not a \(name, tensor\) pair"),
+    "pairs naming a parameter twice": (lambda s: [("a", s["a"]), ("a", s["a"]), ("b", s["b"])],
+                                       r"yielded parameter 'a' twice \(rank 0\)"),
     "callable returning a list": (lambda s: (lambda names: [s[n] for n in names]),
                                   r"returned list for parameters \['a'\] \(rank 0\)"),
     "callable raising": (lambda s: (lambda names: {}[names[0]] if names == ["b"]
