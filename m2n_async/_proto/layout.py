@@ -5,10 +5,13 @@ two axes (a 1-D topology is ``(n, 1)``): the rank at mesh coordinate ``(i, j)`` 
 ``start_rank + i * dims[1] + j``, the same convention NCCL M2N uses. A ``Layout`` puts a tensor
 on a mesh with one placement per mesh axis: ``REPLICATE`` (-1) or the tensor dim that axis
 shards. Exactly one axis shards (the other replicates), or ``placements`` is ``None`` for a fully
-replicated tensor; ``(REPLICATE, REPLICATE)`` is refused so every layout has one spelling (and
-so one digest). A layout therefore splits the tensor into ``num_shards`` equal slabs along one
-dim; shard ``k`` is held by every rank whose coordinate on the sharded axis is ``k`` (its
-replicas).
+replicated tensor; ``(REPLICATE, REPLICATE)`` is refused so that it has one spelling (and so
+one digest). A shard along a mesh axis of size 1 (one piece: the whole tensor) holds what a
+replica holds but is kept as written, so that its dim is still checked against the shape;
+plan files and ``specs_from_module`` write it as ``None``, and so should callers that want
+its digest and stacks to be a replica's. A layout therefore splits the tensor into
+``num_shards`` equal slabs along one dim; shard ``k`` is held by every rank whose coordinate on
+the sharded axis is ``k`` (its replicas).
 
 Everything here is pure arithmetic on ints and tuples; geometry that depends on a tensor shape
 takes the shape as an argument, so one ``Layout`` serves every parameter that shares it.
