@@ -1079,6 +1079,7 @@ class TrainerEngine(_Engine):
                 self._poison_with(exc)
                 raise
             except JobEnded as ended:
+                self._job_closed = True  # nothing failed: close() leaves cleanly, as a worker
                 err = PeerLostError(f"generation {self._generation}: {ended.why}; no more "
                                     f"rounds", ranks=(0,))
                 self._poison_with(err)

@@ -306,3 +306,27 @@ async def test_a_cancelled_or_exited_block_ends_the_job_cleanly() -> None:
             assert got == ["ended"], (stop, got)
         finally:
             await _close(*trainers, *workers)
+
+
+@pytest.mark.asyncio
+async def test_a_trainer_whose_job_ended_leaves_cleanly() -> None:
+    # Trainer 1 asks for a round after rank 0 ended the job: it is told so, and its close()
+    # is a clean leave (its keys withdrawn), not a departure as lost, as for a worker.
+    trainers, workers = await _one_round(PLAN2)
+    released: list[str | None] = []
+    real = trainers[1]._release
+
+    async def release(*, abort_reason: str | None = None) -> None:
+        released.append(abort_reason)
+        await real(abort_reason=abort_reason)
+
+    trainers[1]._release = release  # type: ignore[method-assign]
+    try:
+        with anyio.fail_after(30):
+            await trainers[0].close()
+            with pytest.raises(PeerLostError, match="no more rounds"):
+                await trainers[1].sync_weights(source_shards(PLAN2, 1, 2))
+            await trainers[1].close()
+        assert released == [None], released
+    finally:
+        await _close(*trainers, *workers)
