@@ -15,7 +15,9 @@ the newest losses are the ones a late waiter can still race with), and every wai
 one of them fails with ``PeerLostError(key=...)``. A waiter that starts later and watches a
 tombstoned key fails at once. A later ``set`` of the key clears its tombstone (the peer came
 back). An explicit ``delete`` of an ephemeral key is a clean leave and leaves no tombstone;
-``delete(key, lost=True)`` is a deliberate unclean one, as if the session had ended.
+``delete(key, lost=True)`` is a deliberate unclean one, as if the session had ended. A write
+by another session (``set``, a ``compare_set`` that swaps, ``add``) takes the key over: it is
+that session's value now, durable unless that ``set`` is ephemeral itself.
 
 A blocking call whose condition already holds completes even if a watched key is tombstoned:
 the data it asked for is there, so a peer that finished and exited cannot fail a slower
@@ -358,12 +360,23 @@ class StoreCore:
         self._check_key(key)
         self._check_writable(session, key, "set", ephemeral=ephemeral)
         self._write(key, value)
-        previous = self._owner.pop(key, None)
-        if previous is not None:
-            previous.ephemeral.discard(key)
+        self._disown(key)
         if ephemeral:
             self._owner[key] = session
             session.ephemeral.add(key)
+
+    def _take_over(self, session: Session, key: str) -> None:
+        """After ``session`` wrote ``key`` by ``add`` or ``compare_set``: an ephemeral key of
+        another session is now the writer's value, durable as after its plain ``set``, so the
+        old owner's end does not delete it (the writer's own key stays ephemeral)."""
+        owner = self._owner.get(key)
+        if owner is not None and owner is not session:
+            self._disown(key)
+
+    def _disown(self, key: str) -> None:
+        previous = self._owner.pop(key, None)
+        if previous is not None:
+            previous.ephemeral.discard(key)
 
     def get(self, session: Session, key: str) -> bytes | None:
         self._check_live(session)
@@ -400,6 +413,7 @@ class StoreCore:
         if not _INT64_MIN <= value <= _INT64_MAX:
             raise StoreError(f"add to {_quote(key)}: {base} + {delta} overflows int64")
         self._write(key, str(value).encode())
+        self._take_over(session, key)
         return value
 
     def compare_set(self, session: Session, key: str, expected: bytes | None, desired: bytes
@@ -413,6 +427,7 @@ class StoreCore:
         if current != expected:
             return False, current
         self._write(key, desired)
+        self._take_over(session, key)
         return True, desired
 
     def delete(self, session: Session, key: str, *, lost: bool = False) -> bool:

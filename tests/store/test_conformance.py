@@ -365,6 +365,28 @@ async def test_ephemeral_ownership_moves_with_overwrite(world: World) -> None:
     assert await c.get("e") == b"c"
 
 
+@pytest.mark.parametrize("op", ["compare_set", "add"])
+async def test_ephemeral_ownership_moves_with_compare_set_and_add(world: World, op: str
+                                                                  ) -> None:
+    # Another session's write by compare-and-set (taking over a dead leader's key) or add is
+    # its value now, durable as after its plain set: the first owner's end must not delete
+    # it; the owner's own compare_set keeps its key ephemeral.
+    a, b, c = await world.session(), await world.session(), await world.session()
+    await a.set("e", b"1", ephemeral=True)
+    if op == "compare_set":
+        assert await b.compare_set("e", b"1", b"2") == (True, b"2")
+    else:
+        assert await b.add("e", 1) == 2
+    await a.aclose()
+    await anyio.sleep(0.05)
+    assert await c.get("e") == b"2"
+    await b.set("own", b"1", ephemeral=True)
+    assert await b.compare_set("own", b"1", b"2") == (True, b"2")
+    await b.aclose()
+    await anyio.sleep(0.05)
+    assert await c.get("own") is None  # still b's ephemeral key: gone with b
+
+
 async def test_closed_session_refuses_calls(world: World) -> None:
     a = await world.session()
     await a.aclose()
