@@ -448,7 +448,7 @@ class RoundDriver:
             if scope.cancelled_caught:  # cancelled by the watchdog just as work ended
                 return Status.ABORTED, None, dog.failure, (), None
             return Status.OK, stats, None, (), None
-        if isinstance(local, TimeoutError):
+        if isinstance(local, TimeoutError) and not getattr(local, "own_step", False):
             # Who this rank still waited on, when the transport can tell: the votes that
             # name a hung peer when every rank reports.
             return Status.DEADLINE, None, None, transport.waiting_on(), local

@@ -159,6 +159,11 @@ class Interrupts:
         def call(*args: Any) -> Any:
             try:
                 got = fn(*args)
+            except TimeoutError as exc:
+                # The callback's own timeout (a metrics server that did not answer), not the
+                # round's deadline: the round reports it as this rank's error (``_round``).
+                exc.own_step = True  # type: ignore[attr-defined]
+                raise
             except Exception:
                 raise
             except BaseException as exc:

@@ -372,7 +372,7 @@ async def test_a_lazy_source_that_fails_fails_the_round_everywhere_naming_the_pa
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("where", ["progress", "source"])
-@pytest.mark.parametrize("raised", [ValueError, KeyboardInterrupt, SystemExit])
+@pytest.mark.parametrize("raised", [ValueError, TimeoutError, KeyboardInterrupt, SystemExit])
 async def test_a_callback_that_raises_fails_the_round_everywhere_naming_this_rank(
         where: str, raised: type[BaseException]) -> None:
     error = raised("it broke")
