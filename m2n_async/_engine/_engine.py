@@ -353,16 +353,21 @@ class _Engine:
 
     async def _connect(self, limit: float | None) -> None:
         c = self.config
+        bound = anyio.fail_after(limit) if limit is not None else _no_deadline()
+        step = "claiming its rank of the job"  # what a connect past ``limit`` was doing
+        deadline: anyio.CancelScope | None = None
         try:
-            with anyio.fail_after(limit) if limit is not None else _no_deadline():
+            with bound as deadline:
                 # The job's rank first (fencing): nothing of the job is touched, no generation
                 # opened or joined, while another live process holds this rank of it.
                 self._claim = await claim_rank(self._store, c.job, self.rank,
                                                wait_s=c.phase_timeout)
+                step = "joining the job's generation"
                 # Rank 0 opens a generation; the others join the one its live claim names.
                 self._generation = await join_generation(self._store, c.job, self.rank,
                                                          claim=self._claim,
                                                          wait_s=c.phase_timeout)
+                step = "the handshake"
                 ns = generation_namespace(c.job, self._generation)
                 self._namespace = ns
                 group = ControlGroup(self._store, self.rank, self.world_size, ns)
@@ -383,8 +388,17 @@ class _Engine:
                 rdv = Rendezvous(self._store, f"{ns}/data/{self._outcome.transport}/",
                                  rank=self.rank, world_size=self.world_size,
                                  timeout=c.phase_timeout, watch=self._watch)
+                step = "connecting the data plane"
                 await self._connect_data_plane(rdv)
         except BaseException as exc:
+            if (limit is not None and type(exc) is TimeoutError and deadline is not None
+                    and deadline.cancel_called):
+                # The caller's bound, not a phase's: anyio's bare TimeoutError says nothing,
+                # so say what was under way and which ranks had not joined.
+                with anyio.CancelScope(shield=True):
+                    timed_out = await self._connect_timed_out(limit, step)
+                timed_out.__cause__ = exc
+                exc = timed_out
             refused = self._argument_error
             if refused is not None and isinstance(exc, Exception) and not isinstance(
                     exc, PreflightError):
@@ -398,8 +412,30 @@ class _Engine:
             with anyio.CancelScope(shield=True):
                 await self._release(abort_reason=f"connect failed: {exc!r}")
             self._state = EngineState.CLOSED
-            raise
+            raise exc  # the original, or its diagnosis (whose cause is the original)
         self._state = EngineState.READY
+
+    async def _connect_timed_out(self, limit: float, step: str) -> PhaseTimeoutError:
+        """The error of a connect past the caller's ``limit``: the step under way and, once
+        this rank joined a generation, the ranks with no liveness key in it (never arrived or
+        already gone). Reads the store for at most a second."""
+        missing: tuple[int, ...] = ()
+        group = self._group
+        if group is not None:
+            with anyio.move_on_after(1.0):
+                try:
+                    alive = await self._store.gather(group.alive_prefix, 0)
+                    missing = tuple(r for r in range(self.world_size)
+                                    if group.alive_key(r) not in alive)
+                except M2NError:
+                    pass
+        who = (f"; rank(s) {list(missing)} not in generation {self._generation} (never "
+               f"arrived, or already gone)"
+               if missing else "")
+        return PhaseTimeoutError(
+            f"rank {self.rank}: connect did not complete within its timeout of {limit:.3g} s "
+            f"(the connect's timeout, or connect_timeout), while {step}{who}",
+            phase=step, ranks=missing, generation=self._generation or None)
 
     async def _connect_data_plane(self, rdv: Rendezvous) -> None:
         """``transport.connect``, its failures phrased as the ``connected`` phase's.
@@ -811,7 +847,9 @@ class TrainerEngine(_Engine):
         ``params``: the ordered source specs (identical on every trainer). ``address`` and
         ``token`` reach a ``StoreServer``; or pass an open ``store`` (kept open on close).
         ``timeout`` bounds the whole connect (each handshake phase is bounded by
-        ``config.phase_timeout`` regardless); the store's TCP connect and authentication
+        ``config.phase_timeout`` regardless): past it, ``PhaseTimeoutError`` names the step
+        under way and the ranks not (or no longer) in the generation; the store's TCP
+        connect and authentication
         are bounded by ``timeout``, else ``config.phase_timeout``, and a store ``address``
         that accepts and then says nothing fails with a ``TimeoutError`` naming it. Raises
         ``PreflightError`` (the same on every rank), ``PeerLostError``, ``TimeoutError``,

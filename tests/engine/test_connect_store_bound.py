@@ -53,3 +53,21 @@ async def test_a_silent_store_address_fails_connect_in_bounded_time(
     msg = str(info.value)
     assert silent_address in msg and "within 1 s" in msg, msg
     assert ("timeout=" if bound == "timeout" else "EngineConfig.phase_timeout") in msg, msg
+
+
+@pytest.mark.asyncio
+async def test_a_connect_past_its_timeout_names_the_step_and_the_ranks_missing() -> None:
+    # The caller's bound, shorter than a phase's: not anyio's bare TimeoutError, but what
+    # was under way and which ranks never joined (a PhaseTimeoutError, as a phase's).
+    from m2n_async import PhaseTimeoutError
+    from m2n_async.testing import MemoryStore
+
+    cfg = EngineConfig(transport="gloo", phase_timeout=60)
+    with anyio.fail_after(30), pytest.raises(PhaseTimeoutError) as info:
+        await TrainerEngine.connect(params=[SPEC], store=MemoryStore().session(), rank=0,
+                                    trainer_ranks=1, world_size=3, config=cfg, timeout=0.5)
+    exc = info.value
+    assert exc.ranks == (1, 2) and exc.phase == "the handshake", exc
+    msg = str(exc)
+    assert "within its timeout of 0.5 s" in msg and "rank(s) [1, 2]" in msg, msg
+    assert type(exc.__cause__) is TimeoutError  # anyio's, kept as the cause
