@@ -25,7 +25,9 @@ Timeouts and cancellation are the async API's, carried over:
   ``KeyboardInterrupt`` or ``SystemExit`` fails the round as any error of its callback does
   (every rank raises at once, naming this rank; this engine is POISONED), and the call
   raises that exception in the caller's thread; the loop thread keeps running, so
-  ``close()`` still releases the engine.
+  ``close()`` still releases the engine. Waiting there — ``close()``, another call of the
+  engine, a ``Pending``'s ``result()`` or ``cancel()`` — would wait for the loop itself: each
+  is refused with ``LocalProtocolError``.
 
 ``close()`` closes the engine (shielded and bounded, as ``close`` is) and then stops the loop
 thread; it is idempotent and is also what leaving a ``with`` block does. One call at a time
@@ -215,9 +217,12 @@ class Pending(Generic[T]):
     """
 
     def __init__(self, future: concurrent.futures.Future[T], finished: threading.Event,
-                 interrupt: list[BaseException] | None = None) -> None:
+                 interrupt: list[BaseException] | None = None,
+                 loop: _Loop | None = None) -> None:
         self._future = future
         self._finished = finished
+        #: the loop the call runs on: waiting for it there would wait for itself
+        self._loop = loop
         #: what the call raised that is no ``Exception`` (``KeyboardInterrupt``,
         #: ``SystemExit``): kept off the loop (``_Loop.submit``), raised by ``result()``
         self._interrupt: list[BaseException] = [] if interrupt is None else interrupt
@@ -239,8 +244,10 @@ class Pending(Generic[T]):
         ``timeout``: seconds to wait here; on expiry ``TimeoutError`` is raised and the call
         keeps running (wait again or ``cancel()``). An exception raised in this thread while
         waiting (``KeyboardInterrupt``) cancels the call, waits until it finished, then
-        propagates.
+        propagates. Refused (``LocalProtocolError``) on the engine's own loop thread.
         """
+        if self._loop is not None:
+            self._loop.refuse_on_loop("Pending.result()")
         try:
             got = self._future.result(timeout)
         except concurrent.futures.CancelledError:
@@ -263,7 +270,10 @@ class Pending(Generic[T]):
     def cancel(self) -> None:
         """Cancel the call (as cancelling the coroutine) and wait until it has finished.
         A ``result()`` after it raises ``LocalProtocolError`` saying so, unless the call had
-        already finished (its result or its exception, then)."""
+        already finished (its result or its exception, then). Refused
+        (``LocalProtocolError``) on the engine's own loop thread."""
+        if self._loop is not None:
+            self._loop.refuse_on_loop("Pending.cancel()")
         self._cancelled = True
         if not self._future.done():
             self._future.cancel()  # cancels the task's scope on the loop
@@ -282,7 +292,9 @@ class _Loop:
 
     def submit(self, fn: Callable[..., Awaitable[T]], /, *args: Any, **kwargs: Any
                ) -> Pending[T]:
-        """Start ``fn(*args, **kwargs)`` on the loop."""
+        """Start ``fn(*args, **kwargs)`` on the loop; refused on the loop thread itself (a
+        progress callback calling the engine again), where no one could wait for it."""
+        self.refuse_on_loop(f"{getattr(fn, '__name__', 'this call')}()")
         if self.closed:
             raise LocalProtocolError("this blocking engine is closed (its event loop thread "
                                      "has stopped); connect again")
@@ -305,7 +317,7 @@ class _Loop:
             finally:
                 finished.set()  # the task is over, whichever way it ended
 
-        return Pending(self.portal.start_task_soon(run), finished, interrupt)
+        return Pending(self.portal.start_task_soon(run), finished, interrupt, self)
 
     def call(self, fn: Callable[..., Awaitable[T]], /, *args: Any, **kwargs: Any) -> T:
         """Run ``fn(*args, **kwargs)`` on the loop; block until it finished."""
@@ -333,10 +345,11 @@ class _PendingConnect(Pending[B]):
     Collected before ``result()`` or ``cancel()`` took it over: the connect is cancelled (or
     the engine it made closed) and the loop stopped, off the collecting thread."""
 
+    _loop: _Loop  # always set: the connect's own loop
+
     def __init__(self, loop: _Loop, wrap: Callable[[_Loop, Any], B],
                  inner: Pending[Any], label: str, grace: float) -> None:
-        super().__init__(inner.future, inner._finished, inner._interrupt)
-        self._loop = loop
+        super().__init__(inner.future, inner._finished, inner._interrupt, loop)
         self._wrap = wrap
         self._wrapped: B | None = None  # result() again returns the same blocking engine
         self._finalizer = _watch(self, f"connect of {label}", functools.partial(

@@ -29,6 +29,7 @@ from m2n_async import (
     LocalProtocolError,
     Mesh,
     ParamSpec,
+    TransferError,
 )
 
 from ._world import TOKEN, store_thread
@@ -170,3 +171,40 @@ def test_close_refused_on_the_loop_thread_leaves_a_later_close_working(address: 
     finally:
         trainer.close()
         worker.close()
+
+
+def test_waiting_on_the_loop_thread_is_refused_and_wedges_nothing(address: str) -> None:
+    # A progress callback runs on the engine's loop thread: cancelling or waiting for the
+    # round's Pending there, or calling the engine again, would wait for the loop itself.
+    # Each is refused (the callback's error fails the round), and the engines still close.
+    trainer, worker, _ = _pair(address, "blocking-wait-on-loop")
+    tried: dict[str, BaseException] = {}
+    pending: list[Any] = []
+
+    def progress(done: int, total: int) -> None:
+        for what, call in (("cancel", pending[0].cancel), ("result", pending[0].result),
+                           ("sync", lambda: trainer.sync_weights({"w": _full(2)}))):
+            try:
+                call()
+            except BaseException as exc:  # the test inspects it
+                tried[what] = exc
+        raise RuntimeError("stop")
+
+    try:
+        with ThreadPoolExecutor(1) as ex:
+            got = ex.submit(worker.receive, timeout=30)
+            pending.append(trainer.start_sync_weights({"w": _full(1)}, progress=progress))
+            with pytest.raises(TransferError, match="stop"):
+                pending[0].result(30)
+            with pytest.raises(TransferError):
+                got.result(30)
+        assert sorted(tried) == ["cancel", "result", "sync"], tried
+        for exc in tried.values():
+            assert isinstance(exc, LocalProtocolError), tried
+            assert "own event loop thread" in str(exc), tried
+    finally:
+        t0 = time.monotonic()
+        trainer.close()
+        worker.close()
+        assert time.monotonic() - t0 < 15
+    assert trainer.state is EngineState.CLOSED
