@@ -519,6 +519,12 @@ class StoreCore:
         Atomicity is what makes a collective's cleanup safe: a rank's contribution and its
         gather arrive together, so once any rank saw call ``s`` complete, every rank's gather of
         call ``s`` has completed too, and the next call may delete call ``s``'s keys.
+
+        Refusals: one of the write (a key it may not write, the byte quota) changes nothing.
+        One of the gather (a watched key already lost, this session's waiter limits, a reply
+        past ``max_reply``) comes after the write, which stays, as a ``set`` followed by a
+        refused ``gather`` would: the caller's collective fails either way, and the write may
+        already have completed other sessions' waits, which nothing could take back.
         """
         self._check_live(session)
         self._check_key(key)
@@ -530,7 +536,7 @@ class StoreCore:
         self._check_writable(session, key, "exchange")
         if delete is not None:
             self._check_writable(session, delete, "exchange")
-        self._check_quota(key, value)  # before the delete: a refused exchange changes nothing
+        self._check_quota(key, value)  # before the delete: a refused write changes nothing
         if delete is not None and delete != key:
             self._remove(delete)
         self.set(session, key, value)
