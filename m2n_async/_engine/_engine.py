@@ -113,6 +113,10 @@ log = logging.getLogger("m2n_async")
 #: How a rank's gone note starts when its data plane failed to connect: its peers raise that
 #: text (``_connect_data_plane``), not the bare loss.
 _CONNECT_NOTE: Final[str] = "connected: "
+#: The most ranks a job may have: past it, connect refuses at once. Each rank costs every
+#: rank a liveness key and handshake entries built on the event loop, so an absurd
+#: ``world_size`` (a typo, 2**70) would hold the loop past every timeout instead.
+MAX_WORLD_SIZE: Final[int] = 1 << 17
 
 Progress = Callable[[int, int], None]
 
@@ -865,18 +869,18 @@ class TrainerEngine(_Engine):
         ``config.phase_timeout`` for this rank. It joins and fails the ``hello`` phase
         instead, so every rank raises the same ``PreflightError`` naming this rank and the
         entry (on this rank chained to the ``LocalProtocolError``), as a worker's malformed
-        target does (``WorkerEngine.connect``). A ``rank`` outside ``[0, trainer_ranks)``, or
-        not exactly one of ``address`` and ``store``, raises ``LocalProtocolError`` at once:
-        such a rank cannot join.
+        target does (``WorkerEngine.connect``). A ``rank`` outside ``[0, trainer_ranks)``, a
+        ``world_size`` past 131,072 ranks, or not exactly one of ``address`` and ``store``,
+        raises ``LocalProtocolError`` at once: such a rank cannot join.
 
         Cancellation: everything created so far is released (shielded); peers of this
         generation then fail their handshake (they see this rank lost). Connect again for a
         new generation.
         """
-        if not 0 <= rank < trainer_ranks < world_size:
+        if not 0 <= rank < trainer_ranks < world_size <= MAX_WORLD_SIZE:
             raise LocalProtocolError(f"TrainerEngine.connect: need 0 <= rank < trainer_ranks < "
-                                     f"world_size, got rank={rank}, trainer_ranks="
-                                     f"{trainer_ranks}, world_size={world_size}")
+                                     f"world_size <= {MAX_WORLD_SIZE}, got rank={rank}, "
+                                     f"trainer_ranks={trainer_ranks}, world_size={world_size}")
         cfg = config or EngineConfig()
         st, owns, timeout = await cls._open_store(address, token, store, timeout, cfg)
         engine = cls(params=params, store=st, owns_store=owns, rank=rank,
@@ -1265,10 +1269,10 @@ class WorkerEngine(_Engine):
 
         Cancellation: as ``TrainerEngine.connect``.
         """
-        if not 0 <= trainer_ranks <= rank < world_size:
+        if not 0 <= trainer_ranks <= rank < world_size <= MAX_WORLD_SIZE:
             raise LocalProtocolError(f"WorkerEngine.connect: need trainer_ranks <= rank < "
-                                     f"world_size, got rank={rank}, trainer_ranks="
-                                     f"{trainer_ranks}, world_size={world_size}")
+                                     f"world_size <= {MAX_WORLD_SIZE}, got rank={rank}, "
+                                     f"trainer_ranks={trainer_ranks}, world_size={world_size}")
         cfg = config or EngineConfig()
         dims = mesh_dims if mesh_dims is not None else (world_size - trainer_ranks, 1)
         if isinstance(dims, Iterable):  # anything else: the destination phase names it

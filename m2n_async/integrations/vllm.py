@@ -635,6 +635,11 @@ class VLLMWorkerBackend:
         return int(offset + pc.data_parallel_index * pc.world_size + pc.rank)
 
     @property
+    def _who(self) -> str:
+        """``worker rank N`` for notes, also once shut down (``rank`` then raises)."""
+        return f"worker rank {self.rank}" if self._info is not None else "worker (shut down)"
+
+    @property
     def loaded_names(self) -> tuple[str, ...]:
         """Plan names delivered through ``load_weights`` (the rest are written in place)."""
         return self._loaded
@@ -884,13 +889,13 @@ class VLLMWorkerBackend:
                 # round fails on every rank naming this worker, the load error and the
                 # tensor load_weights was on.
                 context = self._load_context(feed.taken)
-                exc.add_note(f"m2n_async: worker rank {self.rank}: load_weights raised"
+                exc.add_note(f"m2n_async: {self._who}: load_weights raised"
                              f"{context}")
                 feed.stop(exc, context)
                 try:
                     pending.result()
                 except BaseException as round_error:
-                    exc.add_note(f"m2n_async: worker rank {self.rank}: the round failed on "
+                    exc.add_note(f"m2n_async: {self._who}: the round failed on "
                                  f"every rank: {round_error}")
                 raise
             except BaseException:
@@ -902,7 +907,7 @@ class VLLMWorkerBackend:
             if feed.yielded != len(self._loaded) or feed.put_count != len(self._loaded):
                 missing = sorted(set(self._loaded) - set(feed.names))
                 raise RuntimeError(
-                    f"m2n_async: worker rank {self.rank}: load_weights got {feed.yielded} of "
+                    f"m2n_async: {self._who}: load_weights got {feed.yielded} of "
                     f"{len(self._loaded)} tensors ({feed.put_count} received; never received: "
                     f"{missing[:5]}{' ...' if len(missing) > 5 else ''})")
         if torch.device(self.device or "cpu").type == "cuda":
@@ -983,14 +988,18 @@ class VLLMWorkerBackend:
         takes no more rounds); None: the model may mix two versions."""
         # Said on the error itself: vLLM hands it to the caller (an RPC, an HTTP reply),
         # which may never see this process's log.
+        if self._info is None:  # shut down (another thread) while this update ran
+            exc.add_note("m2n_async: the weight transfer engine was shut down during this "
+                         "update (shutdown_weight_transfer_engine); init it again for more")
+            return  # nothing to poison: the next init starts clean
         if unstarted is None:
-            exc.add_note(f"m2n_async: worker rank {self.rank}: the model may be partly "
+            exc.add_note(f"m2n_async: {self._who}: the model may be partly "
                          f"updated (some parameters hold this round's weights, others the "
                          f"previous ones); start_weight_update is refused until "
                          f"shutdown_weight_transfer_engine(), init_weight_transfer_engine() "
                          f"and a full update")
         else:
-            exc.add_note(f"m2n_async: worker rank {self.rank}: {self._untouched(unstarted)}")
+            exc.add_note(f"m2n_async: {self._who}: {self._untouched(unstarted)}")
         self._poison = exc
         self._poison_untouched = unstarted
         self._session = self._received = False

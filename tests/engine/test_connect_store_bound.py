@@ -71,3 +71,22 @@ async def test_a_connect_past_its_timeout_names_the_step_and_the_ranks_missing()
     msg = str(exc)
     assert "within its timeout of 0.5 s" in msg and "rank(s) [1, 2]" in msg, msg
     assert type(exc.__cause__) is TimeoutError  # anyio's, kept as the cause
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("role", ["trainer", "worker"])
+async def test_a_world_size_past_the_largest_job_is_refused_at_once(role: str) -> None:
+    # 2**70 ranks would build a liveness key per rank on the loop, past every timeout.
+    from m2n_async import LocalProtocolError
+    from m2n_async._engine._engine import MAX_WORLD_SIZE
+    from m2n_async.testing import MemoryStore
+
+    huge = 2**70
+    with anyio.fail_after(5), pytest.raises(LocalProtocolError, match=f"<= {MAX_WORLD_SIZE}"):
+        if role == "trainer":
+            await TrainerEngine.connect(params=[SPEC], store=MemoryStore().session(), rank=0,
+                                        trainer_ranks=1, world_size=huge)
+        else:
+            await WorkerEngine.connect(targets={"w": (torch.zeros(4, 4), None)},
+                                       store=MemoryStore().session(), rank=1,
+                                       trainer_ranks=1, world_size=huge, mesh_dims=(1, 1))

@@ -869,3 +869,15 @@ def test_a_trainer_killed_between_rounds_says_the_model_is_untouched() -> None:
     finally:
         proc.kill()
         proc.wait(30)
+
+
+def test_a_round_that_fails_after_shutdown_keeps_its_own_error() -> None:
+    # shutdown() from another thread while update_weights waits: the update's error is the
+    # round's (the engine closed), with a note saying so -- not "rank before init", raised
+    # while writing the note -- and it poisons nothing: a later init starts clean.
+    be = _backend()
+    assert be._info is None  # never initialised, or shut down meanwhile
+    exc = TransferError("receive on rank 1: the engine was closed while waiting")
+    be._fail(exc)
+    assert be._poison is None
+    assert any("shut down during this update" in n for n in exc.__notes__), exc.__notes__
