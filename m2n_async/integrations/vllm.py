@@ -76,6 +76,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import operator
 import os
 import queue
 import sys
@@ -1210,6 +1211,9 @@ def _placement(meta_name: str, p: Any, ndim: int) -> int:
     if type(p).__name__ != "Shard" or not isinstance(dim, int):
         raise PlanError(f"parameter {meta_name!r}: placement {p!r} is neither Replicate nor "
                         f"Shard")
+    if not -ndim <= dim < ndim:  # -3 of a 2-D tensor would read as REPLICATE (-1)
+        raise PlanError(f"parameter {meta_name!r}: placement {p!r} shards dim {dim} of a "
+                        f"{ndim}-D tensor")
     return dim + ndim if dim < 0 else dim
 
 
@@ -1222,25 +1226,43 @@ def specs_from_source(source: Any, trainer_ranks: int, dtype: Any = None) -> lis
     ``REPLICATE`` — normalized as ``specs_from_module`` does (a shard over an axis of size 1
     is a replica; two axes sharding one dim nest row-major). ``dtype``: the wire dtype for
     floating-point parameters. ``PlanError`` names the parameter for what the core cannot
-    express (non-contiguous owners, two axes sharding different dims, 3-D meshes).
+    express (non-contiguous owners, two axes sharding different dims, 3-D meshes) and for
+    metadata that contradicts itself (no owners, a mesh of another size than its owners,
+    more placements than mesh axes, a shard of a dim the tensor does not have).
     """
     import torch
 
     specs = []
     for m in source.metadata:
-        name, shape = m.name, tuple(int(n) for n in m.shape)
+        name = m.name
+        try:
+            shape = tuple(operator.index(n) for n in m.shape)  # int(4.5) would be 4
+        except TypeError:
+            raise PlanError(f"parameter {name!r}: shape {tuple(m.shape)} is not a tuple of "
+                            f"ints") from None
         owners = tuple(range(trainer_ranks)) if m.owners is None else tuple(m.owners)
+        if not owners:
+            raise PlanError(f"parameter {name!r}: no owners (an empty rank interval)")
+        if not 0 <= min(owners) <= max(owners) < trainer_ranks:
+            raise PlanError(f"parameter {name!r}: owners {owners} are not all trainer ranks "
+                            f"[0, {trainer_ranks})")
         start = owners[0]
         if owners != tuple(range(start, start + len(owners))):
             raise PlanError(f"parameter {name!r}: owners {owners} are not a contiguous rank "
                             f"interval in mesh order")
         dims = tuple(m.mesh_shape) if m.mesh_shape is not None else (len(owners),)
-        if len(dims) > 2:
+        if not 1 <= len(dims) <= 2:
             raise PlanError(f"parameter {name!r}: a {len(dims)}-D mesh {dims}; m2n_async "
                             f"meshes have 1 or 2 axes")
         mesh = Mesh((dims[0], 1) if len(dims) == 1 else (dims[0], dims[1]), start)
+        if mesh.size != len(owners):
+            raise PlanError(f"parameter {name!r}: mesh_shape {dims} holds {mesh.size} ranks, "
+                            f"its owners {len(owners)} ({owners[0]}..{owners[-1]})")
         layout = Layout(mesh, None)
         if m.placements is not None:
+            if len(m.placements) > len(dims):
+                raise PlanError(f"parameter {name!r}: {len(m.placements)} placements "
+                                f"{tuple(m.placements)} for a {len(dims)}-D mesh {dims}")
             pl = [_placement(name, p, len(shape)) for p in m.placements]
             pl += [REPLICATE] * (2 - len(pl))
             pl = [REPLICATE if d != REPLICATE and mesh.dims[a] == 1 else d

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from m2n_async import StoreError, TransferError
+from m2n_async import PlanError, StoreError, TransferError
 from m2n_async.integrations import vllm as backend
 
 from ._vllm_world import (
@@ -552,3 +552,33 @@ def test_a_weight_version_that_is_no_string_is_refused_before_any_rpc() -> None:
         assert job.send() == [None, None]
     finally:
         job.close()
+
+
+class _Metas:
+    def __init__(self, *metas: ParamMeta) -> None:
+        self.metadata = list(metas)
+
+
+@pytest.mark.parametrize(("meta", "words"), [
+    (ParamMeta("w", torch.float32, (4, 4), owners=()), "no owners"),
+    (ParamMeta("w", torch.float32, (4, 4), owners=(0, 1, 2)), "not all trainer ranks"),
+    (ParamMeta("w", torch.float32, (4, 4), owners=(0, 1), mesh_shape=(4,)),
+     "holds 4 ranks, its owners 2"),
+    (ParamMeta("w", torch.float32, (4, 4), owners=(0, 1), mesh_shape=()), "a 0-D mesh"),
+    (ParamMeta("w", torch.float32, (4, 4), owners=(0, 1), mesh_shape=(2,),
+               placements=(Shard(0), Shard(0))), "2 placements"),
+    (ParamMeta("w", torch.float32, (4, 4), owners=(0, 1), mesh_shape=(2,),
+               placements=(Shard(2),)), "shards dim 2 of a 2-D tensor"),
+    (ParamMeta("w", torch.float32, (4, 4), owners=(0, 1), mesh_shape=(2,),
+               placements=(Shard(-3),)), "shards dim -3 of a 2-D tensor"),
+    (ParamMeta("w", torch.float32, (4.5, 4)), "not a tuple of ints"),  # type: ignore[arg-type]
+], ids=["no-owners", "owners-past-trainers", "mesh-of-another-size", "0-d-mesh",
+        "placements-past-axes", "dim-out-of-range", "negative-dim-out-of-range",
+        "float-shape"])
+def test_metadata_that_contradicts_itself_is_refused_naming_the_parameter(
+        meta: ParamMeta, words: str) -> None:
+    # Before: an IndexError, or a wrong layout without a word (Shard(-3) of a 2-D tensor
+    # read as replicated, a third placement dropped, 4.5 read as 4).
+    with pytest.raises(PlanError, match="parameter 'w'") as info:
+        backend.specs_from_source(_Metas(meta), 2)
+    assert words in str(info.value), info.value
