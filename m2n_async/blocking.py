@@ -27,7 +27,10 @@ Timeouts and cancellation are the async API's, carried over:
   raises that exception in the caller's thread; the loop thread keeps running, so
   ``close()`` still releases the engine. Waiting there — ``close()``, another call of the
   engine, a ``Pending``'s ``result()`` or ``cancel()`` — would wait for the loop itself: each
-  is refused with ``LocalProtocolError``.
+  is refused with ``LocalProtocolError``. Waiting in a thread that runs an asyncio event
+  loop (an ``async def`` calling the facade) blocks that loop for the call: it works, with a
+  ``RuntimeWarning`` at the caller's line, unless the loop serves something the call needs
+  (a ``StoreServer``: the call then times out). Use the async engines there.
 
 ``close()`` closes the engine (shielded and bounded, as ``close`` is) and then stops the loop
 thread; it is idempotent and is also what leaving a ``with`` block does. One call at a time
@@ -46,14 +49,17 @@ closes at most ``2 * abort_grace`` seconds before letting the process exit.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import concurrent.futures
 import contextlib
 import functools
 import os
 import queue
+import sys
 import threading
 import time
+import types
 import warnings
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
@@ -206,6 +212,24 @@ def _close_at_exit() -> None:
         raise failed  # atexit prints it
 
 
+def _warn_if_in_a_loop() -> None:
+    """``RuntimeWarning`` when the calling thread runs an asyncio event loop: waiting here
+    blocks that loop until the call returns, and a ``StoreServer`` it serves cannot answer
+    meanwhile (the call then times out blaming the store)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    level = 1
+    frame: types.FrameType | None = sys._getframe()
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("m2n_async"):
+        level, frame = level + 1, frame.f_back  # shown at the caller's line, not ours
+    warnings.warn("m2n_async: a blocking call waits inside a running asyncio event loop, "
+                  "which it blocks until it returns (a store that loop serves cannot answer "
+                  "meanwhile): use TrainerEngine/WorkerEngine there, or run the blocking call "
+                  "in a thread (anyio.to_thread.run_sync)", RuntimeWarning, stacklevel=level)
+
+
 class Pending(Generic[T]):
     """A call started on a blocking engine's event loop and not waited for yet.
 
@@ -248,6 +272,7 @@ class Pending(Generic[T]):
         """
         if self._loop is not None:
             self._loop.refuse_on_loop("Pending.result()")
+        _warn_if_in_a_loop()
         try:
             got = self._future.result(timeout)
         except concurrent.futures.CancelledError:

@@ -208,3 +208,16 @@ def test_waiting_on_the_loop_thread_is_refused_and_wedges_nothing(address: str) 
         worker.close()
         assert time.monotonic() - t0 < 15
     assert trainer.state is EngineState.CLOSED
+
+
+@pytest.mark.asyncio
+async def test_a_blocking_call_inside_a_running_loop_warns_at_the_callers_line(
+        address: str) -> None:
+    # It blocks that loop until it returns (a store served there could not answer): the
+    # warning says so, pointing at the caller's line, not the facade's.
+    spec = ParamSpec("w", torch.float32, SHAPE, Layout(Mesh((1, 1)), (0, REPLICATE)))
+    with pytest.warns(RuntimeWarning, match="inside a running asyncio event loop") as seen, \
+            pytest.raises(LocalProtocolError, match="rank < trainer_ranks"):
+        BlockingTrainer.connect(address, token=TOKEN, rank=3, trainer_ranks=1,
+                                world_size=2, params=[spec], config=CFG)
+    assert seen[0].filename == __file__, seen[0].filename
