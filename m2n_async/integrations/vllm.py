@@ -82,6 +82,7 @@ import queue
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
@@ -1356,6 +1357,10 @@ class VLLMTrainerEngine:
         self._trainer: BlockingTrainer | None = trainer
         self._store = store
         self._executor = executor
+        if executor is not None:
+            # Dropped without shutdown(): its RPC thread would wait on its queue for the life
+            # of the process. (The engine underneath reaps itself: BlockingTrainer.)
+            weakref.finalize(self, executor.shutdown)
         self._failure: BaseException | None = None  # what failed the last send_weights
         self._sending = threading.Lock()  # held by the one send_weights running
 

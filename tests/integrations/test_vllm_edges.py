@@ -881,3 +881,24 @@ def test_a_round_that_fails_after_shutdown_keeps_its_own_error() -> None:
     be._fail(exc)
     assert be._poison is None
     assert any("shut down during this update" in n for n in exc.__notes__), exc.__notes__
+
+
+def test_a_trainer_engine_dropped_without_shutdown_ends_its_rpc_thread() -> None:
+    import gc
+
+    def rpc_threads() -> int:
+        return sum(t.name == "m2n-async-vllm-rpc" and t.is_alive()
+                   for t in threading.enumerate())
+
+    before = rpc_threads()
+    info = backend.TrainerInitInfo(rank=0, trainer_ranks=1, world_size=2)
+    eng = backend.VLLMTrainerEngine(info=info, client=object(), source=object(),
+                                    trainer=None,  # type: ignore[arg-type]
+                                    store=None, executor=backend._RPCThread("m2n-async-vllm-rpc"))
+    assert rpc_threads() == before + 1
+    del eng
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while rpc_threads() > before:
+        assert time.monotonic() < deadline, "the RPC thread outlived its engine"
+        time.sleep(0.01)
