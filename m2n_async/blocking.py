@@ -613,8 +613,11 @@ class BlockingTrainer(_Blocking[TrainerEngine]):
         deadline of every rank). ``weights`` is read on the engine's loop thread (and a
         callable source is called there) while this thread waits; keep the tensors unchanged
         until this returns. Interrupted: as the coroutine cancelled — before rank 0 published
-        the round nothing happened (READY); during the round this rank aborts it everywhere
-        and is POISONED; the interrupt propagates once that is done.
+        the round nothing happened (READY); during this rank's part of the round it aborts
+        the round everywhere and is POISONED; once its part is done, the round ends as on
+        every other rank (it may commit: READY, the version advanced, its ``SyncResult`` not
+        returned). The interrupt propagates once that is done: read ``version`` and
+        ``state`` to tell which.
         """
         return self.start_sync_weights(weights, version=version, timeout=timeout,
                                        progress=progress).result()
