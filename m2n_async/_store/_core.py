@@ -274,6 +274,9 @@ class StoreCore:
         self._owner: dict[str, Session] = {}
         self._key_waiters: dict[str, set[Waiter]] = {}
         self._prefixes: dict[str, _PrefixTrack] = {}
+        #: how many parked prefixes have each length: a new key looks up its own prefix of
+        #: each such length (``_tracks_of``) instead of testing every parked prefix
+        self._prefix_lens: dict[int, int] = {}
         self._tracked = 0  # keys the tracks' ``keys`` sets hold, together (MAX_TRACKED_KEYS)
         self._watchers: dict[str, set[Waiter]] = {}
         # key -> when it was lost (a sequence number): a waiter watching several lost keys
@@ -506,6 +509,7 @@ class StoreCore:
             track = _PrefixTrack(fresh if within else None, len(fresh))
             self._register(waiter, watch, track=track)  # raises before mutating anything
             self._prefixes[prefix] = track
+            self._prefix_lens[len(prefix)] = self._prefix_lens.get(len(prefix), 0) + 1
             self._tracked += len(fresh) if within else 0
         else:
             self._register(waiter, watch, track=track)
@@ -692,6 +696,11 @@ class StoreCore:
                 track.waiters.discard(waiter)
                 if not track.waiters:
                     del self._prefixes[waiter.prefix]
+                    n = len(waiter.prefix)
+                    if self._prefix_lens[n] == 1:
+                        del self._prefix_lens[n]
+                    else:
+                        self._prefix_lens[n] -= 1
                     self._tracked -= len(track.keys) if track.keys is not None else 0
 
     def _finish(self, waiter: Waiter, *, result: bytes | Snapshot | None = None,
@@ -735,33 +744,45 @@ class StoreCore:
                 elif not waiter.keys_left:
                     self._finish(waiter)
         if self._prefixes:
-            for prefix, track in list(self._prefixes.items()):
-                if key.startswith(prefix):
-                    track.count += 1
-                    if track.keys is not None:
-                        if self._tracked < MAX_TRACKED_KEYS:
-                            track.keys.add(key)
-                            self._tracked += 1
-                        else:  # from now on counted only (MAX_TRACKED_KEYS says why)
-                            self._tracked -= len(track.keys)
-                            track.keys = None
-                    ready = [w for w in track.waiters if w.n <= track.count]
-                    if ready:
-                        snapshot = self._snapshot(self._keys_of(track, prefix), prefix)
-                        for waiter in ready:
-                            if isinstance(snapshot, StoreLimitError):
-                                self._finish(waiter, error=snapshot)
-                            else:
-                                self._finish(waiter, result=snapshot)
+            for prefix, track in self._tracks_of(key):
+                track.count += 1
+                if track.keys is not None:
+                    if self._tracked < MAX_TRACKED_KEYS:
+                        track.keys.add(key)
+                        self._tracked += 1
+                    else:  # from now on counted only (MAX_TRACKED_KEYS says why)
+                        self._tracked -= len(track.keys)
+                        track.keys = None
+                ready = [w for w in track.waiters if w.n <= track.count]
+                if ready:
+                    snapshot = self._snapshot(self._keys_of(track, prefix), prefix)
+                    for waiter in ready:
+                        if isinstance(snapshot, StoreLimitError):
+                            self._finish(waiter, error=snapshot)
+                        else:
+                            self._finish(waiter, result=snapshot)
 
     def _key_removed(self, key: str) -> None:
         if self._prefixes:
-            for prefix, track in self._prefixes.items():
-                if key.startswith(prefix):
-                    track.count -= 1  # it was present: only keys held are removed
-                    if track.keys is not None:
-                        track.keys.discard(key)
-                        self._tracked -= 1
+            for _, track in self._tracks_of(key):
+                track.count -= 1  # it was present: only keys held are removed
+                if track.keys is not None:
+                    track.keys.discard(key)
+                    self._tracked -= 1
+
+    def _tracks_of(self, key: str) -> list[tuple[str, _PrefixTrack]]:
+        """The parked gathers' prefixes that ``key`` starts with, and their tracks: one
+        lookup per distinct prefix length, not one test per parked prefix (a session may
+        park 4,096 gathers, each on its own prefix, and every new key would walk them all).
+        A list: finishing a waiter may drop its track meanwhile."""
+        prefixes, n = self._prefixes, len(key)
+        out = []
+        for length in self._prefix_lens:
+            if length <= n:
+                track = prefixes.get(key[:length])
+                if track is not None:
+                    out.append((key[:length], track))
+        return out
 
     def _maybe_advance_generation(self, key: str, value: bytes) -> None:
         slash = key.find("/")

@@ -102,3 +102,34 @@ def test_parked_gathers_on_nested_prefixes_do_not_each_index_the_store(
     for waiter in waiters:
         core.cancel(waiter)
     assert core._prefixes == {} and core._tracked == 0
+
+
+def test_parked_prefixes_are_found_by_length_exactly_as_by_testing_each() -> None:
+    # A new key looks up its own prefix of each parked length; the gathers it completes and
+    # the counts it moves must be those of testing every parked prefix, as waiters come and
+    # go (a cancel drops a prefix and, with its last one, a length).
+    import random
+
+    rng = random.Random(7)
+    core = StoreCore()
+    s = core.open_session()
+    alphabet = "ab/"
+    parked: dict[str, list] = {}
+    for _ in range(300):
+        prefix = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 5)))
+        parked.setdefault(prefix, []).append(
+            core.begin_gather(s, prefix, 10**6, (), lambda: None))
+    for prefix in rng.sample(sorted(parked), len(parked) // 2):
+        for waiter in parked.pop(prefix):  # its last waiter gone, the prefix goes
+            core.cancel(waiter)
+    assert sorted(core._prefixes) == sorted(parked)
+    assert core._prefix_lens == {n: sum(len(p) == n for p in parked)
+                                 for n in {len(p) for p in parked}}
+    for _ in range(200):
+        key = "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 7)))
+        want = sorted(p for p in core._prefixes if key.startswith(p))
+        assert sorted(p for p, _ in core._tracks_of(key)) == want, key
+        before = {p: core._prefixes[p].count for p in want}
+        had = key in core._data
+        core.set(s, key, b"v")
+        assert all(core._prefixes[p].count == before[p] + (not had) for p in want), key
