@@ -113,6 +113,14 @@ log = logging.getLogger("m2n_async")
 #: How a rank's gone note starts when its data plane failed to connect: its peers raise that
 #: text (``_connect_data_plane``), not the bare loss.
 _CONNECT_NOTE: Final[str] = "connected: "
+#: The steps of a connect, as a ``PhaseTimeoutError`` past its timeout names them (``phase``)
+#: and says them.
+_CONNECT_STEPS: Final[dict[str, str]] = {
+    "claim": "while claiming its rank of the job",
+    "generation": "while joining the job's generation",
+    "handshake": "in the handshake",
+    "data plane": "while connecting the data plane",
+}
 #: The most ranks a job may have: past it, connect refuses at once. Each rank costs every
 #: rank a liveness key and handshake entries built on the event loop, so an absurd
 #: ``world_size`` (a typo, 2**70) would hold the loop past every timeout instead.
@@ -358,7 +366,7 @@ class _Engine:
     async def _connect(self, limit: float | None) -> None:
         c = self.config
         bound = anyio.fail_after(limit) if limit is not None else _no_deadline()
-        step = "claiming its rank of the job"  # what a connect past ``limit`` was doing
+        step = "claim"  # what a connect past ``limit`` was doing (``_CONNECT_STEPS``)
         deadline: anyio.CancelScope | None = None
         try:
             with bound as deadline:
@@ -366,12 +374,12 @@ class _Engine:
                 # opened or joined, while another live process holds this rank of it.
                 self._claim = await claim_rank(self._store, c.job, self.rank,
                                                wait_s=c.phase_timeout)
-                step = "joining the job's generation"
+                step = "generation"
                 # Rank 0 opens a generation; the others join the one its live claim names.
                 self._generation = await join_generation(self._store, c.job, self.rank,
                                                          claim=self._claim,
                                                          wait_s=c.phase_timeout)
-                step = "the handshake"
+                step = "handshake"
                 ns = generation_namespace(c.job, self._generation)
                 self._namespace = ns
                 group = ControlGroup(self._store, self.rank, self.world_size, ns)
@@ -392,7 +400,7 @@ class _Engine:
                 rdv = Rendezvous(self._store, f"{ns}/data/{self._outcome.transport}/",
                                  rank=self.rank, world_size=self.world_size,
                                  timeout=c.phase_timeout, watch=self._watch)
-                step = "connecting the data plane"
+                step = "data plane"
                 await self._connect_data_plane(rdv)
         except BaseException as exc:
             if (limit is not None and type(exc) is TimeoutError and deadline is not None
@@ -438,7 +446,7 @@ class _Engine:
                if missing else "")
         return PhaseTimeoutError(
             f"rank {self.rank}: connect did not complete within its timeout of {limit:.3g} s "
-            f"(the connect's timeout, or connect_timeout), while {step}{who}",
+            f"(the connect's timeout, or connect_timeout), {_CONNECT_STEPS[step]}{who}",
             phase=step, ranks=missing, generation=self._generation or None)
 
     async def _connect_data_plane(self, rdv: Rendezvous) -> None:
