@@ -182,6 +182,10 @@ def test_waiting_on_the_loop_thread_is_refused_and_wedges_nothing(address: str) 
     pending: list[Any] = []
 
     def progress(done: int, total: int) -> None:
+        deadline = time.monotonic() + 10
+        while not pending:  # start_sync_weights has returned on the test's thread
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
         for what, call in (("cancel", pending[0].cancel), ("result", pending[0].result),
                            ("sync", lambda: trainer.sync_weights({"w": _full(2)}))):
             try:
