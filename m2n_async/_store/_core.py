@@ -139,6 +139,18 @@ def _key_bytes(key: str) -> int:
     return len(key) if key.isascii() else len(key.encode())
 
 
+#: What one stored key costs the server beyond its key's and value's bytes (the ``str`` and
+#: ``bytes`` objects and the dict entry; ~85 B measured on CPython 3.11): charged to the byte
+#: quotas, so that ``max_bytes`` bounds the memory of many small keys too (5 million empty
+#: keys took 424 MiB within a 32 MiB quota before it was charged).
+_KEY_ENTRY_COST: Final[int] = 96
+
+
+def _entry_bytes(key: str) -> int:
+    """What a new key costs the byte quotas, besides its value."""
+    return _key_bytes(key) + _KEY_ENTRY_COST
+
+
 #: How many characters of a key an error message quotes. A key may be nearly as long as a
 #: frame, and its repr up to 4x that: an error quoting it whole would not fit a reply frame,
 #: and its client would see a protocol error instead of the refusal.
@@ -291,7 +303,7 @@ class StoreCore:
         self._max_bytes = max_bytes
         self._max_job_bytes = max_job_bytes
         self._max_reply = max_reply
-        self._bytes = 0  # keys and values held, the unit of the quotas
+        self._bytes = 0  # keys and values held (and each key's entry), the quotas' unit
         self._job_bytes: dict[str, int] = {}
 
     # --- introspection (tests, diagnostics) ----------------------------------------------
@@ -313,11 +325,12 @@ class StoreCore:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of keys and values held (what ``max_bytes`` bounds)."""
+        """Bytes of keys and values held, plus ``_KEY_ENTRY_COST`` per key (what
+        ``max_bytes`` bounds)."""
         return self._bytes
 
     def job_bytes(self, job: str) -> int:
-        """Bytes of keys and values held under ``{job}/`` (what ``max_job_bytes`` bounds)."""
+        """As ``nbytes``, of the keys under ``{job}/`` (what ``max_job_bytes`` bounds)."""
         return self._job_bytes.get(job, 0)
 
     # --- sessions ------------------------------------------------------------------------
@@ -597,7 +610,7 @@ class StoreCore:
     def _check_quota(self, key: str, value: bytes) -> None:
         """Raise ``StoreLimitError`` if writing ``key`` would pass a byte quota."""
         old = self._data.get(key)
-        grow = len(value) - (len(old) if old is not None else -_key_bytes(key))
+        grow = len(value) - (len(old) if old is not None else -_entry_bytes(key))
         if grow <= 0:
             return
         if self._max_bytes is not None and self._bytes + grow > self._max_bytes:
@@ -628,7 +641,7 @@ class StoreCore:
         """Pop ``key``'s value, keeping the byte accounting."""
         value = self._data.pop(key, None)
         if value is not None:
-            self._account(key, -(_key_bytes(key) + len(value)))
+            self._account(key, -(_entry_bytes(key) + len(value)))
         return value
 
     def _keys_of(self, track: _PrefixTrack, prefix: str) -> Collection[str]:
@@ -716,7 +729,7 @@ class StoreCore:
         self._check_quota(key, value)
         old = self._data.get(key)
         new = old is None
-        self._account(key, len(value) - (len(old) if old is not None else -_key_bytes(key)))
+        self._account(key, len(value) - (len(old) if old is not None else -_entry_bytes(key)))
         self._data[key] = value
         if self._tombstones.pop(key, None) is not None:
             self._tombstone_bytes -= _key_bytes(key)

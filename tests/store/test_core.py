@@ -133,3 +133,21 @@ def test_parked_prefixes_are_found_by_length_exactly_as_by_testing_each() -> Non
         had = key in core._data
         core.set(s, key, b"v")
         assert all(core._prefixes[p].count == before[p] + (not had) for p in want), key
+
+
+def test_each_key_is_charged_its_entry_so_max_bytes_bounds_many_small_keys() -> None:
+    # Empty values under short keys: each still costs the server ~85 B (objects and dict
+    # entry). Charged at _KEY_ENTRY_COST, 100 kB of quota holds ~1,000 of them, not 20,000.
+    from m2n_async import StoreLimitError
+    from m2n_async._store._core import _KEY_ENTRY_COST
+
+    core = StoreCore(max_bytes=100_000)
+    s = core.open_session()
+    held = 0
+    with pytest.raises(StoreLimitError, match="max_bytes"):
+        for i in range(100_000):
+            core.set(s, f"k{i:04d}", b"")
+            held += 1
+    assert held == 100_000 // (5 + _KEY_ENTRY_COST), held
+    core.delete(s, "k0000")  # a delete gives back what the key was charged
+    assert core.nbytes == (held - 1) * (5 + _KEY_ENTRY_COST)

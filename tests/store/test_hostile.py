@@ -708,7 +708,7 @@ async def test_a_job_counter_key_is_short() -> None:
             assert got.value.limit == "max_counter_key"
             assert await c.add("job/generation", 1) == 1  # a real one is fine
             await c.delete_prefix("")
-            assert server.core.nbytes < 100
+            assert server.core.nbytes < 200  # the counter left: its bytes and its entry
             await c.set("x/data", b"v" * 900_000)
     finally:
         await runner.stop()
