@@ -206,7 +206,8 @@ class StoreServer:
     connections together (default 256 MiB, at least ``2 * max_frame``; it must hold one whole
     frame);
     ``max_bytes`` held by the store and ``max_job_bytes`` by one job (keys and values, plus
-    96 bytes per key for its entry; ``None``: no quota); ``max_connections`` open (default from the process's file limit) of which
+    96 bytes per key for its entry; ``None``: no quota); ``max_connections`` open (default
+    from the process's file limit) of which
     ``max_unauthenticated`` waiting to authenticate, each for at most ``auth_timeout`` s
     (after it, the connection is dropped with an ``auth`` error); a frame must arrive whole within
     ``frame_timeout`` s; a wrong token is answered after ``auth_fail_delay`` s; an idle
