@@ -70,9 +70,9 @@ from m2n_async._engine._sources import (
     _Expect,
     _source_expectations,
     _Sources,
-    is_async_callable,
 )
 from m2n_async._engine._targets import TargetCheck, check_targets, target_expectations
+from m2n_async._integrations.targets import is_async_callable
 from m2n_async._proto.cost import COSTS_ENV, DEFAULT_LANES, cost_inputs, parse_costs
 from m2n_async._proto.errors import (
     EnginePoisonedError,

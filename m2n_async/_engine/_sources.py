@@ -125,12 +125,6 @@ class CallbackInterrupted(Exception):
         return f"{type(self).__name__}({str(self)!r})"
 
 
-def is_async_callable(fn: object) -> bool:
-    """Whether calling ``fn`` returns a coroutine: an ``async def`` (also behind
-    ``functools.partial``) or an object whose ``__call__`` is one."""
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
-
-
 def refuse_awaitable(got: Any, where: str) -> None:
     """Raise the ``TypeError`` for callback ``where`` that returned the awaitable ``got``
     (an async callback whose body has not run), closing a coroutine first so that it is not

@@ -59,6 +59,13 @@ TPStyle = str | int | None | Any
 or a torch ``ParallelStyle`` (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``)."""
 
 
+def is_async_callable(fn: object) -> bool:
+    """Whether calling ``fn`` returns a coroutine: an ``async def`` (also behind
+    ``functools.partial``) or an object whose ``__call__`` is one. Callbacks the engine
+    calls without awaiting (``LoadTarget.load``, ``progress``) must be neither."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
 @dataclass(frozen=True, eq=False)
 class LoadTarget:
     """A destination filled through a callback instead of written in place.
@@ -87,8 +94,7 @@ class LoadTarget:
         object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
         if not callable(self.load):
             raise PlanError(f"LoadTarget.load must be callable, got {type(self.load).__name__}")
-        if inspect.iscoroutinefunction(self.load) or inspect.iscoroutinefunction(
-                type(self.load).__call__):
+        if is_async_callable(self.load):
             # called on a thread and never awaited: the copy would never happen
             raise PlanError(f"LoadTarget.load must be a plain function, got an async one "
                             f"({self.load!r}): it is called on the transport's thread, off "

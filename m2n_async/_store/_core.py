@@ -792,9 +792,10 @@ class StoreCore:
         out = []
         for length in self._prefix_lens:
             if length <= n:
-                track = prefixes.get(key[:length])
+                prefix = key[:length]
+                track = prefixes.get(prefix)
                 if track is not None:
-                    out.append((key[:length], track))
+                    out.append((prefix, track))
         return out
 
     def _maybe_advance_generation(self, key: str, value: bytes) -> None:

@@ -64,6 +64,14 @@ async def _both(trainer: TrainerEngine, worker: WorkerEngine,
     return out["t"], out["w"]
 
 
+def _loaded_by(load: Callable[[str, torch.Tensor], Any]) -> dict[int, dict[str, Any]]:
+    """Worker rank 1's targets: every parameter of ``PLAN`` a ``LoadTarget`` calling
+    ``load``."""
+    return {1: {p.spec.name: LoadTarget(p.dst.local_shape(p.spec.shape, 1),
+                                        getattr(torch, p.spec.dtype), p.dst.placements, load)
+                for p in PLAN.params}}
+
+
 def _failed_for(exc: Any, rank: int, what: str) -> None:
     assert isinstance(exc, TransferError), exc
     assert exc.rank == rank and exc.cause == "error", (exc.rank, exc.cause, str(exc))
@@ -98,11 +106,7 @@ async def test_system_exit_in_a_load_callback_fails_the_round_at_once() -> None:
         seen.append(name)
         raise SystemExit(3)
 
-    targets = {1: {p.spec.name: LoadTarget(p.dst.local_shape(p.spec.shape, 1),
-                                           getattr(torch, p.spec.dtype), p.dst.placements,
-                                           load)
-                   for p in PLAN.params}}
-    (t,), (w,) = await _connect_all(MemoryStore(), PLAN, targets=targets)
+    (t,), (w,) = await _connect_all(MemoryStore(), PLAN, targets=_loaded_by(load))
     try:
         got_t, got_w = await _both(t, w, lambda e: e.sync_weights(source_shards(PLAN, 0, 1)))
         assert isinstance(got_w, SystemExit) and got_w.code == 3
@@ -142,11 +146,7 @@ async def test_a_load_callback_that_returns_an_awaitable_fails_the_round() -> No
     def load(name: str, tensor: torch.Tensor) -> Any:
         return _load_async(name, tensor)
 
-    targets = {1: {p.spec.name: LoadTarget(p.dst.local_shape(p.spec.shape, 1),
-                                           getattr(torch, p.spec.dtype), p.dst.placements,
-                                           load)
-                   for p in PLAN.params}}
-    (t,), (w,) = await _connect_all(MemoryStore(), PLAN, targets=targets)
+    (t,), (w,) = await _connect_all(MemoryStore(), PLAN, targets=_loaded_by(load))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # the coroutine is closed, not left unawaited
