@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import functools
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Final, Literal
 
 from m2n_async._proto.errors import M2NError, PeerLostError, StoreError
@@ -206,6 +206,77 @@ def _generation_of(key: str) -> tuple[str, int] | None:
     return key[:first], int(segment)
 
 
+class _Spaces:
+    """Keys (or prefixes) of jobs, indexed by their space: ``{job}/{segment}``, the key up to
+    its second ``/``, whose segment may be a generation (``_generation_of``). What concerns one
+    job or one space -- a generation's purge, a new prefix's keys -- then reads those keys, not
+    the whole store's: each of a token holder's few bytes of generation-advancing ``add``s
+    otherwise scanned every key held (~0.15 s a request at 200,000 keys).
+
+    A key's space is two ``find``s away; a space's generation is parsed once, when its first
+    key arrives (the hot path of a ``set`` stays a slice, a lookup and a set insert)."""
+
+    __slots__ = ("_jobs", "_keys")
+
+    def __init__(self) -> None:
+        self._keys: dict[str, set[str]] = {}  # space -> its keys
+        self._jobs: dict[str, dict[str, int | None]] = {}  # job -> its spaces -> generation
+
+    def add(self, key: str) -> None:
+        first = key.find("/")
+        if first <= 0:
+            return  # outside every job: found by scanning (``under``)
+        second = key.find("/", first + 1)
+        space = key if second < 0 else key[:second]
+        keys = self._keys.get(space)
+        if keys is None:
+            keys = self._keys[space] = set()
+            where = _generation_of(space)
+            spaces = self._jobs.get(key[:first])
+            if spaces is None:
+                spaces = self._jobs[key[:first]] = {}
+            spaces[space] = None if where is None else where[1]
+        keys.add(key)
+
+    def discard(self, key: str) -> None:
+        first = key.find("/")
+        if first <= 0:
+            return
+        second = key.find("/", first + 1)
+        space = key if second < 0 else key[:second]
+        keys = self._keys.get(space)
+        if keys is None:
+            return
+        keys.discard(key)
+        if not keys:
+            del self._keys[space]
+            spaces = self._jobs[key[:first]]
+            del spaces[space]
+            if not spaces:
+                del self._jobs[key[:first]]
+
+    def older(self, job: str, current: int) -> list[str]:
+        """The keys of ``job``'s generations before ``current``. Reads the job's spaces: a
+        job's ranks hold a few (each generation's, the counters'); one who fills a job with
+        thousands of spaces makes that job's advance read each, not the store's keys."""
+        keys = self._keys
+        return [key for space, generation in self._jobs.get(job, {}).items()
+                if generation is not None and generation < current for key in keys[space]]
+
+    def under(self, prefix: str, every: Iterable[str]) -> Iterable[str]:
+        """The keys that may start with ``prefix`` (a superset: the caller tests each);
+        ``every`` (all keys) for a prefix outside every job."""
+        first = prefix.find("/")
+        if first <= 0:
+            return every
+        second = prefix.find("/", first + 1)
+        if second >= 0:  # the space is closed: its keys, all of them
+            return self._keys.get(prefix[:second], ())
+        keys = self._keys
+        return [key for space in self._jobs.get(prefix[:first], {}) if space.startswith(prefix)
+                for key in keys[space]]
+
+
 class Session:
     """One client of the store (one TCP connection, or one ``MemoryStore`` handle)."""
 
@@ -286,6 +357,8 @@ class StoreCore:
         self._owner: dict[str, Session] = {}
         self._key_waiters: dict[str, set[Waiter]] = {}
         self._prefixes: dict[str, _PrefixTrack] = {}
+        # the keys of _data, _key_waiters and _prefixes by job and generation (_Spaces)
+        self._held, self._waited, self._parked = _Spaces(), _Spaces(), _Spaces()
         #: how many parked prefixes have each length: a new key looks up its own prefix of
         #: each such length (``_tracks_of``) instead of testing every parked prefix
         self._prefix_lens: dict[int, int] = {}
@@ -462,7 +535,8 @@ class StoreCore:
         self._check_key(prefix, prefix=True)
         # The job's counters and claims are not ordinary keys: deleting a whole job's prefix must
         # not reset its generation (a stale rank's writes would be accepted again).
-        doomed = [k for k in self._data if k.startswith(prefix) and _protection(k) is None]
+        doomed = [k for k in self._held.under(prefix, self._data)
+                  if k.startswith(prefix) and _protection(k) is None]
         for key in doomed:
             self._remove(key)
         return len(doomed)
@@ -507,7 +581,8 @@ class StoreCore:
         track = self._prefixes.get(prefix)
         present: Collection[str]
         if track is None:
-            fresh = present = {k for k in self._data if k.startswith(prefix)}
+            fresh = present = {k for k in self._held.under(prefix, self._data)
+                               if k.startswith(prefix)}
         else:
             fresh, present = None, self._keys_of(track, prefix)
         if len(present) >= n:
@@ -522,6 +597,7 @@ class StoreCore:
             track = _PrefixTrack(fresh if within else None, len(fresh))
             self._register(waiter, watch, track=track)  # raises before mutating anything
             self._prefixes[prefix] = track
+            self._parked.add(prefix)
             self._prefix_lens[len(prefix)] = self._prefix_lens.get(len(prefix), 0) + 1
             self._tracked += len(fresh) if within else 0
         else:
@@ -642,13 +718,14 @@ class StoreCore:
         value = self._data.pop(key, None)
         if value is not None:
             self._account(key, -(_entry_bytes(key) + len(value)))
+            self._held.discard(key)
         return value
 
     def _keys_of(self, track: _PrefixTrack, prefix: str) -> Collection[str]:
         """The keys present under ``track``'s prefix (``prefix``)."""
         if track.keys is not None:
             return track.keys
-        return [k for k in self._data if k.startswith(prefix)]
+        return [k for k in self._held.under(prefix, self._data) if k.startswith(prefix)]
 
     def _snapshot(self, keys: Collection[str], prefix: str) -> Snapshot | StoreLimitError:
         """The gather result for ``keys``, or the error if it would pass ``max_reply``."""
@@ -687,7 +764,11 @@ class StoreCore:
         waiter.cost = cost
         session.waiter_bytes += cost
         for key in waiter.keys_left:
-            self._key_waiters.setdefault(key, set()).add(waiter)
+            waiting = self._key_waiters.get(key)
+            if waiting is None:
+                waiting = self._key_waiters[key] = set()
+                self._waited.add(key)
+            waiting.add(waiter)
         if track is not None:
             track.waiters.add(waiter)
         for key in waiter.watch:
@@ -700,7 +781,8 @@ class StoreCore:
         waiter.session.waiter_bytes -= waiter.cost
         waiter.cost = 0
         for key in waiter.keys_left:
-            _discard(self._key_waiters, key, waiter)
+            if _discard(self._key_waiters, key, waiter):
+                self._waited.discard(key)
         for key in waiter.watch:
             _discard(self._watchers, key, waiter)
         if waiter.kind == "gather":
@@ -709,6 +791,7 @@ class StoreCore:
                 track.waiters.discard(waiter)
                 if not track.waiters:
                     del self._prefixes[waiter.prefix]
+                    self._parked.discard(waiter.prefix)
                     n = len(waiter.prefix)
                     if self._prefix_lens[n] == 1:
                         del self._prefix_lens[n]
@@ -734,6 +817,7 @@ class StoreCore:
         if self._tombstones.pop(key, None) is not None:
             self._tombstone_bytes -= _key_bytes(key)
         if new:
+            self._held.add(key)
             self._key_added(key)
         self._maybe_advance_generation(key, value)
 
@@ -748,7 +832,8 @@ class StoreCore:
 
     def _key_added(self, key: str) -> None:
         waiters = self._key_waiters.pop(key, None)
-        if waiters:
+        if waiters is not None:
+            self._waited.discard(key)
             value = self._data[key]
             for waiter in list(waiters):
                 waiter.keys_left.discard(key)
@@ -813,19 +898,14 @@ class StoreCore:
         self._purge_stale(job, generation)
 
     def _purge_stale(self, job: str, current: int) -> None:
-        def stale(k: str) -> bool:
-            where = _generation_of(k)
-            return where is not None and where[0] == job and where[1] < current
-
-        for key in [k for k in self._data if stale(k)]:
+        # Through the indexes: the job's older generations only, never a scan of the store.
+        for key in self._held.older(job, current):
             self._remove(key)
         doomed: list[tuple[Waiter, str]] = []
-        for key, waiters in self._key_waiters.items():
-            if stale(key):
-                doomed.extend((w, key) for w in waiters)
-        for prefix, track in self._prefixes.items():
-            if stale(prefix):
-                doomed.extend((w, prefix) for w in track.waiters)
+        for key in self._waited.older(job, current):
+            doomed.extend((w, key) for w in self._key_waiters[key])
+        for prefix in self._parked.older(job, current):
+            doomed.extend((w, prefix) for w in self._prefixes[prefix].waiters)
         for waiter, key in doomed:
             gen = _generation_of(key)
             self._finish(waiter, error=StaleGenerationError(
@@ -834,9 +914,12 @@ class StoreCore:
                 current=current))
 
 
-def _discard(index: dict[str, set[Waiter]], key: str, waiter: Waiter) -> None:
+def _discard(index: dict[str, set[Waiter]], key: str, waiter: Waiter) -> bool:
+    """Drop ``waiter`` from ``index[key]``; True when that emptied (and removed) the entry."""
     bucket = index.get(key)
     if bucket is not None:
         bucket.discard(waiter)
         if not bucket:
             del index[key]
+            return True
+    return False
