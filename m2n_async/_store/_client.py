@@ -42,7 +42,7 @@ from m2n_async._proto.errors import (
     StoreError,
 )
 from m2n_async._store import _auth
-from m2n_async._store._core import StaleGenerationError, StoreLimitError
+from m2n_async._store._core import StaleGenerationError, StoreLimitError, check_request_keys
 from m2n_async._store._sockets import parse_address, running_loop, tune_socket
 from m2n_async._store._wire import (
     DEFAULT_MAX_FRAME,
@@ -311,6 +311,7 @@ class StoreClient:
 
         Cancellation: safe at any point; a waiting request is withdrawn on the server.
         """
+        check_request_keys("get", watch)
         reply = await self._call(Get(self._rid(), key, wait, tuple(watch)), Value,
                                  blocking=wait)
         return reply.value
@@ -320,6 +321,7 @@ class StoreClient:
 
         Cancellation: safe at any point; the request is withdrawn on the server.
         """
+        check_request_keys("wait", keys, watch)
         await self._call(Wait(self._rid(), tuple(keys), tuple(watch)), Ok, blocking=True)
 
     async def add(self, key: str, delta: int = 1) -> int:
@@ -359,6 +361,7 @@ class StoreClient:
 
         Cancellation: safe at any point; the request is withdrawn on the server.
         """
+        check_request_keys("gather", watch)
         reply = await self._call(Gather(self._rid(), prefix, n, tuple(watch)), Items,
                                  blocking=True)
         return reply.items
@@ -370,6 +373,7 @@ class StoreClient:
 
         Cancellation: the set (and delete) may have happened; the gather is withdrawn.
         """
+        check_request_keys("exchange", watch)
         reply = await self._call(Exchange(self._rid(), key, bytes(value), delete, prefix, n,
                                           tuple(watch)), Items, blocking=True)
         return reply.items

@@ -55,7 +55,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Final, Literal
 
 from m2n_async._proto.errors import M2NError, PeerLostError, StoreError
-from m2n_async._store._wire import DEFAULT_MAX_FRAME
+from m2n_async._store._wire import DEFAULT_MAX_FRAME, MAX_REQUEST_KEYS
 
 __all__ = [
     "GENERATION_SUFFIX",
@@ -275,6 +275,18 @@ class _Spaces:
         keys = self._keys
         return [key for space in self._jobs.get(prefix[:first], {}) if space.startswith(prefix)
                 for key in keys[space]]
+
+
+def check_request_keys(op: str, *lists: Sequence[str]) -> None:
+    """Refuse a request listing more than ``MAX_REQUEST_KEYS`` keys in one list (its keys or
+    its watch): the same ``StoreLimitError`` from ``MemoryStore``, from the server and from
+    ``StoreClient`` before it sends (whose server would otherwise drop the connection on a
+    frame it may not decode)."""
+    for keys in lists:
+        if len(keys) > MAX_REQUEST_KEYS:
+            raise StoreLimitError(
+                f"{op}: {len(keys)} keys in one list, past the store's limit of "
+                f"{MAX_REQUEST_KEYS} a request", limit="max_request_keys")
 
 
 class Session:
@@ -547,6 +559,7 @@ class StoreCore:
                   notify: Callable[[], None]) -> Waiter:
         """Wait for ``key`` to exist; result: its value."""
         self._check_live(session)
+        check_request_keys("get", watch)
         self._check_key(key)
         waiter = Waiter(session, "get", notify)
         value = self._data.get(key)
@@ -560,6 +573,7 @@ class StoreCore:
                    notify: Callable[[], None]) -> Waiter:
         """Wait until every key of ``keys`` has been set (each seen once is enough)."""
         self._check_live(session)
+        check_request_keys("wait", keys, watch)
         for key in keys:
             self._check_key(key)
         waiter = Waiter(session, "wait", notify)
@@ -573,6 +587,7 @@ class StoreCore:
                      notify: Callable[[], None]) -> Waiter:
         """Wait until at least ``n`` keys exist under ``prefix``; result: all of them."""
         self._check_live(session)
+        check_request_keys("gather", watch)
         self._check_key(prefix, prefix=True)
         if n < 0:
             raise StoreError(f"gather {_quote(prefix)}: n must be >= 0, got {n}")
@@ -620,6 +635,7 @@ class StoreCore:
         already have completed other sessions' waits, which nothing could take back.
         """
         self._check_live(session)
+        check_request_keys("exchange", watch)
         self._check_key(key)
         self._check_key(prefix, prefix=True)
         if delete is not None:

@@ -47,6 +47,7 @@ __all__ = [
     "FrameReader",
     "Gather",
     "Get",
+    "MAX_REQUEST_KEYS",
     "Int",
     "Items",
     "ItemsRaw",
@@ -70,6 +71,12 @@ Rid = Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
 Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 Nonce = Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)]
 Mac = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
+#: The most keys one request may list (a ``wait``'s keys, a ``watch``): enough for a watch of
+#: every rank's liveness key at the engine's largest world (2**17) and a bell. A frame of
+#: short keys decodes to ~20x its size; checked by msgspec from the list's header, before any
+#: key is decoded, so at most this many (~7.5 MB of objects) are built from one list.
+MAX_REQUEST_KEYS: Final[int] = 1 << 18
+Keys = Annotated[tuple[str, ...], msgspec.Meta(max_length=MAX_REQUEST_KEYS)]
 
 
 class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True, tag=True):
@@ -118,13 +125,13 @@ class Get(_Msg, frozen=True):
     rid: Rid
     key: str
     wait: bool = False
-    watch: tuple[str, ...] = ()
+    watch: Keys = ()
 
 
 class Wait(_Msg, frozen=True):
     rid: Rid
-    keys: tuple[str, ...]
-    watch: tuple[str, ...] = ()
+    keys: Keys
+    watch: Keys = ()
 
 
 class Add(_Msg, frozen=True):
@@ -155,7 +162,7 @@ class Gather(_Msg, frozen=True):
     rid: Rid
     prefix: str
     n: Annotated[int, msgspec.Meta(ge=0, le=2**31)]
-    watch: tuple[str, ...] = ()
+    watch: Keys = ()
 
 
 class Exchange(_Msg, frozen=True):
@@ -167,7 +174,7 @@ class Exchange(_Msg, frozen=True):
     delete: str | None
     prefix: str
     n: Annotated[int, msgspec.Meta(ge=0, le=2**31)]
-    watch: tuple[str, ...] = ()
+    watch: Keys = ()
 
 
 class Cancel(_Msg, frozen=True):

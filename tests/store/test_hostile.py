@@ -866,3 +866,56 @@ async def test_a_refusal_naming_a_key_nearly_a_frame_long_fits_a_frame(case: str
         await healthy(server)
     finally:
         await runner.stop()
+
+
+async def test_a_request_listing_too_many_keys_is_refused_before_they_are_decoded() -> None:
+    # Short keys decode to ~20x their bytes on the wire; msgspec checks a list's length from
+    # its header, so a frame listing past MAX_REQUEST_KEYS costs its connection, not memory.
+    from m2n_async._store._wire import MAX_REQUEST_KEYS, Wait
+
+    runner = RunningServer()
+    server = await runner.start()
+    try:
+        raw = await Raw.open(server, authenticate=True)
+        raw.send(Wait(1, ("k",) * (MAX_REQUEST_KEYS + 1)))
+        last = await raw.last()
+        assert isinstance(last, Error) and last.kind == "protocol", last
+        assert f"length <= {MAX_REQUEST_KEYS}" in last.message, last
+        assert server.core.pending_waiters == 0
+        await healthy(server)
+    finally:
+        await runner.stop()
+
+
+@pytest.mark.parametrize("kind", ["memory", "tcp"])
+async def test_too_many_keys_in_one_list_is_a_limit_error_on_every_store(kind: str) -> None:
+    # The same refusal from MemoryStore and from StoreClient (before it sends: its server
+    # would drop the connection), naming the limit; the session stays usable.
+    from m2n_async._engine._engine import MAX_WORLD_SIZE
+    from m2n_async._store._wire import MAX_REQUEST_KEYS
+
+    assert MAX_REQUEST_KEYS > MAX_WORLD_SIZE  # a watch of every rank's liveness key fits
+    runner = RunningServer()
+    server = await runner.start()
+    try:
+        store = (MemoryStore() if kind == "memory"
+                 else await StoreClient.connect(server.address, token=TOKEN))
+        many = [f"k/{i}" for i in range(MAX_REQUEST_KEYS + 1)]
+        calls = {
+            "wait": lambda: store.wait(many),
+            "wait watch": lambda: store.wait(["k/a"], watch=many),
+            "get": lambda: store.get("k/a", wait=True, watch=many),
+            "gather": lambda: store.gather("k/", 1, watch=many),
+            "exchange": lambda: store.exchange("k/x", b"v", "k/", 5, watch=many),
+        }
+        for what, call in calls.items():
+            with pytest.raises(StoreLimitError, match=f"past the store's limit of "
+                               f"{MAX_REQUEST_KEYS}") as got:
+                await call()
+            assert got.value.limit == "max_request_keys", what
+        assert await store.get("k/x") is None  # the refused exchange wrote nothing
+        await store.set("k/a", b"v")
+        await store.wait(["k/a"], watch=many[:1000])
+        await store.aclose()
+    finally:
+        await runner.stop()
