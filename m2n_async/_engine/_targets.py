@@ -32,6 +32,10 @@ bucket that failed is checked again in the round, where it fails the round as ab
 nothing fails before the round, which the trainers would otherwise wait out. A target
 changed by another thread or task while ``receive`` runs is a race with the round whichever
 pass runs: change targets between rounds.
+
+Targets must not share memory (connect's ``_check_disjoint``). New storage may: when an
+address ``precheck`` read has moved, it runs that check again over the targets as they are,
+and a round fails with its ``PlanError`` naming both parameters (``_check_overlap``).
 """
 
 from __future__ import annotations
@@ -192,6 +196,11 @@ class TargetCheck:
         self._prechecked_at: float | None = None
         #: the chunks that passed, re-checked next round by one C call (``_sources.Recheck``)
         self._recheck = Recheck()
+        #: ``_passed`` when the targets were last found not to share memory (connect checked
+        #: the first storage; ``precheck`` checks again when an address moved), and what the
+        #: check found then: a round fails with it (``__call__``)
+        self._disjoint_at: dict[int, list[int]] | None = None
+        self._overlap: PlanError | None = None
 
     def _tables(self, start: int, stop: int, sinks: SinkMap) -> list[_Chunk]:
         got = self._chunks.get((start, stop))
@@ -225,7 +234,26 @@ class TargetCheck:
         for bucket in buckets:
             if await self._fast(bucket):
                 self._passed[bucket.index] = list(map(data_ptr, self._flat_of(bucket)[1]))
+        if len(self._passed) == len(buckets) and self._passed != self._disjoint_at:
+            self._check_overlap()
         self._prechecked_at = time.monotonic()
+
+    def _check_overlap(self) -> None:
+        """Targets given new storage since connect may share it (``b.data = a.data``, two
+        parameters tied after connect): connect's check (``_check_disjoint``) again, over the
+        targets as they are, when an address moved; its error fails the next round. Only
+        then: a list compare a round otherwise (the addresses ``precheck`` read anyway)."""
+        declared: list[Any] = [None] * len(self._plan.params)
+        for flat in self._flat.values():
+            for i, t in zip(*flat, strict=True):
+                declared[i] = t
+        try:
+            _check_disjoint(self._plan, declared)
+        except PlanError as exc:
+            self._overlap = PlanError(f"{exc} (the targets changed after connect)")
+        else:
+            self._overlap = None
+            self._disjoint_at = dict(self._passed)  # __call__ pops from _passed
 
     def _flat_of(self, bucket: Bucket) -> tuple[tuple[int, ...], tuple[Any, ...]]:
         """The bucket's in-place targets, flat: their plan indices and the tensors (built
@@ -251,6 +279,8 @@ class TargetCheck:
         longer has its planned dtype, local shape, contiguity or device. A bucket that passed
         ``precheck`` just before the round is only looked at for targets given new storage
         since (their addresses: a quarter of the pass's cost); one that did is checked."""
+        if self._overlap is not None:
+            raise self._overlap
         seen = self._passed.pop(bucket.index, None)  # a verdict serves one round
         if seen is not None:
             params, ts = self._flat_of(bucket)

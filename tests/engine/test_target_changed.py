@@ -363,3 +363,30 @@ async def test_the_lane_takes_the_addresses_the_round_check_read(
     else:
         assert len(handed) == 1  # not round 2's: the lane read the new address and rebuilt
         assert reads.count(target) == 3
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("how", ["same storage", "overlapping view"])
+async def test_targets_made_to_share_memory_after_connect_fail_the_next_round(how: str) -> None:
+    # Connect refuses two targets sharing memory; one given the other's storage later
+    # (``b.data = a.data``: parameters tied after connect) fails the next round on every
+    # rank naming both, as at connect, instead of committing whichever landed last.
+    plan = make_plan([("a", (12, 6), torch.float32, None, None),
+                      ("b", (12, 6), torch.float32, None, None)], (1, 1), (1, 1))
+    trainers, workers = await _connect_all(MemoryStore(), plan)
+    try:
+        await _round(trainers, workers, lambda e: e.sync_weights(source_shards(plan, 0, 1)))
+        a, b = (workers[0]._sinks[n].tensor for n in "ab")
+        with torch.no_grad():
+            if how == "same storage":
+                b.data = a.data
+            else:  # rows 0..11 and 1..12 of one 13-row buffer
+                base = torch.zeros(13, 6)
+                a.data, b.data = base[:12], base[1:]
+        with pytest.raises(BaseExceptionGroup) as info:  # both sides raise it
+            await _round(trainers, workers, lambda e: e.sync_weights(source_shards(plan, 0, 2)))
+        assert info.group_contains(TransferError, match="parameters 'a' and 'b' share memory")
+        assert info.group_contains(TransferError, match="the targets changed after connect")
+        assert workers[0].version == 1
+    finally:
+        await _close(*trainers, *workers)
