@@ -59,6 +59,12 @@ class _DropTransport:
     def is_closing(self) -> bool:
         return False
 
+    def pause_reading(self) -> None:  # a turn's end (_TURN_S): the frames are fed by hand
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
 
 async def _per_call(fn: Callable[[], Awaitable[object]], calls: int) -> float:
     for _ in range(min(calls // 10, 1000)):  # warm-up

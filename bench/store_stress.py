@@ -7,7 +7,7 @@ The server runs in its own process (default limits, except ``frame_timeout=2`` s
 partial-frame attack ends within the run; its open-files limit is 1,024, as on a default
 Linux box). For each attack the bench samples the server's RSS (peak growth over the attack)
 and its open file descriptors, and runs a well-behaved client in a third process that times
-its connect and then its ``get`` round trips throughout (p50, p99). Attacks:
+its connect and then its ``get`` round trips throughout (p50, p99, max). Attacks:
 
 - ``idle``: 900 authenticated connections that send nothing (the open-files limit allows
   ~960); the server's RSS growth once they are open, per connection.
@@ -26,6 +26,9 @@ its connect and then its ``get`` round trips throughout (p50, p99). Attacks:
 - ``guess``: wrong-token attempts from 200 concurrent connections (answered / s).
 - ``backlog``: 400 simultaneous connects (p90 of connect-to-challenge).
 - ``counter``: ``delete_prefix("job/")`` then ``next_generation`` (must not reuse 1).
+- ``scans``: 100,000 keys outside every job, then one write of 400 pipelined ``gather``s,
+  each on a new prefix outside every job (each scans every key: ~5 ms); how long they took
+  in all. The legit client's longest round trip shows whether it was served between them.
 
 A default run (both loops) takes about two and a half minutes on a 2-core machine.
 """
@@ -51,6 +54,7 @@ from m2n_async._store._wire import (
     STORE_PROTO_VERSION,
     ClientAuth,
     FrameReader,
+    Gather,
     Get,
     ServerMessage,
     encode_frame,
@@ -94,7 +98,8 @@ def legit(address: str, seconds: float) -> None:
                 await asyncio.sleep(0.002)
         lat.sort()
         print(json.dumps({"connect_ms": connect_ms, "p50_ms": lat[len(lat) // 2],
-                          "p99_ms": lat[int(len(lat) * 0.99)], "calls": len(lat)}), flush=True)
+                          "p99_ms": lat[int(len(lat) * 0.99)], "max_ms": lat[-1],
+                          "calls": len(lat)}), flush=True)
 
     asyncio.run(main())
 
@@ -407,6 +412,30 @@ async def attack_counter(address: str) -> dict[str, object]:
     return {"generation_after_delete_prefix": f"{first} -> {second}"}
 
 
+SCAN_KEYS = 100_000
+SCAN_REQUESTS = 400
+
+
+async def attack_scans(address: str) -> dict[str, object]:
+    async with await StoreClient.connect(address, token=TOKEN) as c:
+        for i in range(SCAN_KEYS):
+            await c.set(f"fill{i}", b"", ack=False)
+        await c.flush()
+        await asyncio.sleep(0.5)
+        reader, writer = await raw(address, token=TOKEN)
+        frames: FrameReader[ServerMessage] = FrameReader(ServerMessage)  # type: ignore[arg-type]
+        t = time.perf_counter()
+        writer.write(b"".join(encode_frame(Gather(rid, f"zz{rid}", 0))
+                              for rid in range(1, SCAN_REQUESTS + 1)))
+        for _ in range(SCAN_REQUESTS):
+            await _next(reader, frames)
+        took = time.perf_counter() - t
+        writer.close()
+        await c.delete_prefix("fill")
+    return {"scanning_requests": SCAN_REQUESTS, "keys": SCAN_KEYS,
+            "scans_took_s": round(took, 2)}
+
+
 # --- driver --------------------------------------------------------------------------------
 
 
@@ -443,6 +472,7 @@ async def _attacks(address: str, pid: int, seconds: float, only: set[str] | None
         "guess": lambda: attack_guess(address, seconds),
         "backlog": lambda: attack_backlog(address),
         "counter": lambda: attack_counter(address),
+        "scans": lambda: attack_scans(address),
     }
     results: dict[str, dict[str, object]] = {}
     for name, attack in attacks.items():

@@ -148,6 +148,10 @@ _RESERVED_FDS = 64  # file descriptors max_connections leaves to the rest of the
 # What a transport that has not paused us may hold: asyncio's and uvloop's write buffers pause
 # the protocol past 64 KiB by default; this leaves a margin. Below it no reply needs measuring.
 _UNPAUSED_MAX = 256 * 1024
+# How long one connection's requests run back to back before the others get a turn: the
+# requests of one read (up to 64 KiB of them, pipelined) would otherwise all run before any
+# other client's, and the store may share its event loop with trainer rank 0's engine.
+_TURN_S = 0.002
 #: Store-wide budget of bytes held for partly received frames (``max_partial_bytes``) by
 #: default: 16 frames of the default ``max_frame`` parked at once. Real clients' frames are
 #: small and arrive whole; a big ``set`` is in flight for milliseconds.
@@ -538,6 +542,7 @@ class _ServerProtocol(asyncio.BufferedProtocol):
         self._session: Session | None = None
         self._pending: dict[int, Waiter] = {}
         self._paused = False  # the client is not reading: stop executing its requests
+        self._yielded = False  # its turn is over (_TURN_S): reading resumes next loop turn
         self._closing = False
         self._rejected = False  # wrong token: its answer is delayed, nothing more is read
         self._deadline: asyncio.TimerHandle | None = None  # auth, then the wrong-token answer
@@ -648,6 +653,23 @@ class _ServerProtocol(asyncio.BufferedProtocol):
     def _resume(self) -> None:
         self.data_received(b"")
 
+    def _yield_turn(self) -> None:
+        """Stop executing this connection's requests until the loop's next turn, so that the
+        other connections' reads (and the loop's other callbacks) run between its slices:
+        its reads pause; what it already sent stays parsed and waits (``_end_turn``)."""
+        self._yielded = True
+        if self._transport is not None:
+            self._transport.pause_reading()
+        asyncio.get_running_loop().call_soon(self._end_turn)
+
+    def _end_turn(self) -> None:
+        self._yielded = False
+        if self._closing or self._rejected or self._paused:
+            return  # resume_writing resumes reading and executing (as it would have)
+        if self._transport is not None:
+            self._transport.resume_reading()
+        self.data_received(b"")
+
     # --- the connection's logic (synchronous) --------------------------------------------
 
     def abort(self) -> None:
@@ -655,7 +677,13 @@ class _ServerProtocol(asyncio.BufferedProtocol):
             self._transport.abort()
 
     def _process(self) -> None:
-        while not self._paused and not self._closing:
+        turn_ends = time.perf_counter() + _TURN_S
+        first = True  # at least one request a turn, however short the turn
+        while not self._paused and not self._closing and not self._yielded:
+            if not first and time.perf_counter() > turn_ends:
+                self._yield_turn()
+                return
+            first = False
             msg = self._reader.next_message()
             if msg is None:
                 return

@@ -919,3 +919,38 @@ async def test_too_many_keys_in_one_list_is_a_limit_error_on_every_store(kind: s
         await store.aclose()
     finally:
         await runner.stop()
+
+
+async def test_a_connections_pipelined_requests_take_turns_with_the_others(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The requests of one read ran back to back: 64 KiB of slow ones held every other client.
+    # Past _TURN_S (here 0: one request a turn) a connection yields to the loop's next turn;
+    # its own requests still run, and are answered, in order.
+    from m2n_async._store import _server
+
+    monkeypatch.setattr(_server, "_TURN_S", 0.0)
+    order: list[tuple[str, int]] = []
+    execute = _ServerProtocol._execute
+
+    def logged(self: _ServerProtocol, session: object, msg: object) -> object:
+        order.append(("b" if getattr(msg, "key", "") == "b/k" else "a", msg.rid))  # type: ignore[attr-defined]
+        return execute(self, session, msg)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_ServerProtocol, "_execute", logged)
+    runner = RunningServer()
+    server = await runner.start()
+    try:
+        a = await Raw.open(server, authenticate=True)
+        b = await Raw.open(server, authenticate=True)
+        a.writer.write(b"".join(encode_frame(Set(rid, f"a/{rid}", b"v"))
+                                for rid in range(1, 51)))
+        b.send(Get(1, "b/k"))
+        replies = [await a.read() for _ in range(50)]
+        assert [r.rid for r in replies] == list(range(1, 51))  # type: ignore[union-attr]
+        assert isinstance(await b.read(), Value)
+        assert sorted(order) == sorted([("a", r) for r in range(1, 51)] + [("b", 1)])
+        assert order.index(("b", 1)) < 50, order  # served between a's requests
+        assert [rid for who, rid in order if who == "a"] == list(range(1, 51))
+        await healthy(server)
+    finally:
+        await runner.stop()
