@@ -385,10 +385,16 @@ class _PendingConnect(Pending[B]):
             return self._wrapped
         try:
             engine = super().result(timeout)
-        except TimeoutError:
-            if not self.done():
+        except TimeoutError as exc:
+            future = self._future
+            if not future.done():
                 raise  # still connecting
-            self._finalizer.detach()
+            if future.cancelled() or future.exception() is not exc:
+                # The wait expired, then the connect finished before this line: its outcome
+                # (an engine to wrap, or its error), not a timeout with the loop closed
+                # under the engine it made.
+                return self.result(0)
+            self._finalizer.detach()  # the connect's own TimeoutError (PhaseTimeoutError)
             self._loop.close()
             raise
         except BaseException:

@@ -225,3 +225,46 @@ async def test_a_blocking_call_inside_a_running_loop_warns_at_the_callers_line(
         BlockingTrainer.connect(address, token=TOKEN, rank=3, trainer_ranks=1,
                                 world_size=2, params=[spec], config=CFG)
     assert seen[0].filename == __file__, seen[0].filename
+
+
+class _LateFuture:
+    """A test double of the connect's future: its first timed wait expires just as the
+    connect completes (the future is done when the ``TimeoutError`` is seen)."""
+
+    def __init__(self, real: Any) -> None:
+        self._real, self._first = real, True
+
+    def result(self, timeout: float | None = None) -> Any:
+        if self._first and timeout is not None:
+            self._first = False
+            self._real.exception()  # waits until it finished
+            raise TimeoutError  # the wait's own expiry, raced by the completion
+        return self._real.result(timeout)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+def test_a_connect_that_finishes_as_its_wait_expires_is_handed_out(address: str) -> None:
+    # result(timeout) must not take that race for the connect's own TimeoutError: that
+    # closed the loop under the engine just made (its peers saw it lost, and a later
+    # result() wrapped an engine whose loop was gone).
+    spec = ParamSpec("w", torch.float32, SHAPE, Layout(Mesh((1, 1)), None))
+    target = torch.zeros(SHAPE)
+    config = dataclasses.replace(CFG, job="blocking-late-connect")
+    pending = BlockingTrainer.start_connect(address, token=TOKEN, rank=0, trainer_ranks=1,
+                                           world_size=2, params=[spec], config=config)
+    pending._future = _LateFuture(pending._future)  # type: ignore[attr-defined]
+    with ThreadPoolExecutor(1) as ex:
+        fw = ex.submit(BlockingWorker.connect, address, token=TOKEN, rank=1, trainer_ranks=1,
+                       world_size=2, targets={"w": (target, None)}, config=config)
+        trainer = pending.result(timeout=30)
+        worker = fw.result(60)
+    with trainer, worker:
+        assert trainer.state is EngineState.READY
+        assert pending.result() is trainer
+        with ThreadPoolExecutor(1) as ex:
+            got = ex.submit(worker.receive)
+            assert trainer.sync_weights({"w": _full(1)}).version == 1
+            assert got.result(30).version == 1
+        assert torch.equal(target, _full(1))
