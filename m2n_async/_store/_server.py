@@ -601,10 +601,13 @@ class _ServerProtocol(asyncio.BufferedProtocol):
                     raise RemoteProtocolError(
                         f"store client sent {self._reader.buffered} bytes of a frame before "
                         f"authenticating (at most {_AUTH_MAX_PENDING} are held until then)")
-                if newer and self._frame_deadline is not None:
+                # A newer frame's clock starts now; while the connection's turn is over
+                # (_yield_turn) the server, not the client, holds its bytes back: none runs.
+                if (newer or self._yielded) and self._frame_deadline is not None:
                     self._frame_deadline.cancel()
                     self._frame_deadline = None
-                if self._frame_deadline is None and self._session is not None:
+                if (self._frame_deadline is None and self._session is not None
+                        and not self._yielded):
                     self._frame_deadline = asyncio.get_running_loop().call_later(
                         self._server._frame_timeout, self._frame_expired)
             elif self._frame_deadline is not None:
@@ -673,6 +676,7 @@ class _ServerProtocol(asyncio.BufferedProtocol):
     # --- the connection's logic (synchronous) --------------------------------------------
 
     def abort(self) -> None:
+        self._closing = True  # a turn queued (_end_turn, _resume) must not run on after it
         if self._transport is not None:
             self._transport.abort()
 

@@ -26,6 +26,7 @@ from m2n_async._store._core import (
     Snapshot,
     StoreCore,
     Waiter,
+    check_request_keys,
 )
 from m2n_async._store._wire import DEFAULT_MAX_FRAME
 
@@ -72,6 +73,7 @@ class MemoryStore:
         await checkpoint()
         self._check()
         if not wait:
+            check_request_keys("get", watch)  # refused as StoreClient refuses it: a wire limit
             return self.core.get(self._session, key)
         result = await self._block(lambda notify: self.core.begin_get(
             self._session, key, tuple(watch), notify))

@@ -905,6 +905,7 @@ async def test_too_many_keys_in_one_list_is_a_limit_error_on_every_store(kind: s
             "wait": lambda: store.wait(many),
             "wait watch": lambda: store.wait(["k/a"], watch=many),
             "get": lambda: store.get("k/a", wait=True, watch=many),
+            "get, not waiting": lambda: store.get("k/a", watch=many),  # a wire limit still
             "gather": lambda: store.gather("k/", 1, watch=many),
             "exchange": lambda: store.exchange("k/x", b"v", "k/", 5, watch=many),
         }
@@ -954,3 +955,64 @@ async def test_a_connections_pipelined_requests_take_turns_with_the_others(
         await healthy(server)
     finally:
         await runner.stop()
+
+
+async def test_a_backlog_the_server_defers_is_not_timed_as_a_slow_frame(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A client that sent every byte at once, whose requests the server runs a turn at a
+    # time (_TURN_S, here 0), must not be dropped for frame_timeout: while its turn is over
+    # the server, not the client, holds the rest of its frame back, so no deadline runs.
+    from m2n_async._store import _server
+
+    monkeypatch.setattr(_server, "_TURN_S", 0.0)
+    timed_while_deferred: list[int] = []
+    received = _ServerProtocol.data_received
+
+    def watched(self: _ServerProtocol, data: bytes | memoryview) -> None:
+        received(self, data)
+        if self._yielded and self._frame_deadline is not None:
+            timed_while_deferred.append(self._reader.buffered)
+
+    monkeypatch.setattr(_ServerProtocol, "data_received", watched)
+    runner = RunningServer()
+    server = await runner.start()
+    try:
+        raw = await Raw.open(server, authenticate=True)
+        n = 5_000  # ~250 kB: several reads, each ending mid-frame
+        raw.writer.write(b"".join(encode_frame(Set(rid, f"a/{rid}", b"v" * 30, reply=False))
+                                  for rid in range(1, n + 1)) + encode_frame(Get(n + 1, "a/1")))
+        last = await raw.read()
+        assert isinstance(last, Value) and last.rid == n + 1, last
+        assert timed_while_deferred == []
+        await healthy(server)
+    finally:
+        await runner.stop()
+
+
+async def test_no_request_runs_after_the_server_aborted_its_connection(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # StoreServer's exit aborts every connection; one whose next turn is already queued
+    # (_end_turn) must not run it on the closing transport.
+    aborted: set[int] = set()
+    after: list[int] = []
+    abort, execute = _ServerProtocol.abort, _ServerProtocol._execute
+
+    def logged_abort(self: _ServerProtocol) -> None:
+        aborted.add(id(self))
+        abort(self)
+
+    def logged_execute(self: _ServerProtocol, session: object, msg: object) -> object:
+        if id(self) in aborted:
+            after.append(msg.rid)  # type: ignore[attr-defined]
+        return execute(self, session, msg)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_ServerProtocol, "abort", logged_abort)
+    monkeypatch.setattr(_ServerProtocol, "_execute", logged_execute)
+    runner = RunningServer()
+    server = await runner.start()
+    raw = await Raw.open(server, authenticate=True)
+    raw.writer.write(b"".join(encode_frame(Set(rid, f"a/{rid}", b"v"))
+                              for rid in range(1, 20_001)))
+    assert isinstance(await raw.read(), Ok)  # its turns are under way
+    await runner.stop()
+    assert after == []
