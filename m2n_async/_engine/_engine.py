@@ -1097,7 +1097,12 @@ class TrainerEngine(_Engine):
             # This call joins the round an earlier one refused: the note no longer says why
             # this rank may be missing there. Emptied, not deleted: a rank waiting for the
             # start counts the keys under the round's prefix, and that count must not drop.
-            await rounds.note_refusal(k, "")
+            try:
+                await rounds.note_refusal(k, "")
+            except anyio.get_cancelled_exc_class():
+                if self.rank != 0:  # as a cancel of the checks before it (a round started?)
+                    await self._cancelled_before_start(k)
+                raise
             self._refused_round = None
         v = self._version + 1 if version is None else version
         if self.rank == 0:

@@ -533,9 +533,7 @@ class RoundDriver:
                     return await self._record(core, deadline + self.window)
                 return await self._gather_and_judge(core, dog, deadline, round_timeout,
                                                     first=raw)
-            with anyio.fail_after(self.abort_grace):
-                swapped, _ = await self.store.compare_set(core.keys.done(self.rank),
-                                                                None, encode(report))
+            swapped = await self._write_report(core, encode(report), deadline)
             if not swapped:  # a peer wrote this rank late: the record says why
                 return failure or await self._record(core, deadline + self.window)
             if failure is not None:
@@ -549,7 +547,30 @@ class RoundDriver:
         except StaleGenerationError as exc:
             return core.superseded(exc.current)
         except (TimeoutError, M2NError):
-            return core.store_lost()
+            # the record that won, when this rank knows it: the peers read that one too
+            return failure if failure is not None else core.store_lost()
+
+    async def _write_report(self, core: Round, report: bytes, deadline: float) -> bool:
+        """Compare-and-set this rank's report; whether it is the one on the store.
+
+        Bounded by the end of the report window (at least ``abort_grace``), not by
+        ``abort_grace`` alone: a reply that comes late (a slow store, this rank paused just
+        after sending) is no lost store, and the peers may commit on the report it wrote.
+        Past the bound, one read says which report is there: this one, a peer's fence of
+        this rank (False: the record decides), or none (``TimeoutError``: the store is
+        lost to this rank)."""
+        key = core.keys.done(self.rank)
+        try:
+            with anyio.fail_after(max(deadline + self.window - anyio.current_time(),
+                                      self.abort_grace)):
+                swapped, _ = await self.store.compare_set(key, None, report)
+                return swapped
+        except TimeoutError:
+            with anyio.fail_after(self.abort_grace):
+                current = await self.store.get(key)
+            if current is None:
+                raise
+            return current == report
 
     async def _until(self, dog: _Watchdog, deadline: float) -> Failure | None:
         """The watchdog's failure, waiting for it until ``deadline``."""
@@ -564,7 +585,7 @@ class RoundDriver:
 
     async def _report_ok(self, core: Round, dog: _Watchdog, report: bytes, deadline: float
                          ) -> tuple[bool, dict[str, bytes] | None]:
-        """Write this rank's ok report (compare-and-set, bounded by ``abort_grace``) and
+        """Write this rank's ok report (``_write_report``) and
         gather everybody's (until ``deadline``, or the watchdog's failure) with both requests
         in flight at once: the gather does not depend on the write's reply, and a round trip
         less is a fixed cost less in every round. (swapped, the reports; None when the
@@ -581,9 +602,7 @@ class RoundDriver:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(gather)
-                with anyio.fail_after(self.abort_grace):
-                    swapped, _ = await self.store.compare_set(core.keys.done(self.rank),
-                                                              None, report)
+                swapped = await self._write_report(core, report, deadline)
                 if not swapped:  # the gather is moot: a record decides
                     scope.cancel()
         except BaseExceptionGroup as group:

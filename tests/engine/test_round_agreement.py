@@ -128,3 +128,42 @@ async def test_a_rank_fenced_late_raises_the_verdicts_text() -> None:
         assert str(res[0]) == str(res[1]), res
     finally:
         await _close(*trainers, *workers)
+
+
+def _late_reply(engine: Any, round_: int, seconds: float) -> None:
+    """``engine``'s own done report of round ``round_`` lands at once, its reply ``seconds``
+    later (a slow store or network, or the rank paused just after sending)."""
+    session = engine._store
+    real = session.compare_set
+
+    async def late(key: str, expected: Any, desired: bytes) -> Any:
+        got = await real(key, expected, desired)
+        if key.endswith(f"/round/{round_}/done/{engine.rank}"):
+            await anyio.sleep(seconds)
+        return got
+
+    session.compare_set = late
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+async def test_a_report_whose_reply_comes_late_commits_with_its_peers(rank: int) -> None:
+    # The report is on the store, its reply 1.5 s late, past abort_grace (1 s) but well
+    # within the round: the peers commit on it, so must the rank that wrote it (it took
+    # the late reply for a lost store and was POISONED, a round split).
+    cfg = EngineConfig(transport="gloo", bucket_bytes=512, max_inflight=2, phase_timeout=20,
+                       round_timeout=8.0, abort_grace=1.0, host="127.0.0.1")
+    trainers, workers = await _connect_all(MemoryStore(), PLAN_1_2, cfg)
+    engines = [*trainers, *workers]
+    _late_reply(engines[rank], 1, 1.5)
+    res: dict[int, Any] = {}
+    try:
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_guard, res, 0,
+                              lambda: trainers[0].sync_weights(source_shards(PLAN_1_2, 0, 1)))
+                for w in workers:
+                    tg.start_soon(_guard, res, w.rank, w.receive)
+        assert {r: _outcome(v) for r, v in res.items()} == {r: ("ok", 1) for r in range(3)}
+        assert all(e.version == 1 and e.state.value == "ready" for e in engines)
+    finally:
+        await _close(*engines)

@@ -196,3 +196,46 @@ async def test_rank_0_refused_is_named_with_its_refusal_by_the_trainers_waiting(
     err = got[1]
     assert isinstance(err, TransferError) and (err.rank, err.cause) == (0, "deadline"), err
     assert f"its sync_weights call was refused ({kind.__name__}: " in str(err), err
+
+
+@pytest.mark.asyncio
+async def test_a_call_cancelled_while_it_takes_its_refusal_back_is_a_cancel_in_the_round() -> None:
+    # Rank 1 refused, round 1 is published, and its next call is cancelled while it empties
+    # its refusal note (the step between its checks and its wait for the start): as a cancel
+    # there, the start found means the cancel is one in the round, named at once on every
+    # rank (it stayed READY, and its peers sat out the deadline under its old refusal).
+    store = MemoryStore()
+    engines = await _engines(store)
+    with pytest.raises(PlanError):
+        await engines[1].sync_weights(_wrong(1))
+    got: dict[int, BaseException] = {}
+    states: dict[int, str] = {}
+    session = engines[1]._store
+    scope = anyio.CancelScope()
+    real_set = session.set
+
+    async def set_(key: str, value: bytes, **kw: Any) -> None:
+        if key.endswith("/round/1/refused/1"):
+            scope.cancel()  # the caller cancels right here
+        await real_set(key, value, **kw)
+
+    async def call(r: int) -> None:
+        try:
+            if r == 1:
+                await store.get(f"{engines[1]._namespace}/round/1/start", wait=True)
+                session.set = set_
+                with scope:
+                    await engines[1].sync_weights(source_shards(PLAN, 1, 1))
+                states[1] = engines[1].state.value
+            elif r < T:
+                await engines[r].sync_weights(source_shards(PLAN, r, 1))
+            else:
+                await engines[r].receive()
+        except Exception as exc:
+            got[r] = exc
+
+    await _run_and_close(engines, call, range(T + N))
+    assert scope.cancelled_caught and states == {1: "poisoned"}, (states, got)
+    peers = {r: got[r] for r in (0, 2, 3)}
+    assert all(isinstance(e, TransferError) for e in peers.values()), peers
+    assert {(e.rank, e.cause) for e in peers.values()} == {(1, "cancelled")}, peers  # type: ignore[attr-defined]
