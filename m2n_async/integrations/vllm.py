@@ -1380,41 +1380,48 @@ class VLLMTrainerEngine:
         cannot express, the handshake's errors, or the RPC's error (which cancels this
         rank's connect)."""
         info = init_info
-        if source is None:
-            raise ValueError("m2n_async trainer_init needs a WeightSource (e.g. vLLM's "
-                             "ModuleSource(model)); it sends this rank's local shards")
-        if not 0 <= info.rank < info.trainer_ranks < info.world_size:
-            raise ValueError(f"m2n_async: need 0 <= rank < trainer_ranks < world_size, got "
-                             f"rank={info.rank}, trainer_ranks={info.trainer_ranks}, "
-                             f"world_size={info.world_size}")
-        if info.is_sender:
-            missing = [m for m in _CLIENT_METHODS if not callable(getattr(client, m, None))]
-            if missing:
-                raise ValueError(f"m2n_async trainer_init: trainer rank 0's client must be a "
-                                 f"vLLM VLLMWeightSyncClient (e.g. RayVLLMWeightSyncClient, "
-                                 f"HTTPVLLMWeightSyncClient); {type(client).__name__} has no "
-                                 f"{missing}")
-        offset = info.worker_rank_offset
-        if offset is not None and not info.trainer_ranks <= offset < info.world_size:
-            raise ValueError(f"m2n_async: worker_rank_offset (the workers' first rank) must "
-                             f"be in [trainer_ranks, world_size) = [{info.trainer_ranks}, "
-                             f"{info.world_size}), got {offset}")
-        token = _token(info.token_env, info.token)
-        specs = specs_from_source(source, info.trainer_ranks, info.dtype)
-        if not specs:  # the workers refuse an empty params list: refused before any store
-            raise ValueError("m2n_async trainer_init: the WeightSource declares no parameters "
-                             "(its metadata is empty)")
-        wire = _wire_problems(source, specs, info.dtype)
-        if wire:  # every round would fail at the first of them, after the workers' init
-            raise ValueError(f"m2n_async trainer_init: TrainerInitInfo.dtype "
-                             f"{dtype_name(info.dtype)} cannot be the wire dtype of "
-                             f"{'; '.join(wire[:3])}{' ...' if len(wire) > 3 else ''}")
-        # connect_timeout bounds this rank's whole connect: the probes, the wait for rank
-        # 0's listener, the engine's connect and its retries all draw on one deadline.
-        budget = _ConnectBudget(info.connect_timeout, info.phase_timeout)
-        if info.store_address is not None:
-            # Before the workers' init RPC: they would wait on the same silent address.
-            _await_store_answer(info.store_address, budget)
+        try:
+            if source is None:
+                raise ValueError("m2n_async trainer_init needs a WeightSource (e.g. vLLM's "
+                                 "ModuleSource(model)); it sends this rank's local shards")
+            if not 0 <= info.rank < info.trainer_ranks < info.world_size:
+                raise ValueError(f"m2n_async: need 0 <= rank < trainer_ranks < world_size, got "
+                                 f"rank={info.rank}, trainer_ranks={info.trainer_ranks}, "
+                                 f"world_size={info.world_size}")
+            if info.is_sender:
+                missing = [m for m in _CLIENT_METHODS if not callable(getattr(client, m, None))]
+                if missing:
+                    raise ValueError(f"m2n_async trainer_init: trainer rank 0's client must be a "
+                                     f"vLLM VLLMWeightSyncClient (e.g. RayVLLMWeightSyncClient, "
+                                     f"HTTPVLLMWeightSyncClient); {type(client).__name__} has no "
+                                     f"{missing}")
+            offset = info.worker_rank_offset
+            if offset is not None and not info.trainer_ranks <= offset < info.world_size:
+                raise ValueError(f"m2n_async: worker_rank_offset (the workers' first rank) must "
+                                 f"be in [trainer_ranks, world_size) = [{info.trainer_ranks}, "
+                                 f"{info.world_size}), got {offset}")
+            token = _token(info.token_env, info.token)
+            specs = specs_from_source(source, info.trainer_ranks, info.dtype)
+            if not specs:  # the workers refuse an empty params list: refused before any store
+                raise ValueError("m2n_async trainer_init: the WeightSource declares no parameters "
+                                 "(its metadata is empty)")
+            wire = _wire_problems(source, specs, info.dtype)
+            if wire:  # every round would fail at the first of them, after the workers' init
+                raise ValueError(f"m2n_async trainer_init: TrainerInitInfo.dtype "
+                                 f"{dtype_name(info.dtype)} cannot be the wire dtype of "
+                                 f"{'; '.join(wire[:3])}{' ...' if len(wire) > 3 else ''}")
+            # connect_timeout bounds this rank's whole connect: the probes, the wait for rank
+            # 0's listener, the engine's connect and its retries all draw on one deadline.
+            budget = _ConnectBudget(info.connect_timeout, info.phase_timeout)
+            if info.store_address is not None:
+                # Before the workers' init RPC: they would wait on the same silent address.
+                _await_store_answer(info.store_address, budget)
+        except BaseException:
+            # Refused before the store: the other trainer ranks may be waiting in the
+            # address broadcast (_share_store) for this one, which must join it to let
+            # them go (rank 0 sharing no address) rather than leave them there.
+            _leave_address_broadcast(info)
+            raise
         store, address = _open_store(info, token, budget)
         executor = _RPCThread("m2n-async-vllm-rpc") if info.is_sender else None
         try:
@@ -1675,7 +1682,7 @@ def _open_store(info: TrainerInitInfo, token: str, budget: _ConnectBudget
                 ) -> tuple[StoreThread | None, str]:
     if info.store_address is not None:
         return None, info.store_address
-    if info.trainer_ranks > 1 and info.store_port == 0:
+    if _shares_store(info):
         return _share_store(info, token)
     if info.rank == 0:
         store = _serve_store(info.store_host, info.store_port, token)
@@ -1734,6 +1741,12 @@ def _await_listener(host: str, port: int, budget: _ConnectBudget) -> None:
             time.sleep(0.05)
 
 
+def _shares_store(info: TrainerInitInfo) -> bool:
+    """Whether ``info``'s trainer ranks learn the store's address from rank 0 through the
+    default torch.distributed group (``_share_store``)."""
+    return info.store_address is None and info.trainer_ranks > 1 and info.store_port == 0
+
+
 def _share_store(info: TrainerInitInfo, token: str) -> tuple[StoreThread | None, str]:
     import torch.distributed as dist
 
@@ -1741,29 +1754,56 @@ def _share_store(info: TrainerInitInfo, token: str) -> tuple[StoreThread | None,
         raise ValueError("m2n_async: with trainer_ranks > 1 and no store_address, give a "
                          "fixed store_port (or initialize torch.distributed so rank 0 can "
                          "share the address it picked)")
-    import torch
+    store: StoreThread | None = None
+    failed: BaseException | None = None
+    if info.rank == 0:
+        try:
+            store = _serve_store(info.store_host, 0, token)
+        except BaseException as exc:  # shared as no address: the others must not wait on
+            failed = exc
+    try:
+        address = _broadcast_address(store.address if store is not None else "")
+    except BaseException:
+        if store is not None:
+            store.close()
+        raise
+    if failed is not None:
+        raise failed
+    if store is None and not address:
+        raise ValueError("m2n_async: trainer rank 0 shared no store address through the "
+                         "default torch.distributed group: its trainer_init failed before "
+                         "it served the store (its own error says why)")
+    return store, address if store is None else store.address
 
-    store = _serve_store(info.store_host, 0, token) if info.rank == 0 else None
+
+def _leave_address_broadcast(info: TrainerInitInfo) -> None:
+    """Join ``_share_store``'s broadcast sharing no address, on a rank whose trainer_init
+    failed before it: best effort (the caller raises its own error)."""
+    if not _shares_store(info) or not 0 <= info.rank < info.trainer_ranks:
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            _broadcast_address("")
+
+
+def _broadcast_address(address: str) -> str:
+    """Trainer rank 0's ``address`` ("": none) to every rank of the default group."""
+    import torch
+    import torch.distributed as dist
+
     # The address as UTF-8 bytes in a tensor, not broadcast_object_list: that pickles, and
     # every other rank would unpickle what arrives (nothing on the wire is unpickled).
     nccl = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     buf = torch.zeros(_ADDRESS_BYTES, dtype=torch.uint8)  # NUL-padded: no address has a NUL
-    if store is not None:
-        raw = store.address.encode()
+    if address:
+        raw = address.encode()
         buf[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    try:
-        buf = buf.to(device)
-        dist.broadcast(buf, src=0)
-    except BaseException:
-        if store is not None:
-            store.close()
-        raise
-    address = bytes(buf.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
-    if store is None and not address:
-        raise ValueError("m2n_async: trainer rank 0 shared no store address through the "
-                         "default torch.distributed group")
-    return store, address if store is None else store.address
+    buf = buf.to(device)
+    dist.broadcast(buf, src=0)
+    return bytes(buf.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
 
 
 _ADDRESS_BYTES = 512  # "host:port": a DNS name (at most 253 bytes) and a port fit

@@ -634,6 +634,61 @@ def test_trainer_rank_0_shares_its_store_address_without_pickle() -> None:
     assert outs[0] == outs[1] and len(outs[0]) == 1 and outs[0][0].startswith("127.0.0.1:")
 
 
+_SHARE_REFUSED = """
+import os, sys
+import torch.distributed as dist
+from tests.integrations._vllm_world import ShardedSource, stub_vllm
+
+rank, port = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                        world_size=2)
+with stub_vllm():
+    from m2n_async.integrations import vllm as backend
+
+    info = backend.TrainerInitInfo(rank=rank, trainer_ranks=2, world_size=4, transport="gloo",
+                                   token="tok", connect_timeout=5, phase_timeout=5)
+    client = object()  # not a VLLMWeightSyncClient: rank 0 refuses it before the store
+    try:
+        backend.VLLMTrainerEngine.trainer_init(info, client=client,
+                                               source=ShardedSource(rank, 2))
+    except ValueError as exc:
+        print("REFUSED", rank, str(exc).replace("\\n", " "), flush=True)
+dist.barrier()  # rank 0 stays up until rank 1 is done: it did not fail by exiting
+"""
+
+
+def test_a_trainer_rank_0_refused_before_its_store_lets_the_other_ranks_go() -> None:
+    # trainer_ranks > 1, store_port 0: the other trainer ranks wait in the broadcast of
+    # rank 0's address. Rank 0 refusing before it serves the store must still take part
+    # (sharing none), or they waited there until torch.distributed's own timeout (30 min).
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", _SHARE_REFUSED, str(r), port], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=60)
+            assert p.returncode == 0, err[-2000:]
+            outs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert "REFUSED 0 m2n_async trainer_init: trainer rank 0's client must be" in outs[0]
+    assert "REFUSED 1 m2n_async: trainer rank 0 shared no store address" in outs[1], outs[1]
+    assert "its trainer_init failed before it served the store" in outs[1]
+
+
 # -- the trainer process dies mid-update -----------------------------------------------------
 
 _TRAINER = """
