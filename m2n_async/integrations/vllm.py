@@ -484,11 +484,13 @@ class _LoadFeed:
         self.taken: str | None = None  # the last name load_weights took this round
         self.put_count = 0
         self.names: list[str] = []  # what ``put`` delivered this round, for the error
+        self.closed_early = False  # load_weights closed ``items`` before taking them all
 
     def begin(self) -> None:
         """A new round: nothing delivered yet."""
         self.yielded = self.put_count = 0
         self.taken = None
+        self.closed_early = False
         self._context = ""
         self.names.clear()
         self._loaded.clear()
@@ -549,21 +551,27 @@ class _LoadFeed:
         self._loaded.set()
 
     def items(self, finished: Callable[[], bool]) -> Iterator[tuple[str, torch.Tensor]]:
-        while self.yielded < self.expected:
-            try:
-                item = self._q.get(timeout=0.02)
-            except queue.Empty:
-                if finished() and self._q.empty():
-                    return
-                continue
-            self.yielded += 1
-            name, tensor, done = item
-            self.taken = name
-            if done is not None:
-                import torch
+        try:
+            while self.yielded < self.expected:
+                try:
+                    item = self._q.get(timeout=0.02)
+                except queue.Empty:
+                    if finished() and self._q.empty():
+                        return
+                    continue
+                self.yielded += 1
+                name, tensor, done = item
+                self.taken = name
+                if done is not None:
+                    import torch
 
-                torch.cuda.current_stream(tensor.device).wait_event(done)
-            yield name, tensor
+                    torch.cuda.current_stream(tensor.device).wait_event(done)
+                yield name, tensor
+        except GeneratorExit:
+            # Closed by its consumer (``it.close()``, a ``yield from`` that stopped): a
+            # closed generator reads as exhausted, so the caller must be told (``_receive``).
+            self.closed_early = self.yielded < self.expected
+            raise
 
 
 def _reload_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
@@ -885,6 +893,11 @@ class VLLMWorkerBackend:
                     for _ in items:  # what load_weights left unread would be lost
                         raise RuntimeError("m2n_async: model.load_weights returned before "
                                            "consuming every received tensor")
+                    if feed.closed_early:
+                        raise RuntimeError(
+                            f"m2n_async: model.load_weights closed its iterator after "
+                            f"{feed.yielded} of {feed.expected} tensors: what it left "
+                            f"unread would be lost")
             except Exception as exc:
                 # The unpack thread still has a load callback waiting (the last one waits for
                 # load_weights to return) or to come: it raises this error's text, so the
@@ -963,6 +976,8 @@ class VLLMWorkerBackend:
             worker, self._worker = self._worker, None
             self._info = None
             self._session = self._received = False
+            if self._feed is not None:  # a load callback still waiting on it returns
+                self._feed.stop()
             self._feed = None
             self._loaded = ()
             self._poison = None

@@ -303,6 +303,38 @@ def test_a_load_weights_failure_names_the_tensor_it_was_loading() -> None:
         job.close()
 
 
+@pytest.mark.parametrize("how", ["returns", "closes"])
+def test_a_load_weights_that_stops_early_fails_the_round_at_once_saying_so(how: str) -> None:
+    # load_weights takes one tensor and then returns, or closes the iterator first (as a
+    # ``yield from`` that stops, or ``contextlib.closing``, does): what it left unread would
+    # be lost. Either way the round fails at once on every rank saying so -- a closed
+    # iterator reads as exhausted, and the round waited out its deadline naming no cause
+    # while the unpack thread kept a tensor waiting past shutdown.
+    job = _Job(checkpoint_shapes(), f"vllm-stops-early-{how}")
+    try:
+        job.init()
+        for m in job.models:
+            real = m.load_weights
+
+            def first_only(weights: Any, real: Any = real) -> Any:
+                it = iter(weights)
+                first = next(it)
+                if how == "closes":
+                    it.close()
+                return real([first])
+
+            m.load_weights = first_only  # type: ignore[method-assign]
+        errors = job.send()
+        for err in errors:  # the worker's own step, not a deadline it was blamed for
+            assert isinstance(err, TransferError) and err.cause == "error", errors
+        says = ("closed its iterator after 1 of" if how == "closes"
+                else "returned before consuming every received tensor")
+        for be in job.backends:
+            assert says in str(be._poison), be._poison
+    finally:
+        job.close()
+
+
 def test_a_name_the_model_does_not_have_fails_the_round_saying_so() -> None:
     # A name load_weights does not know (a renamed or extra checkpoint tensor): the model's
     # loader raises mid-round; the error names it and says the model may be partly updated.
