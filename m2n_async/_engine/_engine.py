@@ -168,6 +168,7 @@ class _Engine:
         # An argument refused before the handshake (a worker's malformed target, cost terms
         # that do not parse), for hello to report
         self._argument_error: Exception | None = None
+        self._preflight_phase = "hello"  # the handshake's phase under way (_entered_phase)
         # What this engine's callbacks raise that is no Exception, for the call to raise
         self._interrupts = Interrupts()
 
@@ -393,7 +394,8 @@ class _Engine:
                                            abort_grace=c.abort_grace)
                 self._native = NativeThread(f"{c.job}-g{self._generation}-r{self.rank}")
                 self._outcome = await run_preflight(group, self._preflight_inputs(),
-                                                    phase_timeout=c.phase_timeout)
+                                                    phase_timeout=c.phase_timeout,
+                                                    on_phase=self._entered_phase)
                 assert self._transport is not None
                 log.info("rank %d generation %d: transport %s (%s)", self.rank,
                          self._generation, self._outcome.transport, self._outcome.reason)
@@ -427,6 +429,9 @@ class _Engine:
             raise exc  # the original, or its diagnosis (whose cause is the original)
         self._state = EngineState.READY
 
+    def _entered_phase(self, phase: str) -> None:
+        self._preflight_phase = phase  # what a connect past its timeout names (below)
+
     async def _connect_timed_out(self, limit: float, step: str) -> PhaseTimeoutError:
         """The error of a connect past the caller's ``limit``: the step under way and, once
         this rank joined a generation, the ranks with no liveness key in it (never arrived or
@@ -444,10 +449,16 @@ class _Engine:
         who = (f"; rank(s) {list(missing)} not in generation {self._generation} (never "
                f"arrived, or already gone)"
                if missing else "")
+        if step == "generation" and self.rank != 0:
+            missing = (0,)  # rank 0 had not opened the generation: it is who did not arrive
+        # ``phase``: the handshake's phase under way (a ``PreflightPhase`` name, as a phase's
+        # own timeout says it); before the handshake, the ranks had not met: ``hello``.
+        phase = {"claim": "hello", "generation": "hello", "data plane": "connected"}.get(
+            step, self._preflight_phase)
         return PhaseTimeoutError(
             f"rank {self.rank}: connect did not complete within its timeout of {limit:.3g} s "
             f"(the connect's timeout, or connect_timeout), {_CONNECT_STEPS[step]}{who}",
-            phase=step, ranks=missing, generation=self._generation or None)
+            phase=phase, ranks=missing, generation=self._generation or None)
 
     async def _connect_data_plane(self, rdv: Rendezvous) -> None:
         """``transport.connect``, its failures phrased as the ``connected`` phase's.

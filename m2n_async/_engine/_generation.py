@@ -36,6 +36,7 @@ from typing import Final
 
 import anyio
 
+from m2n_async._proto.errors import PhaseTimeoutError
 from m2n_async._store import (
     Claim,
     JobClaim,
@@ -57,8 +58,9 @@ async def join_generation(store: Store, job: str, rank: int, *, claim: Claim,
     """The generation this rank's connect joins (rank 0 opens a new one); ``claim`` is this
     rank's held claim of the job, which then names that generation.
 
-    Raises ``TimeoutError`` naming the job, the rank and who holds rank 0's claim if rank 0
-    did not open a generation newer than this rank's last within ``wait_s`` seconds.
+    Raises ``PhaseTimeoutError`` (phase ``hello``, ``ranks`` (0,)) naming the job and who
+    holds rank 0's claim if rank 0 did not open a generation newer than this rank's last
+    within ``wait_s`` seconds: the same text on every rank that waited.
 
     Cancellation: nothing to undo; at worst rank 0 opened a generation nobody joins (the next
     connect opens another; the ranks join that one, since rank 0's claim goes with its
@@ -101,10 +103,14 @@ async def join_generation(store: Store, job: str, rank: int, *, claim: Claim,
     except TimeoutError:
         seen = (f"rank 0 of the job is held by {holder.describe()}" if holder is not None
                 else "no live process holds rank 0 of the job")
-        raise TimeoutError(
-            f"job {job!r}: rank {rank} waited {wait_s:g} s for trainer rank 0 to open "
-            f"generation {last + 1} or later ({seen}; is rank 0 connecting to the same store "
-            f"and job?)") from None
+        # One text on every rank that waited (as a phase's timeout): rank 0 did not arrive
+        # for hello; which rank waited, and how long, goes in a note.
+        err = PhaseTimeoutError(
+            f"job {job!r}: trainer rank 0 did not open generation {last + 1} or later "
+            f"({seen}; is rank 0 connecting to the same store and job?)",
+            phase="hello", ranks=(0,))
+        err.add_note(f"rank {rank} waited {wait_s:g} s for it")
+        raise err from None
     generation = holder.generation
     await store.set(joined_key, str(generation).encode())
     await claim.joined(generation)

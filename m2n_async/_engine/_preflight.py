@@ -150,7 +150,8 @@ def phase_deadline(phase_timeout: float, n_params: int,
 
 
 async def run_preflight(group: ControlGroup, inputs: PreflightInputs, *, phase_timeout: float,
-                        per_param_timeout: float = DEFAULT_PER_PARAM_TIMEOUT
+                        per_param_timeout: float = DEFAULT_PER_PARAM_TIMEOUT,
+                        on_phase: Callable[[str], None] | None = None
                         ) -> PreflightOutcome:
     """Run every preflight phase with the other ranks of ``group``; return the agreement.
 
@@ -169,6 +170,8 @@ async def run_preflight(group: ControlGroup, inputs: PreflightInputs, *, phase_t
     visible to the peers, which then time out (or see this rank lost when its session ends).
     No communicator, handle or buffer was created by the driver; only ``prepare_runtime`` may
     have prepared local resources (it owns their cleanup). The group must not be reused.
+
+    ``on_phase(name)``: called as each phase begins.
     """
     _check_inputs(group, inputs, phase_timeout, per_param_timeout)
     machine = Handshake(role=inputs.role, rank=inputs.rank, world_size=inputs.world_size,
@@ -177,6 +180,8 @@ async def run_preflight(group: ControlGroup, inputs: PreflightInputs, *, phase_t
     deadline = phase_deadline(phase_timeout, inputs.n_params, per_param_timeout)
     seconds: dict[str, float] = {}
     for phase in _GATHERING:
+        if on_phase is not None:  # the caller says which phase a timeout of its own hit
+            on_phase(phase.value)
         started = anyio.current_time()
         await _run_phase(group, machine, inputs, phase, deadline)
         seconds[phase.value] = anyio.current_time() - started

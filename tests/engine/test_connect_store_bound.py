@@ -67,7 +67,7 @@ async def test_a_connect_past_its_timeout_names_the_step_and_the_ranks_missing()
         await TrainerEngine.connect(params=[SPEC], store=MemoryStore().session(), rank=0,
                                     trainer_ranks=1, world_size=3, config=cfg, timeout=0.5)
     exc = info.value
-    assert exc.ranks == (1, 2) and exc.phase == "handshake", exc
+    assert exc.ranks == (1, 2) and exc.phase == "hello", exc  # the handshake's phase
     msg = str(exc)
     assert "within its timeout of 0.5 s" in msg and "rank(s) [1, 2]" in msg, msg
     assert "in the handshake" in msg, msg

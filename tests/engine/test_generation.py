@@ -17,8 +17,20 @@ from typing import Any
 
 import anyio
 import pytest
+import torch
 
-from m2n_async import Store, StoreClient, StoreServer, TrainerEngine, WorkerEngine
+from m2n_async import (
+    EngineConfig,
+    Layout,
+    Mesh,
+    ParamSpec,
+    PhaseTimeoutError,
+    Store,
+    StoreClient,
+    StoreServer,
+    TrainerEngine,
+    WorkerEngine,
+)
 from m2n_async._engine._generation import _RECHECK_S, join_generation
 from m2n_async._store import Claim, claim_rank, current_generation, next_generation
 from m2n_async.testing import MemoryStore
@@ -220,12 +232,14 @@ async def test_waiting_for_rank_0_times_out_naming_the_job_the_rank_and_rank_0(k
     async with stores(kind) as open_store:
         s1 = await open_store()
         claim = await claim_rank(s1, JOB, 1, wait_s=1)
-        with anyio.fail_after(5), pytest.raises(TimeoutError) as info:
+        with anyio.fail_after(5), pytest.raises(PhaseTimeoutError) as info:
             await join_generation(s1, JOB, 1, claim=claim, wait_s=0.3)
+        # One text on every rank that waits (which one waited: a note), naming rank 0.
         assert str(info.value) == (
-            "job 'j': rank 1 waited 0.3 s for trainer rank 0 to open generation 1 or later "
-            "(no live process holds rank 0 of the job; is rank 0 connecting to the same "
-            "store and job?)")
+            "job 'j': trainer rank 0 did not open generation 1 or later (no live process "
+            "holds rank 0 of the job; is rank 0 connecting to the same store and job?)")
+        assert (info.value.phase, info.value.ranks) == ("hello", (0,))
+        assert info.value.__notes__ == ["rank 1 waited 0.3 s for it"]
         # A rank 0 that claimed but never opened a generation is named.
         await claim_rank(await open_store(), JOB, 0, wait_s=1)
         with anyio.fail_after(5), pytest.raises(TimeoutError) as info:
@@ -276,3 +290,38 @@ async def test_an_engine_that_missed_an_attempt_connects_in_rank_0s_next_generat
         _check(plan, [w], 1)
     finally:
         await _close(*out.values())
+
+
+async def test_ranks_waiting_for_a_missing_rank_0_raise_one_diagnosis_naming_it() -> None:
+    # Rank 0 never connects: every other rank raises the same PhaseTimeoutError, naming
+    # rank 0 for hello, whether its phase_timeout or its connect's own timeout ends the wait.
+    store = MemoryStore()
+    spec = ParamSpec("w", "float32", (4, 4), Layout(Mesh((1, 1)), None))
+    results: dict[int, BaseException | None] = {}
+
+    async def one(rank: int, limit: float | None) -> None:
+        cfg = EngineConfig(transport="gloo", phase_timeout=0.5, job="no-rank-0")
+        try:
+            if rank == 1:
+                await TrainerEngine.connect(store=store.session(), rank=1, trainer_ranks=2,
+                                            world_size=4, params=[spec], config=cfg,
+                                            timeout=limit)
+            else:
+                await WorkerEngine.connect(store=store.session(), rank=rank, trainer_ranks=2,
+                                           world_size=4, targets={"w": (torch.zeros(4, 4), None)},
+                                           config=cfg, timeout=limit)
+            results[rank] = None
+        except Exception as exc:
+            results[rank] = exc
+
+    for limit in (None, 0.3):
+        results.clear()
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                for rank in (1, 2, 3):
+                    tg.start_soon(one, rank, limit)
+        errors = {r: e for r, e in results.items()}
+        assert all(isinstance(e, PhaseTimeoutError) for e in errors.values()), errors
+        assert {(e.phase, e.ranks) for e in errors.values()} == {("hello", (0,))}, errors  # type: ignore[union-attr]
+        if limit is None:  # phase_timeout: one text (the connect's timeout says whose)
+            assert len({str(e) for e in errors.values()}) == 1, errors

@@ -296,8 +296,9 @@ async def test_a_refused_target_is_noted_when_the_handshake_never_reports_it() -
     with anyio.fail_after(CASE_BOUND), pytest.raises(TimeoutError) as info:
         await WorkerEngine.connect(store=MemoryStore(), rank=1, trainer_ranks=1, world_size=2,
                                    targets={"w_row": torch.zeros(12, 3)}, config=cfg)
-    assert "trainer rank 0 to open generation 1" in str(info.value)
+    assert "trainer rank 0 did not open generation 1" in str(info.value)
     assert info.value.__notes__ == [
+        "rank 1 waited 0.2 s for it",
         "rank 1 refused its own arguments before the handshake, which failed before it could "
         "report that: LocalProtocolError: target for parameter 'w_row' must be (tensor, "
         f"placements) or a LoadTarget, got Tensor; {HINT}"]
