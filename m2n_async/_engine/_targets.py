@@ -223,11 +223,9 @@ class TargetCheck:
     async def precheck(self, buckets: Sequence[Bucket]) -> None:
         """The fast pass over every bucket, before the round (module doc): remembers which
         passed, and their targets' addresses, for the round's ``__call__``; raises nothing.
-        A pass made within ``FRESH_S`` is kept: a caller polling with short ``receive``
-        timeouts does not pay the pass on every call."""
-        at = self._prechecked_at
-        if at is not None and time.monotonic() - at <= FRESH_S:
-            return
+        Every ``receive`` call makes its own pass, however recent the last one: a target
+        changed between two calls in a way that keeps its address (a dtype view, a shorter
+        slice) is seen only by a pass, never by the address compare."""
         self._passed = {}
         self._prechecked_at = None
         data_ptr = self._torch.Tensor.data_ptr

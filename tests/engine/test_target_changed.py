@@ -261,13 +261,13 @@ async def test_a_target_that_fails_the_early_check_fails_the_round_not_the_wait(
 
 
 @pytest.mark.asyncio
-async def test_short_receive_timeouts_do_not_repeat_the_check(
+async def test_every_receive_call_checks_its_targets_polling_ones_too(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    # A worker polling with short timeouts runs the early check once per FRESH_S, not once
-    # per call; the round that then starts still checks what it must (it is written).
+    # A worker polling with short timeouts checks its targets at each call, however recent
+    # the last pass (a target may change between two calls at its address: see the test
+    # above); after the first, a pass is one guard call per chunk (_sources.Recheck).
     from m2n_async._engine import _targets
 
-    monkeypatch.setattr(_targets, "FRESH_S", 30.0)
     trainers, workers = await _connect_all(MemoryStore(), PLAN)
     passes = 0
     fast = _targets.TargetCheck._fast
@@ -282,7 +282,7 @@ async def test_short_receive_timeouts_do_not_repeat_the_check(
         for _ in range(5):
             with pytest.raises(TimeoutError):
                 await workers[0].receive(timeout=0.01)
-        assert passes == len(workers[0]._transport.ctx.buckets)  # the first call's only
+        assert passes == 5 * len(workers[0]._transport.ctx.buckets)
         await _round(trainers, workers, lambda e: e.sync_weights(source_shards(PLAN, 0, 1)))
         _check(PLAN, workers, 1)
     finally:
@@ -388,5 +388,40 @@ async def test_targets_made_to_share_memory_after_connect_fail_the_next_round(ho
         assert info.group_contains(TransferError, match="parameters 'a' and 'b' share memory")
         assert info.group_contains(TransferError, match="the targets changed after connect")
         assert workers[0].version == 1
+    finally:
+        await _close(*trainers, *workers)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("how", ["dtype view", "shorter slice"])
+async def test_a_target_changed_between_two_receive_calls_at_its_address_is_checked(
+        how: str) -> None:
+    # A receive that timed out made its pass; the caller then changes the target keeping
+    # its address, and calls again at once: the new call's pass must see it (a pass of the
+    # call before was kept, and the round compared only addresses: it committed an int32
+    # target, or, before any round, Gloo aborted the process on a receive too small).
+    trainers, workers = await _connect_all(MemoryStore(), PLAN)
+    try:
+        with pytest.raises(TimeoutError):
+            await workers[0].receive(timeout=0.01)
+        target = workers[0]._sinks["w_row"].tensor
+        before = target.data_ptr()
+        with torch.no_grad():
+            if how == "dtype view":
+                target.data = target.data.view(torch.int32)
+            else:
+                target.data = target.data.view(-1)[:18].view(3, 6)
+        assert target.data_ptr() == before
+        got: dict[str, Any] = {}
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_side, got, "trainer",
+                              lambda: trainers[0].sync_weights(source_shards(PLAN, 0, 1)))
+                tg.start_soon(_side, got, "worker", workers[0].receive)
+        says = ("tensor dtype int32 != planned dtype float32" if how == "dtype view"
+                else "tensor shape (3, 6) != local shard shape (12, 6)")
+        for exc in got.values():
+            assert isinstance(exc, TransferError) and says in str(exc), got
+        assert workers[0].version == 0
     finally:
         await _close(*trainers, *workers)
