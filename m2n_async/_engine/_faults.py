@@ -231,7 +231,11 @@ def _from_env() -> None:
     raw = os.environ.get(ENV, "").strip()
     if raw:
         try:
-            faults = [Fault.from_json(d) for d in json.loads(raw)]
+            given = json.loads(raw)
+            if not isinstance(given, list) or not all(isinstance(d, dict) for d in given):
+                raise ValueError("expected a JSON list of fault objects, e.g. "
+                                 '[{"point": "round.start", "action": "raise"}]')
+            faults = [Fault.from_json(d) for d in given]
         except (ValueError, TypeError) as exc:  # it fails the import: say where it came from
             raise ValueError(f"{ENV}={raw!r}: {exc}") from exc
         arm(faults)

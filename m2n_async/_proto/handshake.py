@@ -394,7 +394,10 @@ def _cost_fields(costs: object) -> dict[str, object]:
         out[f"bucket_bytes on {c.lane}"] = c.bucket_bytes
         terms = (c.call_seconds, c.param_seconds, c.bytes_per_second)
         out[f"cost terms of {c.lane}"] = f"({describe_terms(terms)})"
-    out["coalesce_below"] = costs.coalesce_below
+    # 0 is how EngineConfig(coalesce=False) goes on the wire: named as the user set it
+    below = costs.coalesce_below
+    out["EngineConfig.coalesce / coalesce_below"] = (
+        "coalesce=False" if below == 0 else f"coalesce=True, coalesce_below={below}")
     return out
 
 

@@ -1029,3 +1029,19 @@ def test_a_view_is_only_for_hello() -> None:
     m = world.machines[0]
     with pytest.raises(LocalProtocolError, match="phase 'source'"):
         m.receive({0: m.encode(m.source(world.specs)), 1: b""})
+
+
+def test_a_rank_with_coalescing_off_is_told_that_setting() -> None:
+    # EngineConfig(coalesce=False) goes on the wire as coalesce_below 0: the refusal names
+    # the setting the user made, not that encoding.
+    from m2n_async._proto.cost import DEFAULT_LANES, cost_inputs
+    from m2n_async._proto.lanes import DEFAULT_BUCKET_BYTES
+
+    on = cost_inputs(DEFAULT_LANES, DEFAULT_BUCKET_BYTES, 16 << 20)
+    off = cost_inputs(DEFAULT_LANES, DEFAULT_BUCKET_BYTES, 0)
+    err = World(2, 3, costs={**dict.fromkeys(range(5), on), 4: off}
+                ).fail_at(Phase.DESTINATION, {})
+    assert sorted(err.failures) == [4], err.failures
+    assert err.failures[4].startswith(
+        "its cost inputs differ (EngineConfig.coalesce / coalesce_below coalesce=False here, "
+        f"coalesce=True, coalesce_below={16 << 20} there;"), err.failures[4]

@@ -277,6 +277,16 @@ def test_a_fault_in_the_environment_that_can_never_fire_names_the_variable() -> 
     assert "M2N_ASYNC_FAULTS=" in proc.stderr and "round must be an int >= 1" in proc.stderr
 
 
+def test_a_fault_in_the_environment_that_is_no_list_is_named_as_such() -> None:
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin",
+           "M2N_ASYNC_FAULTS": '{"point": "round.start"}'}  # one object, not a list of them
+    proc = subprocess.run([sys.executable, "-c", "import m2n_async._engine._faults"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "M2N_ASYNC_FAULTS=" in proc.stderr, proc.stderr
+    assert "expected a JSON list of fault objects" in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("how", ["run", "collect"])
 def test_the_warning_of_a_fault_that_never_fired_points_at_the_test(m2n_world: World,
                                                                     how: str) -> None:
