@@ -1132,6 +1132,13 @@ class GlooTransport(Transport):
                 if seg is not None and not cast(seg.param):  # zero-copy: from the shard
                     a, b = seg.span  # type: ignore[misc]
                     flat = get_flat(seg.param)
+                    if not flat.untyped_storage().data_ptr():
+                        # Its storage freed under its shape (FSDP's resize_(0)): Gloo would
+                        # send from address 0 and abort the process. A few calls a bucket.
+                        raise PlanError(
+                            f"parameter {self._names[seg.param]!r}: its local shard holds no "
+                            f"storage (freed under its shape, as untyped_storage().resize_(0) "
+                            f"leaves it); hand in the shard with its data")
                     staged.messages.append((peer.peer, msg, flat if seg.whole else flat[a:b],
                                             True))
                     continue

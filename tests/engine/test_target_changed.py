@@ -1,6 +1,8 @@
 """A worker target given new storage between rounds: the same dtype, shape and layout is
 written there; anything else fails the round on every rank naming the parameter, before a
-byte lands (it used to commit garbage as a valid version, or abort the worker process)."""
+byte lands (it used to commit garbage as a valid version, or abort the worker process).
+The trainer's side too: a source whose storage was freed under its shape fails the round
+naming it."""
 
 from __future__ import annotations
 
@@ -423,5 +425,25 @@ async def test_a_target_changed_between_two_receive_calls_at_its_address_is_chec
         for exc in got.values():
             assert isinstance(exc, TransferError) and says in str(exc), got
         assert workers[0].version == 0
+    finally:
+        await _close(*trainers, *workers)
+
+
+@pytest.mark.asyncio
+async def test_a_source_whose_storage_was_freed_fails_the_round_naming_it() -> None:
+    # FSDP frees a parameter's storage under its shape (untyped_storage().resize_(0)); the
+    # shape, dtype and strides the guards compare are unchanged. A shard sent zero-copy
+    # (a message of its own) would have Gloo send from address 0 and abort the process.
+    trainers, workers = await _connect_all(MemoryStore(), PLAN)
+    try:
+        shards = source_shards(PLAN, 0, 1)
+        await _round(trainers, workers, lambda e: e.sync_weights(shards))
+        shards["w_row"].untyped_storage().resize_(0)
+        with pytest.raises(BaseExceptionGroup) as info:  # both sides raise it
+            await _round(trainers, workers, lambda e: e.sync_weights(shards))
+        assert info.group_contains(
+            TransferError, match=r"parameter 'w_row': its local shard holds no storage "
+            r"\(freed under its shape")
+        assert workers[0].version == 1
     finally:
         await _close(*trainers, *workers)
