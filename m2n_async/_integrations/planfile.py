@@ -733,6 +733,17 @@ def run_plan_command(args: argparse.Namespace) -> int:
     if not args.spec:  # Path("") is ".": without this, "cannot read : Is a directory"
         print("m2n-async plan: SPEC '': an empty path names no file", file=sys.stderr)
         return 2
+    try:  # the options first: a usage error (2) is said before the file is read
+        given_bucket = (parse_size(args.bucket_bytes, "--bucket-bytes")
+                        if args.bucket_bytes is not None else None)
+        # finite too: inf (or 1e400, read as inf) gives a lower bound of 0 s and a JSON null
+        if not (args.bandwidth > 0 and math.isfinite(args.bandwidth)):
+            raise PlanError(f"--bandwidth must be > 0 GB/s and finite, got {args.bandwidth}")
+        coalesce_below = _coalesce_below(args.coalesce_below)
+        cost_terms = _cost_terms(args.costs)
+    except PlanError as e:
+        print(f"m2n-async plan: {e}", file=sys.stderr)
+        return 2
     try:
         plan, file_bucket = load_plan_file(args.spec)
     except OSError as e:
@@ -742,15 +753,11 @@ def run_plan_command(args: argparse.Namespace) -> int:
         print(f"m2n-async plan: invalid plan: {e}", file=sys.stderr)
         return 1
     try:
-        bucket = (parse_size(args.bucket_bytes, "--bucket-bytes")
-                  if args.bucket_bytes is not None else file_bucket)
-        # finite too: inf (or 1e400, read as inf) gives a lower bound of 0 s and a JSON null
-        if not (args.bandwidth > 0 and math.isfinite(args.bandwidth)):
-            raise PlanError(f"--bandwidth must be > 0 GB/s and finite, got {args.bandwidth}")
-        summary = summarize(plan, source=str(args.spec), bucket_bytes=bucket,
+        summary = summarize(plan, source=str(args.spec),
+                            bucket_bytes=given_bucket if given_bucket is not None
+                            else file_bucket,
                             bandwidth_bytes_per_second=args.bandwidth * 1e9,
-                            coalesce_below=_coalesce_below(args.coalesce_below),
-                            cost_terms=_cost_terms(args.costs))
+                            coalesce_below=coalesce_below, cost_terms=cost_terms)
     except PlanError as e:
         print(f"m2n-async plan: {e}", file=sys.stderr)
         return 2

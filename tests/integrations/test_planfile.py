@@ -497,6 +497,14 @@ def test_bad_options_exit_with_the_status_the_help_gives(
     path = _write(tmp_path, SPEC)
     rc, out, err = _run(capsys, str(path), "--bucket-bytes", "0")
     assert (rc, out) == (2, "") and "--bucket-bytes: must be at least 1 byte" in err
+    # a bad option is a usage error whatever the file holds: said first, with status 2
+    bad = tmp_path / "bad.toml"
+    bad.write_text("not = [a plan")
+    for option in (["--bucket-bytes", "0"], ["--bandwidth", "-1"],
+                   ["--coalesce-below", "lots"], ["--costs", "m2n=1"]):
+        rc, out, err = _run(capsys, str(bad), *option)
+        assert (rc, out) == (2, ""), (option, rc, err)
+        assert "invalid plan" not in err, (option, err)
 
 
 def test_the_bandwidth_default_is_described_as_in_the_tuning_guide(
