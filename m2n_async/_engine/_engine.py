@@ -870,8 +870,9 @@ class TrainerEngine(_Engine):
         ``params``: the ordered source specs (identical on every trainer). ``address`` and
         ``token`` reach a ``StoreServer``; or pass an open ``store`` (kept open on close).
         ``timeout`` bounds the whole connect (each handshake phase is bounded by
-        ``config.phase_timeout`` regardless): past it, ``PhaseTimeoutError`` names the step
-        under way and the ranks not (or no longer) in the generation; the store's TCP
+        ``config.phase_timeout`` regardless): past it, ``PhaseTimeoutError`` says the step
+        under way, its ``phase`` the handshake's, its ``ranks`` those not (or no longer) in
+        the generation (rank 0 while waiting for it); the store's TCP
         connect and authentication
         are bounded by ``timeout``, else ``config.phase_timeout``, and a store ``address``
         that accepts and then says nothing fails with a ``TimeoutError`` naming it. Raises

@@ -47,6 +47,18 @@ async def _guard(res: dict[int, Any], rank: int, fn: Any) -> None:
         res[rank] = exc
 
 
+async def _one_round(plan: Any, trainers: Any, workers: Any) -> dict[int, Any]:
+    """Round 1 of ``plan`` (one trainer): each rank's result or exception, by rank."""
+    res: dict[int, Any] = {}
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_guard, res, 0,
+                          lambda: trainers[0].sync_weights(source_shards(plan, 0, 1)))
+            for w in workers:
+                tg.start_soon(_guard, res, w.rank, w.receive)
+    return res
+
+
 def _outcome(v: Any) -> tuple[Any, ...]:
     if isinstance(v, Exception):
         return (type(v).__name__, getattr(v, "rank", None), getattr(v, "cause", None))
@@ -116,13 +128,8 @@ async def test_a_rank_fenced_late_raises_the_verdicts_text() -> None:
     plan = make_plan(DEFS[:1], (1, 1), (1, 1))
     trainers, workers = await _connect_all(MemoryStore(), plan, cfg)
     _slow_report(workers[0], 1, 2.5)
-    res: dict[int, Any] = {}
     try:
-        with anyio.fail_after(30):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(_guard, res, 1, workers[0].receive)
-                tg.start_soon(_guard, res, 0,
-                              lambda: trainers[0].sync_weights(source_shards(plan, 0, 1)))
+        res = await _one_round(plan, trainers, workers)
         assert all(isinstance(v, TransferError) for v in res.values()), res
         assert {_outcome(v) for v in res.values()} == {("TransferError", 1, "deadline")}
         assert str(res[0]) == str(res[1]), res
@@ -155,14 +162,8 @@ async def test_a_report_whose_reply_comes_late_commits_with_its_peers(rank: int)
     trainers, workers = await _connect_all(MemoryStore(), PLAN_1_2, cfg)
     engines = [*trainers, *workers]
     _late_reply(engines[rank], 1, 1.5)
-    res: dict[int, Any] = {}
     try:
-        with anyio.fail_after(30):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(_guard, res, 0,
-                              lambda: trainers[0].sync_weights(source_shards(PLAN_1_2, 0, 1)))
-                for w in workers:
-                    tg.start_soon(_guard, res, w.rank, w.receive)
+        res = await _one_round(PLAN_1_2, trainers, workers)
         assert {r: _outcome(v) for r, v in res.items()} == {r: ("ok", 1) for r in range(3)}
         assert all(e.version == 1 and e.state.value == "ready" for e in engines)
     finally:

@@ -53,6 +53,17 @@ async def _side(got: dict[str, Any], name: str, call: Callable[[], Any]) -> None
         got[name] = exc
 
 
+async def _both(trainer: Any, worker: Any, version: int) -> dict[str, Any]:
+    """One round of ``PLAN`` at ``version``: the trainer's and the worker's outcome."""
+    got: dict[str, Any] = {}
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_side, got, "trainer",
+                          lambda: trainer.sync_weights(source_shards(PLAN, 0, version)))
+            tg.start_soon(_side, got, "worker", worker.receive)
+    return got
+
+
 async def _two_rounds(how: str) -> tuple[Any, Any, tuple[int, str]]:
     """Round 1, the worker's target renewed ``how``, round 2: (trainer's, worker's outcome
     of round 2, the worker engine's version and state after it)."""
@@ -60,12 +71,7 @@ async def _two_rounds(how: str) -> tuple[Any, Any, tuple[int, str]]:
     try:
         await _round(trainers, workers, lambda e: e.sync_weights(source_shards(PLAN, 0, 1)))
         _renew(workers[0]._sinks["w_row"].tensor, how)
-        got: dict[str, Any] = {}
-        with anyio.fail_after(30):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(_side, got, "trainer",
-                              lambda: trainers[0].sync_weights(source_shards(PLAN, 0, 2)))
-                tg.start_soon(_side, got, "worker", workers[0].receive)
+        got = await _both(trainers[0], workers[0], 2)
         if how == "same":
             _check(PLAN, workers, 2)
         return got["trainer"], got["worker"], (workers[0].version, workers[0].state.value)
@@ -414,12 +420,7 @@ async def test_a_target_changed_between_two_receive_calls_at_its_address_is_chec
             else:
                 target.data = target.data.view(-1)[:18].view(3, 6)
         assert target.data_ptr() == before
-        got: dict[str, Any] = {}
-        with anyio.fail_after(30):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(_side, got, "trainer",
-                              lambda: trainers[0].sync_weights(source_shards(PLAN, 0, 1)))
-                tg.start_soon(_side, got, "worker", workers[0].receive)
+        got = await _both(trainers[0], workers[0], 1)
         says = ("tensor dtype int32 != planned dtype float32" if how == "dtype view"
                 else "tensor shape (3, 6) != local shard shape (12, 6)")
         for exc in got.values():

@@ -603,10 +603,9 @@ dist.destroy_process_group()
 """
 
 
-def test_trainer_rank_0_shares_its_store_address_without_pickle() -> None:
-    # trainer_ranks > 1, store_port 0: rank 0 picks the port and tells the others through
-    # the default torch.distributed group, as bytes in a tensor (broadcast_object_list
-    # would make every other rank unpickle what arrives).
+def _two_trainer_ranks(script: str) -> list[str]:
+    """``script`` run as ranks 0 and 1 of a gloo ``torch.distributed`` world (argv: rank,
+    port), each in a process of its own; their stdouts, once both exited 0."""
     import os
     import subprocess
     import sys
@@ -616,7 +615,7 @@ def test_trainer_rank_0_shares_its_store_address_without_pickle() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [root, *filter(None, [os.environ.get("PYTHONPATH")])])}
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, "-c", _SHARE, str(r), port], env=env,
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(r), port], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(2)]
     outs = []
@@ -624,13 +623,21 @@ def test_trainer_rank_0_shares_its_store_address_without_pickle() -> None:
         for p in procs:
             out, err = p.communicate(timeout=60)
             assert p.returncode == 0, err[-2000:]
-            outs.append([line.split()[1] for line in out.splitlines()
-                         if line.startswith("ADDRESS")])
+            outs.append(out)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    return outs
+
+
+def test_trainer_rank_0_shares_its_store_address_without_pickle() -> None:
+    # trainer_ranks > 1, store_port 0: rank 0 picks the port and tells the others through
+    # the default torch.distributed group, as bytes in a tensor (broadcast_object_list
+    # would make every other rank unpickle what arrives).
+    outs = [[line.split()[1] for line in out.splitlines() if line.startswith("ADDRESS")]
+            for out in _two_trainer_ranks(_SHARE)]
     assert outs[0] == outs[1] and len(outs[0]) == 1 and outs[0][0].startswith("127.0.0.1:")
 
 
@@ -661,29 +668,7 @@ def test_a_trainer_rank_0_refused_before_its_store_lets_the_other_ranks_go() -> 
     # trainer_ranks > 1, store_port 0: the other trainer ranks wait in the broadcast of
     # rank 0's address. Rank 0 refusing before it serves the store must still take part
     # (sharing none), or they waited there until torch.distributed's own timeout (30 min).
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [root, *filter(None, [os.environ.get("PYTHONPATH")])])}
-    port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, "-c", _SHARE_REFUSED, str(r), port], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(2)]
-    outs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=60)
-            assert p.returncode == 0, err[-2000:]
-            outs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    outs = _two_trainer_ranks(_SHARE_REFUSED)
     assert "REFUSED 0 m2n_async trainer_init: trainer rank 0's client must be" in outs[0]
     assert "REFUSED 1 m2n_async: trainer rank 0 shared no store address" in outs[1], outs[1]
     assert "its trainer_init failed before it served the store" in outs[1]
